@@ -1,0 +1,83 @@
+"""The I/O engine: a small pool of worker threads serving chunk jobs in FIFO order, and the
+ordering rule that makes the store safe to use asynchronously.
+
+Ordering: a request depends on every earlier, still-pending request whose byte range overlaps it
+and that conflicts with it (read-after-write, write-after-read, write-after-write). A chunk job
+waits for its request's dependencies before touching the disk. Because jobs are queued FIFO, a
+dependency was always dequeued before the job that waits on it, so the wait cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from typing import Callable
+
+from lightning_nvme.store.errors import StoreError
+from lightning_nvme.store.handle import IOHandle
+
+
+class IOEngine:
+    def __init__(self, num_workers: int, name: str = "lightning-nvme-io") -> None:
+        if num_workers < 1:
+            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+        self._queue: queue.SimpleQueue = queue.SimpleQueue()
+        self._pending: list[IOHandle] = []
+        self._lock = threading.Lock()
+        self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
+                         for i in range(num_workers)]
+        for t in self._threads:
+            t.start()
+
+    # ---- ordering -------------------------------------------------------------------------
+    def conflicts(self, kind: str, start: int, end: int) -> list[IOHandle]:
+        """Pending requests a new ``kind`` request on [start, end) must wait for; also prunes done ones."""
+        with self._lock:
+            self._pending = [h for h in self._pending if not h.done()]
+            return [h for h in self._pending
+                    if h.start < end and start < h.end and (kind == "write" or h.kind == "write")]
+
+    def track(self, handle: IOHandle) -> None:
+        with self._lock:
+            if not handle.done():
+                self._pending.append(handle)
+
+    def pending(self, start: int | None = None, end: int | None = None) -> list[IOHandle]:
+        with self._lock:
+            self._pending = [h for h in self._pending if not h.done()]
+            if start is None:
+                return list(self._pending)
+            return [h for h in self._pending if h.start < end and start < h.end]
+
+    # ---- execution ------------------------------------------------------------------------
+    def submit(self, handle: IOHandle, chunk_jobs: list[Callable[[], None]]) -> None:
+        for job in chunk_jobs:
+            self._queue.put((handle, job))
+
+    def _work(self) -> None:
+        while True:
+            item = self._queue.get()
+            if item is None:
+                return
+            handle, job = item
+            try:
+                for dep in handle.deps:
+                    dep._event.wait()
+                    if dep.error is not None:
+                        raise StoreError(f"{handle.kind} of region {handle.region!r} was not run: an earlier "
+                                         f"{dep.kind} of region {dep.region!r} it depends on failed: {dep.error}")
+                job()
+            except BaseException as e:  # noqa: BLE001 - every error goes to the waiter
+                handle.chunk_finished(e)
+            else:
+                handle.chunk_finished(None)
+
+    def shutdown(self) -> None:
+        for _ in self._threads:
+            self._queue.put(None)
+        for t in self._threads:
+            t.join(timeout=30)
+
+    @property
+    def alive_threads(self) -> int:
+        return sum(t.is_alive() for t in self._threads)

@@ -1,0 +1,404 @@
+"""``FlatStore``: one preallocated file per rank holding named, 4 KiB-aligned regions.
+
+Requests are asynchronous (``write``/``read`` return an ``IOHandle``), split into chunks served by a
+small worker pool, and ordered by the store itself: a read always sees the last write issued before
+it to the same bytes. ``fence`` waits for pending requests; ``fence(durable=True)`` also fdatasyncs,
+which is what a checkpoint must do before it commits.
+
+I/O mode: ``O_DIRECT`` where the filesystem accepts it, so offloaded data does not silently sit in
+the page cache (which would spend the very RAM the offload meant to save). Otherwise buffered I/O
+with ``posix_fadvise(DONTNEED)`` after each chunk. ``store.mode`` says which is active.
+"""
+
+from __future__ import annotations
+
+import errno as errno_mod
+import json
+import logging
+import os
+import shutil
+import time
+
+import torch
+
+from lightning_nvme.store.buffers import StagingPool, aligned_empty, is_direct_capable, memview
+from lightning_nvme.store.engine import IOEngine
+from lightning_nvme.store.errors import StoreFormatError, StoreIOError, StoreSpaceError
+from lightning_nvme.store.handle import IOHandle, wait_all
+from lightning_nvme.store.layout import ALIGN, FORMAT_VERSION, HEADER_BYTES, Layout, Region, align_up
+from lightning_nvme.store.lock import StoreLock
+from lightning_nvme.store.stats import IOStats, StatsRecorder
+
+log = logging.getLogger(__name__)
+
+MAGIC = "lightning-nvme-store"
+MiB = 1 << 20
+
+
+def _as_bytes(t: torch.Tensor) -> torch.Tensor:
+    """A flat uint8 view of a contiguous tensor (any dtype, including bool and bf16)."""
+    return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8, device=t.device)
+
+
+class FlatStore:
+    """A flat file of named regions with asynchronous, fenced, chunked I/O.
+
+    Args:
+        directory: where the store file lives (created if missing). Use a local SSD.
+        rank: the store file is ``store-rank{rank}.bin``; one store per process.
+        chunk_bytes: requests are split into chunks of this size (multiple of 4 KiB, >= 1 MiB advised).
+        num_workers: I/O threads; a few give the disk queue depth.
+        pool_bytes: the staging pool (used only when a tensor is not page-aligned); bounded.
+        direct: force O_DIRECT on (True) or off (False); ``None`` probes the filesystem.
+        reopen: open an existing store and check it against its manifest instead of creating one.
+        io_timeout_s: no wait is unbounded; a stuck request raises with what was pending.
+        min_free_bytes: safety margin kept free on the disk when the store grows.
+    """
+
+    def __init__(self, directory: str | os.PathLike, rank: int = 0, *, chunk_bytes: int = 8 * MiB,
+                 num_workers: int = 4, pool_bytes: int = 64 * MiB, direct: bool | None = None,
+                 reopen: bool = False, io_timeout_s: float = 600.0, min_free_bytes: int = 0,
+                 name: str | None = None) -> None:
+        if chunk_bytes <= 0 or chunk_bytes % ALIGN:
+            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, got {chunk_bytes}")
+        if pool_bytes < chunk_bytes:
+            raise ValueError(f"pool_bytes ({pool_bytes}) must hold at least one chunk ({chunk_bytes})")
+        self.directory = os.path.abspath(os.fspath(directory))
+        os.makedirs(self.directory, exist_ok=True)
+        base = name or f"store-rank{rank}"
+        self.path = os.path.join(self.directory, base + ".bin")
+        self.manifest_path = os.path.join(self.directory, base + ".json")
+        self.chunk_bytes = chunk_bytes
+        self.io_timeout_s = io_timeout_s
+        self.min_free_bytes = min_free_bytes
+        self._lock = StoreLock(self.path + ".lock")
+        self._lock.acquire()
+        self._closed = False
+        self._first_error: BaseException | None = None
+        self._stats = StatsRecorder()
+        try:
+            self.layout = Layout()
+            self._open(direct, reopen)
+            self._pool = StagingPool(max(1, pool_bytes // chunk_bytes), chunk_bytes, pin=torch.cuda.is_available())
+            self._engine = IOEngine(num_workers)
+        except BaseException:
+            self._lock.release()
+            raise
+        log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d pool=%d MiB", self.path, self.mode,
+                 chunk_bytes // 1024, num_workers, self._pool.total_bytes // MiB)
+
+    # ---- file, header, manifest -------------------------------------------------------------
+    def _open(self, direct: bool | None, reopen: bool) -> None:
+        flags = os.O_RDWR | (0 if reopen else os.O_CREAT | os.O_TRUNC)
+        if reopen and not os.path.exists(self.path):
+            raise StoreFormatError(f"cannot reopen store {self.path}: the file does not exist")
+        self.fd = os.open(self.path, flags, 0o644)
+        self.direct = False
+        if direct is not False and hasattr(os, "O_DIRECT"):
+            try:
+                dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+            except OSError as e:
+                if direct:
+                    raise StoreIOError(f"O_DIRECT was requested but {self.path} does not support it ({e.strerror}). "
+                                       f"Use a local ext4/xfs SSD, or set direct=None to fall back to buffered I/O.",
+                                       path=self.path, errno=e.errno) from e
+            else:
+                os.close(self.fd)
+                self.fd, self.direct = dfd, True
+        if reopen:
+            self._check_existing()
+        else:
+            self._allocate(0, HEADER_BYTES)
+            self._write_header()
+
+    @property
+    def mode(self) -> str:
+        return "direct" if self.direct else "buffered"
+
+    def _header_bytes(self) -> bytes:
+        header = json.dumps({"magic": MAGIC, "version": FORMAT_VERSION, "layout": self.layout.digest(),
+                             "end": self.layout.end}).encode()
+        return header.ljust(HEADER_BYTES, b"\0")
+
+    def _write_header(self) -> None:
+        buf = aligned_empty(HEADER_BYTES)
+        buf.copy_(torch.frombuffer(bytearray(self._header_bytes()), dtype=torch.uint8))
+        try:
+            self._pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
+        except StoreIOError as e:
+            if self.direct and e.errno == errno_mod.EINVAL:  # O_DIRECT opened but refused at write time
+                os.close(self.fd)
+                self.fd, self.direct = os.open(self.path, os.O_RDWR), False
+                self._pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
+            else:
+                raise
+        manifest = {"magic": MAGIC, "version": FORMAT_VERSION, "digest": self.layout.digest(),
+                    "layout": self.layout.to_json()}
+        tmp = self.manifest_path + ".tmp"
+        with open(tmp, "w") as f:
+            json.dump(manifest, f)
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, self.manifest_path)
+
+    def _check_existing(self) -> None:
+        try:
+            with open(self.manifest_path) as f:
+                manifest = json.load(f)
+        except (OSError, ValueError) as e:
+            raise StoreFormatError(f"store manifest {self.manifest_path} is missing or unreadable: {e}") from e
+        if manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
+            raise StoreFormatError(f"{self.manifest_path}: not a lightning-nvme store of format version "
+                                   f"{FORMAT_VERSION} (found {manifest.get('magic')!r} v{manifest.get('version')})")
+        self.layout = Layout.from_json(manifest["layout"])
+        if self.layout.digest() != manifest.get("digest"):
+            raise StoreFormatError(f"{self.manifest_path}: layout hash mismatch; the manifest was modified")
+        buf = aligned_empty(HEADER_BYTES)
+        self._pread_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
+        try:
+            header = json.loads(bytes(buf.numpy()).rstrip(b"\0"))
+        except ValueError:
+            header = {}
+        if header.get("magic") != MAGIC or header.get("layout") != self.layout.digest():
+            raise StoreFormatError(f"{self.path}: header does not match manifest {self.manifest_path} "
+                                   f"(layout hash {header.get('layout')} vs {self.layout.digest()})")
+        size = os.fstat(self.fd).st_size
+        if size < self.layout.end:
+            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}")
+
+    def _allocate(self, offset: int, nbytes: int) -> None:
+        """Reserve disk blocks for [offset, offset+nbytes), refusing early and clearly when space is short."""
+        free = shutil.disk_usage(self.directory).free
+        if nbytes + self.min_free_bytes > free:
+            raise StoreSpaceError(
+                f"store {self.path} needs {nbytes} more bytes ({nbytes / 2**30:.2f} GiB) plus a safety margin of "
+                f"{self.min_free_bytes} bytes, but only {free} bytes ({free / 2**30:.2f} GiB) are free on that disk. "
+                f"Free space, or point store_dir at a larger local SSD.")
+        try:
+            os.posix_fallocate(self.fd, offset, nbytes)
+        except OSError as e:
+            if e.errno == errno_mod.ENOSPC:
+                raise StoreSpaceError(f"store {self.path}: no space left to allocate {nbytes} bytes at offset "
+                                      f"{offset}. Free space or use a larger disk for store_dir.") from e
+            if e.errno not in (errno_mod.EOPNOTSUPP, errno_mod.EINVAL):
+                raise StoreIOError(f"cannot allocate {self.path}: {e.strerror}", path=self.path, errno=e.errno) from e
+            os.ftruncate(self.fd, max(os.fstat(self.fd).st_size, offset + nbytes))
+
+    # ---- regions ------------------------------------------------------------------------------
+    def add_regions(self, specs: list[tuple[str, int]]) -> list[Region]:
+        """Append regions ``(name, nbytes)`` to the layout and allocate their blocks in one go."""
+        start = self.layout.end
+        regions = [self.layout.add(n, b) for n, b in specs]
+        if self.layout.end > start:
+            try:
+                self._allocate(start, self.layout.end - start)
+            except BaseException:
+                for r in regions:
+                    del self.layout.regions[r.name]
+                self.layout.end = start
+                raise
+        self._write_header()
+        return regions
+
+    def add_region(self, name: str, nbytes: int) -> Region:
+        return self.add_regions([(name, nbytes)])[0]
+
+    def region(self, name: str) -> Region:
+        return self.layout[name]
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.layout
+
+    @property
+    def size_bytes(self) -> int:
+        return self.layout.end
+
+    # ---- raw, checked I/O -------------------------------------------------------------------
+    def _pwrite_full(self, mv: memoryview, offset: int, region: str) -> None:
+        done = 0
+        while done < len(mv):
+            try:
+                n = os.pwrite(self.fd, mv[done:], offset + done)
+            except OSError as e:
+                raise StoreIOError(f"write to {self.path} failed at offset {offset + done} (region {region!r}): "
+                                   f"{e.strerror}", path=self.path, region=region, offset=offset + done,
+                                   errno=e.errno) from e
+            if n <= 0:
+                raise StoreIOError(f"short write to {self.path} at offset {offset + done} (region {region!r}): "
+                                   f"{done} of {len(mv)} bytes written", path=self.path, region=region,
+                                   offset=offset + done)
+            done += n
+
+    def _pread_full(self, mv: memoryview, offset: int, region: str) -> None:
+        done = 0
+        while done < len(mv):
+            try:
+                n = os.preadv(self.fd, [mv[done:]], offset + done)
+            except OSError as e:
+                raise StoreIOError(f"read from {self.path} failed at offset {offset + done} (region {region!r}): "
+                                   f"{e.strerror}", path=self.path, region=region, offset=offset + done,
+                                   errno=e.errno) from e
+            if n <= 0:
+                raise StoreIOError(f"short read from {self.path} at offset {offset + done} (region {region!r}): "
+                                   f"{done} of {len(mv)} bytes read; the store file was truncated or removed",
+                                   path=self.path, region=region, offset=offset + done)
+            done += n
+
+    def _drop_cache(self, offset: int, nbytes: int) -> None:
+        if not self.direct:
+            os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+
+    # ---- chunk jobs ---------------------------------------------------------------------------
+    def _write_job(self, src: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool):
+        def job() -> None:
+            if zero_copy:
+                length = align_up(n) if self.direct else n
+                self._pwrite_full(memview(src.data_ptr() + a, length), file_off, region)
+            else:
+                buf = self._pool.acquire()
+                try:
+                    buf[:n].copy_(src[a:a + n])
+                    self._pwrite_full(memview(buf.data_ptr(), align_up(n) if self.direct else n), file_off, region)
+                finally:
+                    self._pool.release(buf)
+            self._drop_cache(file_off, n)
+        return job
+
+    def _read_job(self, dst: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool):
+        def job() -> None:
+            if zero_copy:
+                length = align_up(n) if self.direct else n
+                self._pread_full(memview(dst.data_ptr() + a, length), file_off, region)
+            else:
+                buf = self._pool.acquire()
+                try:
+                    self._pread_full(memview(buf.data_ptr(), align_up(n) if self.direct else n), file_off, region)
+                    dst[a:a + n].copy_(buf[:n])
+                finally:
+                    self._pool.release(buf)
+            self._drop_cache(file_off, n)
+        return job
+
+    # ---- public async API ---------------------------------------------------------------------
+    def _check_usable(self) -> None:
+        if self._closed:
+            raise StoreIOError(f"store {self.path} is closed", path=self.path)
+        if self._first_error is not None:
+            raise self._first_error
+
+    def _on_done(self, h: IOHandle) -> None:
+        if h.error is not None and self._first_error is None:
+            self._first_error = h.error
+        seconds = (h.t_done or h.t_submit) - h.t_submit
+        if h.kind == "write":
+            self._stats.add(bytes_written=h.nbytes, writes=1, write_seconds=seconds)
+        else:
+            self._stats.add(bytes_read=h.nbytes, reads=1, read_seconds=seconds)
+
+    def _submit(self, kind: str, name: str, t: torch.Tensor, offset: int) -> IOHandle:
+        self._check_usable()
+        region = self.layout[name]
+        if offset % ALIGN:
+            raise ValueError(f"offset within region {name!r} must be a multiple of {ALIGN}, got {offset}")
+        if not t.is_contiguous():
+            if kind == "read":
+                raise ValueError(f"read into region {name!r}: `out` must be contiguous")
+            t = t.contiguous()
+        nbytes = t.numel() * t.element_size()
+        if offset + nbytes > region.capacity:
+            raise ValueError(f"{kind} of {nbytes} bytes at offset {offset} does not fit region {name!r} "
+                             f"({region.capacity} bytes)")
+        if t.device.type != "cpu":
+            zero_copy = False
+        else:
+            zero_copy = not self.direct or is_direct_capable(t, nbytes, for_read=kind == "read")
+        start = region.offset + offset
+        data = _as_bytes(t)
+        deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
+        spans = [(a, min(self.chunk_bytes, nbytes - a)) for a in range(0, nbytes, self.chunk_bytes)]
+        handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done)
+        make = self._write_job if kind == "write" else self._read_job
+        jobs = [make(data if not zero_copy else t, a, n, start + a, name, zero_copy) for a, n in spans]
+        self._engine.track(handle)
+        self._engine.submit(handle, jobs)
+        return handle
+
+    def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
+        """Asynchronously write ``tensor``'s bytes into region ``name`` at byte ``offset``. The tensor must
+        not be modified until the handle completes (the store keeps a reference to it)."""
+        return self._submit("write", name, tensor, offset)
+
+    def read(self, name: str, out: torch.Tensor, offset: int = 0) -> IOHandle:
+        """Asynchronously fill ``out`` from region ``name`` at byte ``offset``. Sees every write issued
+        before it to the same bytes."""
+        return self._submit("read", name, out, offset)
+
+    def fence(self, regions: list[str] | None = None, *, durable: bool = False, timeout: float | None = None) -> None:
+        """Wait until every pending request (or those touching ``regions``) has completed on the disk;
+        re-raise the first I/O error. ``durable=True`` also fdatasyncs the file."""
+        if regions is None:
+            pending = self._engine.pending()
+        else:
+            pending = []
+            for name in regions:
+                r = self.layout[name]
+                pending += self._engine.pending(r.offset, r.end)
+        t0 = time.perf_counter()
+        try:
+            wait_all(pending, self.io_timeout_s if timeout is None else timeout)
+        finally:
+            self._stats.add(wait_seconds=time.perf_counter() - t0)
+        if self._first_error is not None:
+            raise self._first_error
+        if durable:
+            try:
+                os.fdatasync(self.fd)
+            except OSError as e:
+                raise StoreIOError(f"fdatasync of {self.path} failed: {e.strerror}", path=self.path,
+                                   errno=e.errno) from e
+            self._stats.add(fsyncs=1)
+
+    def wait(self, handle: IOHandle) -> None:
+        """``handle.wait`` with the store's timeout, counting the blocked time as fence wait."""
+        t0 = time.perf_counter()
+        try:
+            handle.wait(self.io_timeout_s)
+        finally:
+            self._stats.add(wait_seconds=time.perf_counter() - t0)
+
+    def aligned_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
+        """A page-aligned tensor the store moves without a staging copy."""
+        return aligned_empty(shape, dtype, pin=torch.cuda.is_available())
+
+    @property
+    def stats(self) -> IOStats:
+        return self._stats.snapshot()
+
+    @property
+    def pool_bytes(self) -> int:
+        return self._pool.total_bytes
+
+    def close(self, *, delete: bool = False) -> None:
+        """Drain pending I/O, stop the workers, release the lock. Errors still pending are raised."""
+        if self._closed:
+            return
+        try:
+            self.fence(timeout=self.io_timeout_s)
+        finally:
+            self._closed = True
+            self._engine.shutdown()
+            os.close(self.fd)
+            if delete:
+                for p in (self.path, self.manifest_path):
+                    if os.path.exists(p):
+                        os.remove(p)
+            self._lock.release()
+
+    def __enter__(self) -> "FlatStore":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.close()
+
+    def __repr__(self) -> str:
+        return f"FlatStore({self.path!r}, mode={self.mode}, regions={len(self.layout.regions)}, bytes={self.size_bytes})"

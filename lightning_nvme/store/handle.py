@@ -1,0 +1,92 @@
+"""``IOHandle``: the future of one asynchronous store request, completed chunk by chunk."""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+import time
+from typing import Any, Callable
+
+from lightning_nvme.store.errors import StoreError, StoreTimeoutError
+
+
+class IOHandle:
+    """Completion of one read or write. ``wait`` re-raises the first error of any of its chunks, so an
+    I/O error reaches the caller that depends on the data instead of dying in a worker thread."""
+
+    def __init__(self, kind: str, region: str, start: int, nbytes: int, nchunks: int,
+                 deps: list["IOHandle"], keepalive: Any = None,
+                 on_done: Callable[["IOHandle"], None] | None = None) -> None:
+        self.kind = kind
+        self.region = region
+        self.start = start  # absolute file offset
+        self.nbytes = nbytes
+        self.deps = deps
+        self.keepalive = keepalive  # the tensor being written / read into stays alive until done
+        self.t_submit = time.perf_counter()
+        self.t_done: float | None = None
+        self.error: BaseException | None = None
+        self._remaining = nchunks
+        self._lock = threading.Lock()
+        self._event = threading.Event()
+        self._on_done = on_done
+        if nchunks == 0:
+            self._finish()
+
+    @property
+    def end(self) -> int:
+        return self.start + self.nbytes
+
+    def done(self) -> bool:
+        return self._event.is_set()
+
+    def chunk_finished(self, error: BaseException | None = None) -> None:
+        with self._lock:
+            if error is not None and self.error is None:
+                self.error = error
+            self._remaining -= 1
+            last = self._remaining == 0
+        if last:
+            self._finish()
+
+    def _finish(self) -> None:
+        self.t_done = time.perf_counter()
+        self.keepalive = None
+        self.deps = []
+        if self._on_done is not None:
+            self._on_done(self)
+        self._event.set()
+
+    def wait(self, timeout: float | None = None) -> "IOHandle":
+        if not self._event.wait(timeout):
+            raise StoreTimeoutError(
+                f"{self.kind} of region {self.region!r} ({self.nbytes} bytes at offset {self.start}) did not complete "
+                f"within {timeout:.0f}s; {self._remaining} chunk(s) still pending. The disk may be stalled or failing."
+            )
+        if self.error is not None:
+            if isinstance(self.error, StoreError):
+                raise self.error
+            raise StoreError(f"{self.kind} of region {self.region!r} failed: {self.error!r}") from self.error
+        return self
+
+    def __await__(self):
+        return asyncio.get_running_loop().run_in_executor(None, self.wait).__await__()
+
+    def describe(self) -> str:
+        return f"{self.kind} {self.region!r} [{self.start}, {self.end}) {'done' if self.done() else 'pending'}"
+
+
+def wait_all(handles: list[IOHandle], timeout: float | None = None) -> None:
+    """Wait for every handle, then raise the first error among them."""
+    deadline = None if timeout is None else time.monotonic() + timeout
+    first: BaseException | None = None
+    for h in handles:
+        left = None if deadline is None else max(0.0, deadline - time.monotonic())
+        try:
+            h.wait(left)
+        except StoreTimeoutError:
+            raise
+        except StoreError as e:
+            first = first or e
+    if first is not None:
+        raise first

@@ -1,0 +1,46 @@
+"""An exclusive lock on a store file, so two live processes can never share one store.
+
+``flock`` is released by the kernel when its holder dies, so a lock left by a killed run is
+recognised as stale and taken over, while a live holder is refused with its pid.
+"""
+
+from __future__ import annotations
+
+import fcntl
+import os
+
+from lightning_nvme.store.errors import StoreLockedError
+
+
+class StoreLock:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self._fd: int | None = None
+        self.took_over_stale: bool = False
+
+    def acquire(self) -> None:
+        fd = os.open(self.path, os.O_RDWR | os.O_CREAT, 0o644)
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+        except BlockingIOError:
+            holder = os.pread(fd, 64, 0).decode(errors="replace").strip() or "unknown"
+            os.close(fd)
+            raise StoreLockedError(
+                f"store {self.path[:-5]} is in use by a live process (pid {holder}). Two runs cannot share one "
+                f"store: give this run its own store_dir, or stop the other run first."
+            ) from None
+        previous = os.pread(fd, 64, 0).decode(errors="replace").strip()
+        self.took_over_stale = bool(previous) and previous != str(os.getpid())
+        os.ftruncate(fd, 0)
+        os.pwrite(fd, str(os.getpid()).encode(), 0)
+        self._fd = fd
+
+    def release(self) -> None:
+        if self._fd is None:
+            return
+        try:
+            os.ftruncate(self._fd, 0)
+            fcntl.flock(self._fd, fcntl.LOCK_UN)
+        finally:
+            os.close(self._fd)
+            self._fd = None

@@ -1,0 +1,142 @@
+"""``lightning-nvme``: train a recipe, run the benchmarks, check a store directory.
+
+    lightning-nvme train recipe=NAME [key=value ...] [--dry-run]
+    lightning-nvme recipes
+    lightning-nvme bench [NAME ...]
+    lightning-nvme doctor PATH [...]
+
+Config problems (unknown key, wrong type, missing or unwritable store directory) are reported as one
+line naming the key and the fix, with exit code 2 and no traceback, before anything is built.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+EXIT_CONFIG = 2
+
+
+def main(argv: list[str] | None = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    parser = argparse.ArgumentParser(prog="lightning-nvme", description=__doc__.split("\n\n")[0],
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    sub = parser.add_subparsers(dest="command", metavar="{train,recipes,bench,doctor}")
+    p_train = sub.add_parser("train", help="train a recipe: train recipe=NAME [key=value ...]")
+    p_train.add_argument("--dry-run", action="store_true", help="validate and print the config, do not train")
+    p_train.add_argument("overrides", nargs="*", help="recipe=NAME and Hydra overrides (trainer.max_steps=100)")
+    sub.add_parser("recipes", help="list the recipes")
+    p_bench = sub.add_parser("bench", help="run benchmarks/*.py (all, or the names given)")
+    p_bench.add_argument("names", nargs="*")
+    p_doctor = sub.add_parser("doctor", help="check a store directory: doctor PATH", add_help=False)
+    p_doctor.add_argument("rest", nargs=argparse.REMAINDER)
+    if argv[:1] == ["doctor"]:  # pass everything through untouched, including --help
+        return _doctor(argv[1:])
+    args = parser.parse_args(argv)
+    if args.command == "train":
+        return _train(args.overrides, args.dry_run)
+    if args.command == "recipes":
+        return _recipes()
+    if args.command == "bench":
+        return _bench(args.names)
+    parser.print_help()
+    return EXIT_CONFIG
+
+
+def _config_error(message: str) -> int:
+    print(f"lightning-nvme: config error: {message}", file=sys.stderr)
+    return EXIT_CONFIG
+
+
+def _train(overrides: list[str], dry_run: bool) -> int:
+    from lightning_nvme.recipes import ConfigError, compose_config, train, validate
+    from lightning_nvme.recipes.builder import to_yaml
+
+    recipe = None
+    rest = []
+    for item in overrides:
+        key, sep, value = item.partition("=")
+        if sep and key in ("recipe", "recipes"):
+            recipe = value
+        else:
+            rest.append(item)
+    try:
+        cfg = compose_config(recipe, rest)
+        if dry_run:
+            validate(cfg)
+            print(to_yaml(cfg))
+            return 0
+        run = train(cfg)
+    except ConfigError as e:
+        return _config_error(str(e))
+    print(f"\nlightning-nvme: finished {cfg.name}: {run.trainer.global_step} steps; logs in {run.trainer.log_dir}")
+    return 0
+
+
+def _recipes() -> int:
+    from lightning_nvme.recipes.compose import list_recipes, recipe_header
+
+    for name in list_recipes():
+        print(f"{name:24s} {recipe_header(name)}")
+    print("\nrun one: lightning-nvme train recipe=NAME [key=value ...]")
+    return 0
+
+
+def _benchmarks_dir() -> Path | None:
+    for candidate in (Path.cwd() / "benchmarks", Path(__file__).resolve().parent.parent / "benchmarks"):
+        if candidate.is_dir():
+            return candidate
+    return None
+
+
+def _bench(names: list[str]) -> int:
+    """Run each benchmark script in its own process; its last printed line is a JSON object of figures."""
+    bench_dir = _benchmarks_dir()
+    if bench_dir is None:
+        return _config_error("no benchmarks/ directory here or next to the package: run from a source checkout")
+    scripts = sorted(p for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
+    if names:
+        wanted = {n.removesuffix(".py") for n in names}
+        unknown = wanted - {p.stem for p in scripts}
+        if unknown:
+            return _config_error(f"unknown benchmark(s) {sorted(unknown)}; available: {[p.stem for p in scripts]}")
+        scripts = [p for p in scripts if p.stem in wanted]
+    if not scripts:
+        return _config_error(f"no benchmark scripts in {bench_dir}")
+    results, failed = {}, []
+    for script in scripts:
+        print(f"== {script.stem}", flush=True)
+        t0 = time.perf_counter()
+        proc = subprocess.run([sys.executable, str(script)], stdout=subprocess.PIPE, text=True)
+        print(proc.stdout, end="", flush=True)
+        last = proc.stdout.strip().splitlines()[-1] if proc.stdout.strip() else ""
+        try:
+            results[script.stem] = json.loads(last)
+        except json.JSONDecodeError:
+            results[script.stem] = None
+        if proc.returncode != 0:
+            failed.append(script.stem)
+        print(f"== {script.stem}: exit {proc.returncode} in {time.perf_counter() - t0:.1f} s", flush=True)
+    print(json.dumps({"benchmarks": results, "failed": failed}))
+    return 1 if failed else 0
+
+
+def _doctor(argv: list[str]) -> int:
+    try:
+        from lightning_nvme import doctor
+    except ModuleNotFoundError as e:
+        if e.name != "lightning_nvme.doctor":
+            raise
+        print("lightning-nvme: 'doctor' is not available in this install (lightning_nvme.doctor is missing); "
+              "update lightning-nvme.", file=sys.stderr)
+        return EXIT_CONFIG
+    return int(doctor.main(argv) or 0)
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

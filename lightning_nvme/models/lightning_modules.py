@@ -1,0 +1,165 @@
+"""LightningModules for causal language modelling: loss + perplexity (torchmetrics) for any next-token model.
+
+``CausalLMModule`` holds the training logic; subclasses only decide where the network comes from:
+``GPTLightningModule`` builds a fresh GPT of a configured size, ``HFCausalLM`` loads a local checkpoint.
+The optimizer arrives as a partial (Hydra ``_partial_: true``) so recipes choose it without code.
+"""
+
+from __future__ import annotations
+
+import importlib.util
+import os
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.nn.functional as F
+from lightning.pytorch.utilities.types import OptimizerLRScheduler
+from torch import nn
+from torchmetrics.text import Perplexity
+from typing_extensions import override
+
+from lightning_nvme.models.gpt import GPT, GPTConfig
+
+OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
+
+
+def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
+    return torch.optim.AdamW(params, lr=1e-3)
+
+
+class CausalLMModule(pl.LightningModule):
+    """Next-token training on ``(input_ids, targets)`` batches; logs ``*/loss`` and ``*/ppl``."""
+
+    def __init__(self, optimizer: OptimizerFactory | None = None) -> None:
+        super().__init__()
+        self.optimizer_factory = optimizer or _default_optimizer
+        self.train_ppl = Perplexity()
+        self.val_ppl = Perplexity()
+
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        raise NotImplementedError
+
+    @property
+    def vocab_size(self) -> int:
+        raise NotImplementedError
+
+    @override
+    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.logits(input_ids)
+
+    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor], ppl: Perplexity) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+        ppl.update(logits.detach().float(), y)
+        return loss
+
+    @override
+    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+        loss = self._loss(batch, self.train_ppl)
+        self.log("train/loss", loss, prog_bar=True)
+        self.log("train/ppl", self.train_ppl, prog_bar=True)  # torchmetrics: computed & reset per step
+        return loss
+
+    @override
+    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch, self.val_ppl)
+        self.log("val/loss", loss, prog_bar=True)
+        self.log("val/ppl", self.val_ppl, prog_bar=True)  # accumulated over the validation epoch
+
+    @override
+    def configure_optimizers(self) -> OptimizerLRScheduler:
+        return self.optimizer_factory(self.parameters())
+
+
+class GPTLightningModule(CausalLMModule):
+    """A freshly initialised GPT-2-style model of a configured size (the embedded recipes' model).
+
+    Args:
+        vocab_size: must cover the tokenizer (256 for the byte tokenizer).
+        block_size: context length (GPT-2's ``n_positions``).
+        n_layer / n_head / n_embd: size; parameters ~ 12 * n_layer * n_embd**2.
+        dropout: GPT-2's residual/attention/embedding dropout.
+        activation_checkpointing: recompute each transformer block in backward.
+        optimizer: a factory ``params -> Optimizer`` (a Hydra partial).
+    """
+
+    def __init__(self, vocab_size: int = 256, block_size: int = 128, n_layer: int = 4, n_head: int = 4,
+                 n_embd: int = 128, dropout: float = 0.0, activation_checkpointing: bool = False,
+                 optimizer: OptimizerFactory | None = None) -> None:
+        super().__init__(optimizer)
+        self.save_hyperparameters(ignore=["optimizer"])
+        cfg = GPTConfig(vocab_size=vocab_size, n_positions=block_size, n_embd=n_embd, n_layer=n_layer,
+                        n_head=n_head, dropout=dropout)
+        self.model = GPT(cfg, activation_checkpointing)
+
+    @property
+    def vocab_size(self) -> int:
+        return self.model.config.vocab_size
+
+    @override
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        return self.model(input_ids)
+
+
+class HFCausalLM(CausalLMModule):
+    """A causal LM loaded from a local directory holding ``config.json`` + safetensors weights.
+
+    Args:
+        path: the checkpoint directory (no hub download: ``local_files_only``).
+        block_size: training context length; must not exceed the checkpoint's maximum positions.
+        backend: ``"transformers"`` (any ``AutoModelForCausalLM``; needs the ``hf`` extra), ``"native"``
+            (GPT-2 checkpoints through the built-in ``GPT``; no extra dependency) or ``"auto"``
+            (transformers when installed, else native).
+        activation_checkpointing: per-block recompute (``gradient_checkpointing_enable`` under transformers).
+        optimizer: a factory ``params -> Optimizer`` (a Hydra partial).
+    """
+
+    def __init__(self, path: str, block_size: int = 128, backend: str = "auto", activation_checkpointing: bool = False,
+                 optimizer: OptimizerFactory | None = None) -> None:
+        super().__init__(optimizer)
+        self.save_hyperparameters(ignore=["optimizer"])
+        if not os.path.isfile(os.path.join(path, "config.json")):
+            raise FileNotFoundError(f"model.path={path!r} has no config.json: point it at a directory saved "
+                                    f"with save_pretrained (config.json + model.safetensors)")
+        if backend not in ("auto", "native", "transformers"):
+            raise ValueError(f"model.backend must be 'auto', 'native' or 'transformers', got {backend!r}")
+        if backend == "auto":
+            backend = "transformers" if importlib.util.find_spec("transformers") else "native"
+        self.backend = backend
+        if backend == "native":
+            self.model: nn.Module = GPT.from_pretrained(path, activation_checkpointing)
+            self._vocab = self.model.config.vocab_size
+        else:
+            from transformers import AutoModelForCausalLM
+
+            self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True)
+            if activation_checkpointing:
+                self.model.gradient_checkpointing_enable()
+            self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        max_positions = _max_positions(self.model)
+        if max_positions is not None and block_size > max_positions:
+            raise ValueError(f"model.block_size={block_size} exceeds the checkpoint's maximum of {max_positions} "
+                             f"positions: set model.block_size={max_positions} or less")
+
+    @property
+    def vocab_size(self) -> int:
+        return self._vocab
+
+    @override
+    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+        if self.backend == "native":
+            return self.model(input_ids)
+        out: Any = self.model(input_ids=input_ids, use_cache=False)
+        return out.logits
+
+
+def _max_positions(model: nn.Module) -> int | None:
+    cfg = getattr(model, "config", None)
+    for key in ("n_positions", "max_position_embeddings"):
+        value = getattr(cfg, key, None)
+        if isinstance(value, int):
+            return value
+    return None

@@ -1,0 +1,66 @@
+"""Instantiate a validated config into a Lightning run: data, model (+ optimizer partial), strategy,
+callbacks, loggers and the Trainer, each from its config group."""
+
+from __future__ import annotations
+
+import warnings
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+from hydra.utils import instantiate
+from omegaconf import DictConfig, OmegaConf
+
+from lightning_nvme.recipes.validate import ConfigError, validate
+
+
+def lightning_strategy(name: str = "auto") -> str:
+    """The ``strategy/default`` target: a plain Lightning strategy by its registry name."""
+    return name
+
+
+@dataclass
+class Run:
+    cfg: DictConfig
+    trainer: pl.Trainer
+    model: pl.LightningModule
+    datamodule: pl.LightningDataModule
+
+
+def _instantiate_group(node: Any) -> list[Any]:
+    """A group holding named entries (callbacks, loggers) -> the list of instantiated entries."""
+    if not node:
+        return []
+    return [instantiate(entry) for entry in node.values() if entry is not None and "_target_" in entry]
+
+
+def build(cfg: DictConfig) -> Run:
+    """Validate, then instantiate everything; raises ``ConfigError`` for problems the user can fix."""
+    validate(cfg)
+    pl.seed_everything(cfg.seed, workers=True, verbose=False)
+    datamodule = instantiate(cfg.data)
+    model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer))
+    data_vocab, model_vocab = getattr(datamodule, "vocab_size", None), getattr(model, "vocab_size", None)
+    if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
+        raise ConfigError(f"data.tokenizer produces {data_vocab} token ids but the model's vocabulary has "
+                          f"{model_vocab}: raise model.vocab_size to {data_vocab}, or use the checkpoint's tokenizer "
+                          f"(data.tokenizer=<model dir>)")
+    strategy = instantiate(cfg.strategy)
+    callbacks = _instantiate_group(cfg.get("callbacks"))
+    loggers = _instantiate_group(cfg.get("logger"))
+    trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
+    return Run(cfg, trainer, model, datamodule)
+
+
+def train(cfg: DictConfig) -> Run:
+    """Build and ``fit``."""
+    run = build(cfg)
+    with warnings.catch_warnings():
+        # num_workers=0 is deliberate: batches are slices of an in-memory tensor.
+        warnings.filterwarnings("ignore", message=".*does not have many workers.*")
+        run.trainer.fit(run.model, datamodule=run.datamodule)
+    return run
+
+
+def to_yaml(cfg: DictConfig) -> str:
+    return OmegaConf.to_yaml(cfg, resolve=False)

@@ -53,7 +53,7 @@ class CausalLMModule(pl.LightningModule):
         x, y = batch
         logits = self(x)
         loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-        ppl.update(logits.detach().float(), y)
+        ppl(logits.detach().float(), y)  # forward: this batch's value (for on_step logging) + accumulate
         return loss
 
     @override
@@ -136,8 +136,10 @@ class HFCausalLM(CausalLMModule):
             from transformers import AutoModelForCausalLM
 
             self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True)
+            self.model.train()  # from_pretrained returns eval mode; Lightning switches modes per loop
             if activation_checkpointing:
-                self.model.gradient_checkpointing_enable()
+                enable = getattr(self.model, "activation_checkpointing_enable", None)  # transformers >= 5
+                (enable or self.model.gradient_checkpointing_enable)()
             self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
         max_positions = _max_positions(self.model)
         if max_positions is not None and block_size > max_positions:

@@ -53,8 +53,13 @@ def compose_config(recipe: str | None = None, overrides: list[str] | None = None
 def _explain(exc: Exception, recipe: str | None, overrides: list[str]) -> ConfigError:
     """Turn Hydra's composition error into one actionable message."""
     text = str(exc)
-    m = re.search(r"Could not override '([^']+)'", text) or re.search(r"Could not append to config\. An item is already at '([^']+)'", text)
-    if m and "Could not override" in text:
+    m = re.search(r"An item is already at '([^']+)'", text)
+    if m:
+        key = m.group(1)
+        return ConfigError(f"'+{key}' adds a key, but '{key}' already exists: set it with '{key}=...' "
+                           f"(or '++{key}=...' to add-or-set)")
+    m = re.search(r"Could not override '([^']+)'", text)
+    if m:
         key = m.group(1)
         parent, _, leaf = key.rpartition(".")
         known, target = _keys_at(recipe, parent)

@@ -8,8 +8,10 @@ Why: a typo in an override should cost one line of output, not a traceback after
 from __future__ import annotations
 
 import difflib
+import enum
 import inspect
 import os
+import tempfile
 import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
@@ -22,6 +24,7 @@ from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_convert_", "_recursive_"}
 STORE_DIR_KEYS = ("store_dir",)
+_SCALARS = (str, int, float, bool, type(None))
 
 
 class ConfigError(ValueError):
@@ -150,7 +153,9 @@ def accepts(value: Any, annotation: Any) -> bool | None:
         return isinstance(value, Mapping)
     if inspect.isclass(annotation) and issubclass(annotation, (PurePath, os.PathLike)):
         return isinstance(value, str) or None
-    return None  # a class we cannot build from YAML scalars: not checked
+    if inspect.isclass(annotation) and not issubclass(annotation, enum.Enum) and isinstance(value, _SCALARS):
+        return isinstance(value, annotation)  # e.g. a string where a Tensor is expected
+    return None  # a nested object (Hydra builds it) or an enum the target converts: not checked
 
 
 def _describe(annotation: Any) -> str:
@@ -178,24 +183,21 @@ def check_store_dir(key: str, path: Any) -> None:
         raise ConfigError(f"'{key}' is not set: the NVMe store needs a directory on a local SSD. "
                           f"Fix: {key}=/mnt/nvme/lightning_nvme")
     path = os.path.abspath(os.path.expanduser(str(path)))
-    existing = path
-    while not os.path.exists(existing):
-        existing = os.path.dirname(existing)
-    if not os.path.isdir(existing):
-        raise ConfigError(f"'{key}'={path}: {existing} is a file, not a directory. Fix: {key}=<a directory>")
-    if not os.access(existing, os.W_OK | os.X_OK):
-        what = "is not writable" if existing == path else f"cannot be created ({existing} is not writable)"
-        raise ConfigError(f"'{key}'={path} {what} by this user. Fix: {key}=<a writable directory on a local SSD>, "
-                          f"or grant write permission.")
+    try:  # the store would create it anyway; trying is the only check that also holds for root
+        os.makedirs(path, exist_ok=True)
+        with tempfile.TemporaryFile(dir=path):
+            pass
+    except OSError as e:
+        raise ConfigError(f"'{key}'={path} is not a writable directory ({e.strerror}). "
+                          f"Fix: {key}=<a writable directory on a local SSD>") from None
     try:
         from lightning_nvme import preflight  # written by another session; optional here
     except ImportError:
         return
-    if existing == path:
-        try:
-            preflight.check_store_dir(path, 0, key=key)
-        except preflight.ConfigError as e:
-            raise ConfigError(str(e)) from None
+    try:
+        preflight.check_store_dir(path, 0, key=key)
+    except preflight.ConfigError as e:
+        raise ConfigError(str(e)) from None
 
 
 def _check_model_path(model: Mapping[str, Any]) -> None:

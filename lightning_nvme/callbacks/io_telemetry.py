@@ -144,6 +144,15 @@ class IOTelemetry(Callback):
         pl_module.log_dict({"io/GBps": gbps, "io/fence_ms": d.wait_seconds * 1e3},
                            on_step=True, on_epoch=False, prog_bar=self.prog_bar)
 
+    @override
+    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+        """I/O issued after the last sample (callbacks that run after this one, final flushes) still counts
+        in the totals, so they match the stores' own counters."""
+        d = self._delta(trainer)
+        for metric, value in ((self.read_bytes, d.bytes_read), (self.written_bytes, d.bytes_written),
+                              (self.wait_seconds, d.wait_seconds)):
+            metric.update(float(value))
+
     def _wear(self) -> tuple[float, float]:
         """Bytes written per day at the run's average rate so far, and days until ``tbw_tb`` at that rate."""
         seconds = float(self.step_seconds.compute()) if self._steps else 0.0

@@ -340,6 +340,11 @@ class OffloadedOptimizer:
         position = self.set_param_groups(state_dict["param_groups"])
         self.import_state(_DictSource({position[k]: v for k, v in state_dict["state"].items()}))
 
+    def attach(self, store: FlatStore) -> None:
+        """Continue on ``store`` (the same file reopened after the previous handle was closed)."""
+        self.store = store
+        self.ring.store = store
+
     def close(self) -> None:
         for h in self._hooks:
             h.remove()

@@ -16,7 +16,8 @@ from __future__ import annotations
 
 import logging
 import os
-from typing import Any, Callable, Mapping
+from contextlib import contextmanager
+from typing import Any, Callable, Iterator, Mapping
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -113,15 +114,31 @@ class NVMeOffloadStrategy(SingleDeviceStrategy):
 
     @override
     def teardown(self) -> None:
+        """Drain I/O, stop the workers and release the store's lock. The store file and the offloaded
+        optimizers' bookkeeping stay, so ``trainer.save_checkpoint`` still works after ``fit``."""
         try:
             for off in self.offloaded:
                 off.close()
             if self.nvme_store is not None:
                 self.nvme_store.close()
         finally:
-            self.offloaded = []
             self.nvme_store = None
             super().teardown()
+
+    @contextmanager
+    def _open_store(self) -> Iterator[FlatStore]:
+        """The live store, or (after teardown) the same store file reopened and checked for the call."""
+        if self.nvme_store is not None:
+            yield self.nvme_store
+            return
+        first = self.offloaded[0].store
+        store = FlatStore(first.directory, rank=self.global_rank, chunk_bytes=first.chunk_bytes, reopen=True)
+        try:
+            for off in self.offloaded:
+                off.attach(store)
+            yield store
+        finally:
+            store.close()
 
     def offloaded_for(self, optimizer: Optimizer | LightningOptimizer) -> OffloadedOptimizer | None:
         if isinstance(optimizer, LightningOptimizer):
@@ -150,10 +167,10 @@ class NVMeOffloadStrategy(SingleDeviceStrategy):
                         storage_options: Any | None = None) -> None:
         if not self.offloaded:
             return super().save_checkpoint(checkpoint, filepath, storage_options)
-        if self.nvme_store is not None:
-            self.nvme_store.fence(durable=True)
-        if self.is_global_zero:
-            ckpt.save_streamed(checkpoint, os.fspath(filepath), self.offloaded)
+        with self._open_store() as store:
+            store.fence(durable=True)
+            if self.is_global_zero:
+                ckpt.save_streamed(checkpoint, os.fspath(filepath), self.offloaded)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:

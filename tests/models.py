@@ -61,3 +61,33 @@ class MLP(LightningModule):
 
     def train_dataloader(self):
         return DataLoader(dataset(), batch_size=self.batch_size, shuffle=False)
+
+
+class TwoOptimizers(LightningModule):
+    """Manual optimization with two optimizers (AdamW and SGD-momentum) on two halves of the model."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = False
+        self.a = torch.nn.Linear(32, 64)
+        self.b = torch.nn.Linear(64, 2)
+
+    def training_step(self, batch, batch_idx):
+        opt_a, opt_b = self.optimizers()
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), y)
+        opt_a.zero_grad()
+        opt_b.zero_grad()
+        self.manual_backward(loss)
+        opt_a.step()
+        if batch_idx % 2 == 0:
+            opt_b.step()
+        return loss
+
+    def configure_optimizers(self):
+        return [torch.optim.AdamW(self.a.parameters(), lr=1e-2),
+                torch.optim.SGD(self.b.parameters(), lr=0.05, momentum=0.9)]
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=8, shuffle=False)

@@ -22,7 +22,7 @@ class IOSettings:
 @dataclass(frozen=True)
 class OffloadConfig:
     store_dir: str | None = None
-    chunk_bytes: int = 64 * MiB
+    chunk_bytes: int = 32 * MiB
     io_chunk_bytes: int = 8 * MiB
     staging_bytes: int = 64 * MiB
     prefetch_depth: int = 2

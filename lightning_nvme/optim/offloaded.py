@@ -156,39 +156,20 @@ class OffloadedOptimizer:
         self.prefetch()
 
     def _run_inner_step(self, chunk: Chunk, buf: ChunkBuffer) -> bool:
-        """Run the optimizer's own ``step`` on this chunk's pieces, with state views into ``buf``."""
+        """Run the optimizer's own ``step`` on this chunk's pieces, with state views into ``buf``.
+
+        On an accelerator the chunk's state is copied to the parameters' device for the update and
+        back into ``buf`` afterwards (device memory: one chunk)."""
         opt = self.optimizer
         groups = opt.param_groups
         saved_params = [g["params"] for g in groups]
         chunk_params: list[list[torch.Tensor]] = [[] for _ in groups]
         state: defaultdict = defaultdict(dict)
-        work: list[tuple[Piece, torch.Tensor, dict[str, torch.Tensor]]] = []
-        for piece in chunk.pieces:
-            p = piece.param
-            if p.grad is None:
-                continue
-            shape = p.shape if piece.whole else (piece.numel,)
-            views = {k: _view(buf, piece, k, d, shape) for k, d in piece.keys}
-            grad = p.grad if piece.whole else _flat(p.grad)[piece.start:piece.stop]
-            if self.clip_value is not None:
-                grad.clamp_(min=-self.clip_value, max=self.clip_value)
-            master = views.pop(MASTER_KEY, None)
-            if master is not None:
-                if not self._initialized(piece):
-                    master.copy_(p.detach() if piece.whole else _flat(p.detach())[piece.start:piece.stop])
-                target = master
-                target.grad = grad.float()
-            elif piece.whole:
-                target = p
-            else:
-                target = _flat(p.detach())[piece.start:piece.stop]
-                target.grad = grad
-            if self._initialized(piece):
-                state[target] = {**views, **self.scalars[(piece.index, piece.start)]}
-            chunk_params[piece.group].append(target)
-            work.append((piece, target, views))
+        work = [w for w in (self._prepare_piece(piece, buf, state) for piece in chunk.pieces) if w is not None]
         if not work:
             return False
+        for piece, target, _, _ in work:
+            chunk_params[piece.group].append(target)
         try:
             for g, params in zip(groups, chunk_params):
                 g["params"] = params
@@ -199,23 +180,60 @@ class OffloadedOptimizer:
             for g, params in zip(groups, saved_params):
                 g["params"] = params
             opt.state = self._empty_state
-        for piece, target, views in work:
-            new = state[target]
-            scalars = {}
-            for key, value in new.items():
-                if key in views:
-                    if value is not views[key]:
-                        views[key].copy_(value)
-                else:
-                    scalars[key] = value
-            self.scalars[(piece.index, piece.start)] = scalars
-            if MASTER_KEY in piece.slots:
-                dst = piece.param.detach() if piece.whole else _flat(piece.param.detach())[piece.start:piece.stop]
-                dst.copy_(target)
-                target.grad = None
-            elif not piece.whole:
-                target.grad = None
+        for piece, target, host, working in work:
+            self._finish_piece(piece, target, host, working, state[target])
         return True
+
+    def _prepare_piece(self, piece: Piece, buf: ChunkBuffer, state: defaultdict):
+        """The tensor the optimizer will update for ``piece`` (the param, a range of it, or its fp32
+        master), with its grad set and its state (if any yet) in ``state``."""
+        p = piece.param
+        if p.grad is None:
+            return None
+        shape = p.shape if piece.whole else (piece.numel,)
+        host = {k: _view(buf, piece, k, d, shape) for k, d in piece.keys}
+        working = host if p.device.type == "cpu" else {
+            k: v.to(p.device, non_blocking=True) for k, v in host.items()}
+        working = dict(working)
+        grad = p.grad if piece.whole else _flat(p.grad)[piece.start:piece.stop]
+        if self.clip_value is not None:
+            grad.clamp_(min=-self.clip_value, max=self.clip_value)
+        master = working.pop(MASTER_KEY, None)
+        if master is not None:
+            if not self._initialized(piece):
+                master.copy_(p.detach() if piece.whole else _flat(p.detach())[piece.start:piece.stop])
+            target = master
+            target.grad = grad.float()
+        elif piece.whole:
+            target = p
+        else:
+            target = _flat(p.detach())[piece.start:piece.stop]
+            target.grad = grad
+        if self._initialized(piece):
+            state[target] = {**working, **self.scalars[(piece.index, piece.start)]}
+        if master is not None:
+            working[MASTER_KEY] = master
+        return piece, target, host, working
+
+    def _finish_piece(self, piece: Piece, target: torch.Tensor, host: dict[str, torch.Tensor],
+                      working: dict[str, torch.Tensor], new: dict[str, Any]) -> None:
+        """Bring the updated state back into the chunk buffer and keep the scalar state in memory."""
+        scalars = {}
+        for key, value in new.items():
+            if key in host:
+                if value is not host[key]:
+                    host[key].copy_(value)
+            else:
+                scalars[key] = value
+        self.scalars[(piece.index, piece.start)] = scalars
+        if MASTER_KEY in piece.slots:
+            if working[MASTER_KEY] is not host[MASTER_KEY]:
+                host[MASTER_KEY].copy_(working[MASTER_KEY])
+            dst = piece.param.detach() if piece.whole else _flat(piece.param.detach())[piece.start:piece.stop]
+            dst.copy_(target)
+            target.grad = None
+        elif not piece.whole:
+            target.grad = None
 
     def _bound_step(self) -> Callable[..., Any]:
         def step(closure: Callable[[], Any] | None = None) -> Any:

@@ -46,7 +46,7 @@ class NVMeOffloadStrategy(SingleDeviceStrategy):
 
     strategy_name = "nvme_offload"
 
-    def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 64 * MiB, io_chunk_bytes: int = 8 * MiB,
+    def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
                  staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
                  io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
                  device: torch.device | str | None = None, accelerator: pl.accelerators.Accelerator | None = None,

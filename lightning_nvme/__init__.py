@@ -1,9 +1,14 @@
 """lightning_nvme: trade disk for memory in PyTorch Lightning.
 
-Importing the package registers the ``"nvme_offload"`` strategies with Lightning's registry.
+``import lightning_nvme`` registers ``Trainer(strategy="nvme_offload")`` with Lightning's registry.
 """
 
-from lightning_nvme.store import FlatStore, IOHandle, StoreError
+from lightning.pytorch.strategies import StrategyRegistry
 
-__all__ = ["FlatStore", "IOHandle", "StoreError"]
+from lightning_nvme.store import FlatStore, IOHandle, StoreError
+from lightning_nvme.strategies import NVMeOffloadStrategy
+
+NVMeOffloadStrategy.register_strategies(StrategyRegistry)
+
+__all__ = ["FlatStore", "IOHandle", "NVMeOffloadStrategy", "StoreError"]
 __version__ = "0.1.0"

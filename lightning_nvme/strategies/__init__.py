@@ -1,0 +1,5 @@
+"""Lightning strategies of lightning_nvme, one family per module (as in ``lightning.pytorch.strategies``)."""
+
+from lightning_nvme.strategies.nvme_offload import NVMeOffloadStrategy
+
+__all__ = ["NVMeOffloadStrategy"]

@@ -12,6 +12,7 @@ line naming the key and the fix, with exit code 2 and no traceback, before anyth
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import os
 import subprocess
@@ -128,7 +129,7 @@ def _bench(names: list[str]) -> int:
 
 def _doctor(argv: list[str]) -> int:
     try:
-        from lightning_nvme import doctor
+        doctor = importlib.import_module("lightning_nvme.doctor")
     except ModuleNotFoundError as e:
         if e.name != "lightning_nvme.doctor":
             raise

@@ -202,6 +202,7 @@ class IOTelemetry(Callback):
         try:
             from matplotlib.backends.backend_agg import FigureCanvasAgg
             from matplotlib.figure import Figure
+            from matplotlib.ticker import MaxNLocator
         except ImportError:
             rank_zero_info("IOTelemetry: matplotlib is not installed, no plot saved "
                            "(pip install 'lightning-nvme[plot]').")
@@ -215,6 +216,7 @@ class IOTelemetry(Callback):
         bottom.plot(self.history.step, self.history.wait_ms, color="tab:red", lw=1)
         bottom.set_ylabel("fence wait ms\n(I/O not hidden)")
         bottom.set_xlabel("global step")
+        bottom.xaxis.set_major_locator(MaxNLocator(integer=True))
         for ax in (top, bottom):
             ax.grid(alpha=0.3)
         fig.savefig(path, dpi=110)

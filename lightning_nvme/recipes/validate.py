@@ -36,6 +36,7 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     resolved = _resolve(cfg)
     for key, node in _target_nodes(resolved):
         _check_node(key, node)
+    ensure_output_dir(resolved)
     for key, path in _store_dirs(resolved):
         check_store_dir(key, path)
     _check_model_path(resolved.get("model") or {})
@@ -177,15 +178,23 @@ def _store_dirs(resolved: dict[str, Any]) -> Iterator[tuple[str, Any]]:
 
 
 def check_store_dir(key: str, path: Any) -> None:
-    """The store directory must be set and creatable/writable; delegates to ``lightning_nvme.preflight``
-    when it is installed (it also knows free space and filesystem type)."""
-    if path is None or (isinstance(path, str) and not path.strip()):
-        raise ConfigError(f"'{key}' is not set: the NVMe store needs a directory on a local SSD. "
-                          f"Fix: {key}=/mnt/nvme/lightning_nvme")
+    """A store directory must be usable: an existing writable directory, or a new one whose parent exists.
+
+    Why the parent rule: ``/mnt/nvme/run`` on an SSD that is not mounted would otherwise be created on the
+    system disk and quietly fill it. ``None`` is left to the component (it picks its own default).
+    Delegates to ``lightning_nvme.preflight`` when installed (free space, filesystem type)."""
+    if path is None:
+        return
+    if isinstance(path, str) and not path.strip():
+        raise ConfigError(f"'{key}' is empty: give the store a directory on a local SSD. Fix: {key}=/mnt/nvme/run")
     path = os.path.abspath(os.path.expanduser(str(path)))
-    try:  # the store would create it anyway; trying is the only check that also holds for root
+    parent = os.path.dirname(path)
+    if not os.path.exists(path) and not os.path.isdir(parent):
+        raise ConfigError(f"'{key}'={path}: its parent {parent} is not an existing directory (is the SSD mounted?). "
+                          f"Fix: mkdir -p {parent}, or {key}=<a directory on a mounted local SSD>")
+    try:
         os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):
+        with tempfile.TemporaryFile(dir=path):  # the only writability check that also holds for root
             pass
     except OSError as e:
         raise ConfigError(f"'{key}'={path} is not a writable directory ({e.strerror}). "
@@ -198,6 +207,18 @@ def check_store_dir(key: str, path: Any) -> None:
         preflight.check_store_dir(path, 0, key=key)
     except preflight.ConfigError as e:
         raise ConfigError(str(e)) from None
+
+
+def ensure_output_dir(resolved: Mapping[str, Any]) -> None:
+    """Create ``paths.output_dir`` (logs, checkpoints, default store parent) or say why it cannot be."""
+    out = (resolved.get("paths") or {}).get("output_dir")
+    if not out:
+        return
+    try:
+        os.makedirs(out, exist_ok=True)
+    except OSError as e:
+        raise ConfigError(f"'paths.output_dir'={out} cannot be created ({e.strerror}). "
+                          f"Fix: paths.output_dir=<a writable directory>") from None
 
 
 def _check_model_path(model: Mapping[str, Any]) -> None:

@@ -109,8 +109,6 @@ def test_the_three_recipes_exist_with_launch_commands() -> None:
 def test_each_recipe_trains_a_few_steps_on_cpu(recipe: str, tmp_path: Path, tiny_gpt2_dir: str) -> None:
     target = compose_config(recipe, [f"model.path={tiny_gpt2_dir}"] if recipe == "hf_local" else []).model._target_
     overrides = [*_small(tmp_path, tiny_gpt2_dir), *_model_size(target, tiny_gpt2_dir)]
-    if recipe == "hf_local":
-        overrides.append("data.tokenizer=byte")
     run = train(compose_config(recipe, overrides))
     assert run.trainer.global_step == 3
     metrics = Path(run.trainer.log_dir) / "metrics.csv"

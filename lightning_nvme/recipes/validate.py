@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import difflib
 import enum
+import importlib
 import inspect
 import os
 import tempfile
@@ -18,7 +19,6 @@ from collections.abc import Iterator, Mapping, Sequence
 from pathlib import PurePath
 from typing import Any
 
-import importlib
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 

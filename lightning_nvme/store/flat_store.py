@@ -76,12 +76,15 @@ class FlatStore:
         self._closed = False
         self._first_error: BaseException | None = None
         self._stats = StatsRecorder()
+        self.fd = -1
         try:
             self.layout = Layout()
             self._open(direct, reopen)
             self._pool = StagingPool(max(1, pool_bytes // chunk_bytes), chunk_bytes, pin=torch.cuda.is_available())
             self._engine = IOEngine(num_workers)
         except BaseException:
+            if self.fd >= 0:
+                os.close(self.fd)  # a refused reopen must not leak the descriptor
             self._lock.release()
             raise
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d pool=%d MiB", self.path, self.mode,
@@ -142,29 +145,39 @@ class FlatStore:
         os.replace(tmp, self.manifest_path)
 
     def _check_existing(self) -> None:
+        """Refuse a store whose manifest, header or size disagree: reading it would return garbage."""
         try:
             with open(self.manifest_path) as f:
                 manifest = json.load(f)
         except (OSError, ValueError) as e:
             raise StoreFormatError(f"store manifest {self.manifest_path} is missing or unreadable: {e}") from e
-        if manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
+        if not isinstance(manifest, dict) or manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
+            found = manifest if not isinstance(manifest, dict) else f"{manifest.get('magic')!r} v{manifest.get('version')}"
             raise StoreFormatError(f"{self.manifest_path}: not a lightning-nvme store of format version "
-                                   f"{FORMAT_VERSION} (found {manifest.get('magic')!r} v{manifest.get('version')})")
-        self.layout = Layout.from_json(manifest["layout"])
+                                   f"{FORMAT_VERSION} (found {found})")
+        try:
+            self.layout = Layout.from_json(manifest["layout"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreFormatError(f"{self.manifest_path}: the manifest's layout is malformed ({e!r})") from e
         if self.layout.digest() != manifest.get("digest"):
             raise StoreFormatError(f"{self.manifest_path}: layout hash mismatch; the manifest was modified")
+        # Size first: a header read from a file truncated below one block would be a short read.
+        size = os.fstat(self.fd).st_size
+        if size < self.layout.end:
+            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}. "
+                                   f"The store cannot be reopened; start a new one (reopen=False).")
         buf = aligned_empty(HEADER_BYTES)
         self._pread_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
         try:
             header = json.loads(bytes(buf.numpy()).rstrip(b"\0"))
         except ValueError:
             header = {}
-        if header.get("magic") != MAGIC or header.get("layout") != self.layout.digest():
+        if not isinstance(header, dict):
+            header = {}
+        if (header.get("magic") != MAGIC or header.get("version") != FORMAT_VERSION
+                or header.get("layout") != self.layout.digest() or header.get("end") != self.layout.end):
             raise StoreFormatError(f"{self.path}: header does not match manifest {self.manifest_path} "
                                    f"(layout hash {header.get('layout')} vs {self.layout.digest()})")
-        size = os.fstat(self.fd).st_size
-        if size < self.layout.end:
-            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}")
 
     def _allocate(self, offset: int, nbytes: int) -> None:
         """Reserve disk blocks for [offset, offset+nbytes), refusing early and clearly when space is short."""

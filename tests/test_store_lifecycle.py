@@ -30,7 +30,7 @@ def test_second_store_in_same_process_is_refused(tmp_path):
     FlatStore(tmp_path, rank=0, chunk_bytes=MiB, pool_bytes=MiB).close()  # released on close
 
 
-def test_live_process_lock_is_refused_and_killed_process_lock_is_taken_over(tmp_path):
+def test_live_process_lock_is_refused_and_killed_process_lock_is_taken_over(tmp_path, caplog):
     holder = subprocess.Popen(
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
@@ -47,6 +47,7 @@ def test_live_process_lock_is_refused_and_killed_process_lock_is_taken_over(tmp_
         holder.wait(10)
         with FlatStore(tmp_path, chunk_bytes=MiB, pool_bytes=MiB) as store:
             assert store._lock.took_over_stale
+        assert f"left by pid {holder.pid}" in caplog.text
     finally:
         if holder.poll() is None:
             holder.kill()

@@ -17,13 +17,14 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 
 import torch
 
 from lightning_nvme.store.buffers import StagingPool, aligned_empty, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
-from lightning_nvme.store.errors import StoreFormatError, StoreIOError, StoreSpaceError
+from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreSpaceError, StoreTimeoutError
 from lightning_nvme.store.handle import IOHandle, wait_all
 from lightning_nvme.store.layout import ALIGN, FORMAT_VERSION, HEADER_BYTES, Layout, Region, align_up
 from lightning_nvme.store.lock import StoreLock
@@ -75,6 +76,7 @@ class FlatStore:
         self._lock.acquire()
         self._closed = False
         self._first_error: BaseException | None = None
+        self._submit_lock = threading.Lock()
         self._stats = StatsRecorder()
         self.fd = -1
         try:
@@ -327,13 +329,17 @@ class FlatStore:
             zero_copy = not self.direct or is_direct_capable(t, nbytes, for_read=kind == "read")
         start = region.offset + offset
         data = _as_bytes(t)
-        deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
         spans = [(a, min(self.chunk_bytes, nbytes - a)) for a in range(0, nbytes, self.chunk_bytes)]
-        handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done)
         make = self._write_job if kind == "write" else self._read_job
         jobs = [make(data if not zero_copy else t, a, n, start + a, name, zero_copy) for a, n in spans]
-        self._engine.track(handle)
-        self._engine.submit(handle, jobs)
+        # Finding the dependencies, registering the request and queueing its chunks is one step, so two
+        # threads submitting at once cannot both miss each other (or queue out of dependency order).
+        with self._submit_lock:
+            deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
+            handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done,
+                              default_timeout=self.io_timeout_s)
+            self._engine.track(handle)
+            self._engine.submit(handle, jobs)
         return handle
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
@@ -356,9 +362,16 @@ class FlatStore:
             for name in regions:
                 r = self.layout[name]
                 pending += self._engine.pending(r.offset, r.end)
+        limit = self.io_timeout_s if timeout is None else timeout
         t0 = time.perf_counter()
         try:
-            wait_all(pending, self.io_timeout_s if timeout is None else timeout)
+            wait_all(pending, limit)
+        except StoreTimeoutError:
+            stuck = [h.describe() for h in pending if not h.done()]
+            shown = "; ".join(stuck[:20]) + (f"; ... {len(stuck) - 20} more" if len(stuck) > 20 else "")
+            raise StoreTimeoutError(
+                f"fence on {self.path} timed out after {limit:g}s with {len(stuck)} request(s) pending: {shown}. "
+                f"The disk may be stalled or failing; raise io_timeout_s only if it is just slow.") from None
         finally:
             self._stats.add(wait_seconds=time.perf_counter() - t0)
         if self._first_error is not None:
@@ -410,8 +423,14 @@ class FlatStore:
     def __enter__(self) -> "FlatStore":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is already propagating: clean up, but do not mask it with a store error
+            self.close()
+        except StoreError as e:
+            log.error("FlatStore %s: error while closing after %s: %s", self.path, exc_type.__name__, e)
 
     def __repr__(self) -> str:
         return f"FlatStore({self.path!r}, mode={self.mode}, regions={len(self.layout.regions)}, bytes={self.size_bytes})"

@@ -16,7 +16,7 @@ class IOHandle:
 
     def __init__(self, kind: str, region: str, start: int, nbytes: int, nchunks: int,
                  deps: list["IOHandle"], keepalive: Any = None,
-                 on_done: Callable[["IOHandle"], None] | None = None) -> None:
+                 on_done: Callable[["IOHandle"], None] | None = None, default_timeout: float | None = None) -> None:
         self.kind = kind
         self.region = region
         self.start = start  # absolute file offset
@@ -30,6 +30,7 @@ class IOHandle:
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._on_done = on_done
+        self.default_timeout = default_timeout  # so that wait() with no argument is still bounded
         if nchunks == 0:
             self._finish()
 
@@ -58,6 +59,9 @@ class IOHandle:
         self._event.set()
 
     def wait(self, timeout: float | None = None) -> "IOHandle":
+        """Block until done (at most ``timeout`` s, default the store's ``io_timeout_s``); re-raise its error."""
+        if timeout is None:
+            timeout = self.default_timeout
         if not self._event.wait(timeout):
             raise StoreTimeoutError(
                 f"{self.kind} of region {self.region!r} ({self.nbytes} bytes at offset {self.start}) did not complete "

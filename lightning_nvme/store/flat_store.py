@@ -22,7 +22,7 @@ import time
 
 import torch
 
-from lightning_nvme.store.buffers import StagingPool, aligned_empty, is_direct_capable, memview
+from lightning_nvme.store.buffers import StagingPool, aligned_empty, copy_bytes, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
 from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreSpaceError, StoreTimeoutError
 from lightning_nvme.store.handle import IOHandle, wait_all
@@ -272,7 +272,7 @@ class FlatStore:
             else:
                 buf = self._pool.acquire()
                 try:
-                    buf[:n].copy_(src[a:a + n])
+                    copy_bytes(buf, 0, src, a, n)
                     self._pwrite_full(memview(buf.data_ptr(), align_up(n) if self.direct else n), file_off, region)
                 finally:
                     self._pool.release(buf)
@@ -288,7 +288,7 @@ class FlatStore:
                 buf = self._pool.acquire()
                 try:
                     self._pread_full(memview(buf.data_ptr(), align_up(n) if self.direct else n), file_off, region)
-                    dst[a:a + n].copy_(buf[:n])
+                    copy_bytes(dst, a, buf, 0, n)
                 finally:
                     self._pool.release(buf)
             self._drop_cache(file_off, n)

@@ -97,6 +97,17 @@ def test_writes_at_offsets_within_region(store):
         store.write("nope", parts[0])
 
 
+def test_add_regions_is_all_or_nothing(store):
+    store.add_region("a", 10)
+    size = store.size_bytes
+    with pytest.raises(ValueError, match="already exists"):
+        store.add_regions([("b", 100), ("c", 100), ("b", 5)])
+    with pytest.raises(ValueError, match="nbytes"):
+        store.add_regions([("b", 100), ("d", -1)])
+    assert "b" not in store and "c" not in store and store.size_bytes == size
+    assert store.add_region("b", 100).offset == size  # the names and the space are free again
+
+
 def _count_staging(store: FlatStore, monkeypatch) -> list[int]:
     calls = [0]
     acquire = store._pool.acquire

@@ -201,17 +201,22 @@ class FlatStore:
 
     # ---- regions ------------------------------------------------------------------------------
     def add_regions(self, specs: list[tuple[str, int]]) -> list[Region]:
-        """Append regions ``(name, nbytes)`` to the layout and allocate their blocks in one go."""
+        """Append regions ``(name, nbytes)`` to the layout and allocate their blocks in one go.
+
+        All or nothing: if any spec is invalid or the disk is short, the layout is left as it was."""
+        self._check_usable()
         start = self.layout.end
-        regions = [self.layout.add(n, b) for n, b in specs]
-        if self.layout.end > start:
-            try:
+        regions: list[Region] = []
+        try:
+            for n, b in specs:
+                regions.append(self.layout.add(n, b))
+            if self.layout.end > start:
                 self._allocate(start, self.layout.end - start)
-            except BaseException:
-                for r in regions:
-                    del self.layout.regions[r.name]
-                self.layout.end = start
-                raise
+        except BaseException:
+            for r in regions:
+                del self.layout.regions[r.name]
+            self.layout.end = start
+            raise
         self._write_header()
         return regions
 

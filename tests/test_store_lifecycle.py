@@ -65,6 +65,40 @@ def _make_store(d, **kw) -> dict[str, torch.Tensor]:
     return data
 
 
+def _manifest_regions(d) -> list[str]:
+    return [r["name"] for r in json.loads(open(os.path.join(d, "store-rank0.json")).read())["layout"]["regions"]]
+
+
+def test_layout_is_persisted_by_durable_fence_and_close(tmp_path):
+    store = FlatStore(tmp_path, chunk_bytes=64 * KiB, pool_bytes=64 * KiB)
+    store.add_region("a", 100)
+    assert _manifest_regions(tmp_path) == []  # add_region does not fsync a manifest rewrite each time
+    store.fence(durable=True)
+    assert _manifest_regions(tmp_path) == ["a"]
+    store.add_region("b", 100)
+    store.close()
+    assert _manifest_regions(tmp_path) == ["a", "b"]
+
+
+def test_killed_process_reopens_at_last_durable_fence(tmp_path):
+    child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
+        import os, signal, torch
+        from lightning_nvme.store import FlatStore
+        s = FlatStore({str(tmp_path)!r}, chunk_bytes=1 << 16, pool_bytes=1 << 16)
+        s.add_region("kept", 400)
+        s.write("kept", torch.arange(100, dtype=torch.int32))
+        s.fence(durable=True)
+        s.add_region("lost", 400)  # never fenced durably
+        os.kill(os.getpid(), signal.SIGKILL)
+    """)], timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    with FlatStore(tmp_path, reopen=True, chunk_bytes=64 * KiB, pool_bytes=64 * KiB) as store:
+        assert list(store.layout.regions) == ["kept"]
+        out = torch.empty(100, dtype=torch.int32)
+        store.read("kept", out).wait()
+        assert torch.equal(out, torch.arange(100, dtype=torch.int32))
+
+
 def test_reopen_reads_back_what_was_written(tmp_path):
     data = _make_store(tmp_path)
     with FlatStore(tmp_path, chunk_bytes=64 * KiB, pool_bytes=64 * KiB, reopen=True) as store:
@@ -214,7 +248,9 @@ def test_close_drains_and_stops_workers(tmp_path):
 
 def test_one_file_per_rank_for_many_regions(tmp_path):
     with FlatStore(tmp_path, chunk_bytes=64 * KiB, pool_bytes=64 * KiB) as store:
-        store.add_regions([(f"p{i}", 4 * (i % 7 + 1)) for i in range(1000)])
+        store.add_regions([(f"p{i}", 4 * (i % 7 + 1)) for i in range(500)])
+        for i in range(500, 1000):  # one call per region too: no per-call manifest file or fsync
+            store.add_region(f"p{i}", 4 * (i % 7 + 1))
         for i in range(1000):
             store.write(f"p{i}", torch.full((i % 7 + 1,), i, dtype=torch.int32))
         store.fence()

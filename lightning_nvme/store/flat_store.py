@@ -77,6 +77,7 @@ class FlatStore:
         self._closed = False
         self._first_error: BaseException | None = None
         self._submit_lock = threading.Lock()
+        self._layout_dirty = False
         self._stats = StatsRecorder()
         self.fd = -1
         try:
@@ -114,7 +115,7 @@ class FlatStore:
             self._check_existing()
         else:
             self._allocate(0, HEADER_BYTES)
-            self._write_header()
+            self._persist_layout()
 
     @property
     def mode(self) -> str:
@@ -125,7 +126,11 @@ class FlatStore:
                              "end": self.layout.end}).encode()
         return header.ljust(HEADER_BYTES, b"\0")
 
-    def _write_header(self) -> None:
+    def _persist_layout(self) -> None:
+        """Write the header block and the manifest (atomically: temp file, fsync, rename).
+
+        Called at creation, by ``fence(durable=True)`` and by ``close``, not per ``add_regions``: an
+        fsync'ed manifest rewrite per call made 1000 ``add_region`` calls take 48 s on this disk."""
         buf = aligned_empty(HEADER_BYTES)
         buf.copy_(torch.frombuffer(bytearray(self._header_bytes()), dtype=torch.uint8))
         try:
@@ -145,6 +150,7 @@ class FlatStore:
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, self.manifest_path)
+        self._layout_dirty = False
 
     def _check_existing(self) -> None:
         """Refuse a store whose manifest, header or size disagree: reading it would return garbage."""
@@ -217,7 +223,7 @@ class FlatStore:
                 del self.layout.regions[r.name]
             self.layout.end = start
             raise
-        self._write_header()
+        self._layout_dirty = True  # persisted by the next fence(durable=True) or close()
         return regions
 
     def add_region(self, name: str, nbytes: int) -> Region:
@@ -382,6 +388,8 @@ class FlatStore:
         if self._first_error is not None:
             raise self._first_error
         if durable:
+            if self._layout_dirty:
+                self._persist_layout()
             try:
                 os.fdatasync(self.fd)
             except OSError as e:
@@ -415,6 +423,8 @@ class FlatStore:
             return
         try:
             self.fence(timeout=self.io_timeout_s)
+            if self._layout_dirty and not delete:
+                self._persist_layout()
         finally:
             self._closed = True
             self._engine.shutdown()

@@ -31,7 +31,7 @@ import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _disk import (GiB, MiB, Pairs, current_rss_mib, direct_supported, drop_file_cache, gbps,  # noqa: E402
-                   Memory, io_buffers, peak_rss_mib, raw_read, raw_write)
+                   Memory, peak_rss_mib, raw_read, raw_write)
 
 from lightning_nvme.store import FlatStore  # noqa: E402
 
@@ -180,16 +180,17 @@ def main() -> None:
                 [baseline_w, subject_w, baseline_r, subject_r]
             for step in order:
                 step()
-            sw.append(gbps(nbytes, store_write(store, srcs_u, nbytes)))  # staged path, once per pair
-            sr.append(gbps(nbytes, store_read(store, dsts_u, nbytes)))
-            check(dsts_u, srcs_u)
+            if store.mode == "direct":  # buffered mode moves every tensor in place: nothing is staged
+                sw.append(gbps(nbytes, store_write(store, srcs_u, nbytes)))  # staged path, once per pair
+                sr.append(gbps(nbytes, store_read(store, dsts_u, nbytes)))
+                check(dsts_u, srcs_u)
             if not args.no_aiofiles:
                 aio = dict(direct=raw_direct, tasks=args.raw_threads, base=base)
                 aw.append(gbps(nbytes, aiofiles_io(store.path, nbytes, write=True, memory=source, **aio)))
                 ar.append(gbps(nbytes, aiofiles_io(store.path, nbytes, write=False, memory=destination, **aio)))
             print(f"pair {p}: write store {w.subject[-1]:.2f} raw {w.baseline[-1]:.2f} GB/s | "
                   f"read store {r.subject[-1]:.2f} raw {r.baseline[-1]:.2f} GB/s"
-                  + f" | staged write {sw[-1]:.2f} read {sr[-1]:.2f}"
+                  + (f" | staged write {sw[-1]:.2f} read {sr[-1]:.2f}" if sw else "")
                   + (f" | aiofiles write {aw[-1]:.2f} read {ar[-1]:.2f} GB/s" if aw else ""), flush=True)
         elapsed = time.perf_counter() - t_start
         stats = store.stats
@@ -206,10 +207,6 @@ def main() -> None:
             "read_ratio": round(r.ratio, 3),
             "write_ratio_min": round(min(s / b for s, b in zip(w.subject, w.baseline)), 3),
             "read_ratio_min": round(min(s / b for s, b in zip(r.subject, r.baseline)), 3),
-            "store_staged_write_GBps": round(statistics.median(sw), 3),
-            "store_staged_read_GBps": round(statistics.median(sr), 3),
-            "staged_write_ratio": round(statistics.median(a / b for a, b in zip(sw, w.baseline)), 3),
-            "staged_read_ratio": round(statistics.median(a / b for a, b in zip(sr, r.baseline)), 3),
             "peak_rss_MiB": round(peak_rss_mib(), 1),
             "rss_at_start_MiB": round(rss_start, 1),
             "pool_MiB": store.pool_bytes // MiB,
@@ -221,6 +218,13 @@ def main() -> None:
             "fsyncs": stats.fsyncs,
             "seconds": round(elapsed, 1),
         }
+        if sw:
+            result.update({
+                "store_staged_write_GBps": round(statistics.median(sw), 3),
+                "store_staged_read_GBps": round(statistics.median(sr), 3),
+                "staged_write_ratio": round(statistics.median(a / b for a, b in zip(sw, w.baseline)), 3),
+                "staged_read_ratio": round(statistics.median(a / b for a, b in zip(sr, r.baseline)), 3),
+            })
         if aw:
             result.update({
                 "aiofiles_write_GBps": round(statistics.median(aw), 3),

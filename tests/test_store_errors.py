@@ -13,7 +13,8 @@ from collections import namedtuple
 import pytest
 import torch
 
-from lightning_nvme.store import (FlatStore, StoreError, StoreIOError, StoreSpaceError, StoreTimeoutError)
+from lightning_nvme.store import (FlatStore, StoreError, StoreIOError, StoreLockedError, StoreSpaceError,
+                                  StoreTimeoutError, aligned_empty)
 
 KiB = 1024
 CHUNK = 64 * KiB
@@ -252,3 +253,27 @@ def test_exit_after_an_exception_does_not_mask_it(tmp_path, monkeypatch):
             store.write("r", torch.ones(CHUNK, dtype=torch.uint8))
             raise KeyError("user bug")
     assert store._closed
+
+
+def test_close_with_a_stuck_worker_keeps_fd_and_lock(tmp_path, monkeypatch, caplog):
+    """A worker blocked in pwrite at close must not be left holding a closed (reusable) fd number."""
+    store = FlatStore(tmp_path, chunk_bytes=CHUNK, pool_bytes=CHUNK, num_workers=1, io_timeout_s=0.2)
+    store.add_region("r", CHUNK)
+    gate = threading.Event()
+    real = os.pwrite
+    monkeypatch.setattr(os, "pwrite", lambda fd, b, o: (gate.wait(30), real(fd, b, o))[1])
+    store.write("r", torch.ones(CHUNK, dtype=torch.uint8))
+    with pytest.raises(StoreTimeoutError, match="'r'"):
+        store.close()
+    assert "still blocked" in caplog.text
+    os.fstat(store.fd)  # still open: the stuck write cannot land in some other file
+    with pytest.raises(StoreLockedError):
+        FlatStore(tmp_path, chunk_bytes=CHUNK, pool_bytes=CHUNK)
+    gate.set()
+    for t in store._engine._threads:
+        t.join(10)
+    assert store._engine.alive_threads == 0
+    out = aligned_empty(CHUNK)
+    assert os.preadv(store.fd, [out.numpy()], store.region("r").offset) == CHUNK and bool((out == 1).all())
+    os.close(store.fd)
+    store._lock.release()

@@ -427,13 +427,21 @@ class FlatStore:
                 self._persist_layout()
         finally:
             self._closed = True
-            self._engine.shutdown()
-            os.close(self.fd)
+            stopped = self._engine.shutdown(timeout=min(30.0, self.io_timeout_s))
+            if stopped:
+                os.close(self.fd)
+            else:
+                # A worker is stuck in a read/write on this fd. Closing it would let the number be reused by
+                # another file, which that worker (or a job queued behind it) would then write into; and
+                # releasing the lock would let another store truncate the file under it.
+                log.error("FlatStore %s: %d I/O thread(s) still blocked at close; the file and its lock stay "
+                          "held until the process exits", self.path, self._engine.alive_threads)
             if delete:
                 for p in (self.path, self.manifest_path):
                     if os.path.exists(p):
                         os.remove(p)
-            self._lock.release()
+            if stopped:
+                self._lock.release()
 
     def __enter__(self) -> "FlatStore":
         return self

@@ -51,7 +51,8 @@ class FlatStore:
         num_workers: I/O threads; a few give the disk queue depth.
         pool_bytes: the staging pool (used only when a tensor is not page-aligned); bounded.
         direct: force O_DIRECT on (True) or off (False); ``None`` probes the filesystem.
-        reopen: open an existing store and check it against its manifest instead of creating one.
+        reopen: open an existing store and check it against its manifest instead of creating one. The
+            layout (like the data) is persisted by ``fence(durable=True)`` and ``close()``.
         io_timeout_s: no wait is unbounded; a stuck request raises with what was pending.
         min_free_bytes: safety margin kept free on the disk when the store grows.
     """
@@ -355,7 +356,8 @@ class FlatStore:
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
         """Asynchronously write ``tensor``'s bytes into region ``name`` at byte ``offset``. The tensor must
-        not be modified until the handle completes (the store keeps a reference to it)."""
+        not be modified until the handle completes (the store keeps a reference to it, not a copy; a
+        non-contiguous tensor is made contiguous once and that copy is held until then)."""
         return self._submit("write", name, tensor, offset)
 
     def read(self, name: str, out: torch.Tensor, offset: int = 0) -> IOHandle:

@@ -23,7 +23,7 @@ import torch
 
 from lightning_nvme.store.buffers import StagingPool, aligned_empty, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
-from lightning_nvme.store.errors import StoreFormatError, StoreIOError, StoreSpaceError
+from lightning_nvme.store.errors import StoreFormatError, StoreIOError, StoreSpaceError, StoreTimeoutError
 from lightning_nvme.store.handle import IOHandle, wait_all
 from lightning_nvme.store.layout import ALIGN, FORMAT_VERSION, HEADER_BYTES, Layout, Region, align_up
 from lightning_nvme.store.lock import StoreLock
@@ -74,14 +74,18 @@ class FlatStore:
         self._lock = StoreLock(self.path + ".lock")
         self._lock.acquire()
         self._closed = False
+        self._closing = False
         self._first_error: BaseException | None = None
         self._stats = StatsRecorder()
+        self.fd: int | None = None
         try:
             self.layout = Layout()
             self._open(direct, reopen)
             self._pool = StagingPool(max(1, pool_bytes // chunk_bytes), chunk_bytes, pin=torch.cuda.is_available())
             self._engine = IOEngine(num_workers)
         except BaseException:
+            if getattr(self, "fd", None) is not None:
+                os.close(self.fd)
             self._lock.release()
             raise
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d pool=%d MiB", self.path, self.mode,
@@ -153,18 +157,19 @@ class FlatStore:
         self.layout = Layout.from_json(manifest["layout"])
         if self.layout.digest() != manifest.get("digest"):
             raise StoreFormatError(f"{self.manifest_path}: layout hash mismatch; the manifest was modified")
+        size = os.fstat(self.fd).st_size
+        if size < max(HEADER_BYTES, self.layout.end):
+            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}")
         buf = aligned_empty(HEADER_BYTES)
         self._pread_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
         try:
             header = json.loads(bytes(buf.numpy()).rstrip(b"\0"))
         except ValueError:
             header = {}
-        if header.get("magic") != MAGIC or header.get("layout") != self.layout.digest():
+        if (header.get("magic") != MAGIC or header.get("version") != FORMAT_VERSION
+                or header.get("layout") != self.layout.digest() or header.get("end") != self.layout.end):
             raise StoreFormatError(f"{self.path}: header does not match manifest {self.manifest_path} "
                                    f"(layout hash {header.get('layout')} vs {self.layout.digest()})")
-        size = os.fstat(self.fd).st_size
-        if size < self.layout.end:
-            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}")
 
     def _allocate(self, offset: int, nbytes: int) -> None:
         """Reserve disk blocks for [offset, offset+nbytes), refusing early and clearly when space is short."""
@@ -220,8 +225,10 @@ class FlatStore:
             try:
                 n = os.pwrite(self.fd, mv[done:], offset + done)
             except OSError as e:
+                hint = (" The disk is full: free space on it, or move store_dir to a larger disk."
+                        if e.errno == errno_mod.ENOSPC else "")
                 raise StoreIOError(f"write to {self.path} failed at offset {offset + done} (region {region!r}): "
-                                   f"{e.strerror}", path=self.path, region=region, offset=offset + done,
+                                   f"{e.strerror}.{hint}", path=self.path, region=region, offset=offset + done,
                                    errno=e.errno) from e
             if n <= 0:
                 raise StoreIOError(f"short write to {self.path} at offset {offset + done} (region {region!r}): "
@@ -281,7 +288,7 @@ class FlatStore:
 
     # ---- public async API ---------------------------------------------------------------------
     def _check_usable(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             raise StoreIOError(f"store {self.path} is closed", path=self.path)
         if self._first_error is not None:
             raise self._first_error
@@ -346,6 +353,8 @@ class FlatStore:
         t0 = time.perf_counter()
         try:
             wait_all(pending, self.io_timeout_s if timeout is None else timeout)
+        except StoreTimeoutError as e:
+            raise StoreTimeoutError(f"store {self.path}: {e}") from None
         finally:
             self._stats.add(wait_seconds=time.perf_counter() - t0)
         if self._first_error is not None:
@@ -363,6 +372,8 @@ class FlatStore:
         t0 = time.perf_counter()
         try:
             handle.wait(self.io_timeout_s)
+        except StoreTimeoutError as e:
+            raise StoreTimeoutError(f"store {self.path}: {e}") from None
         finally:
             self._stats.add(wait_seconds=time.perf_counter() - t0)
 
@@ -379,20 +390,33 @@ class FlatStore:
         return self._pool.total_bytes
 
     def close(self, *, delete: bool = False) -> None:
-        """Drain pending I/O, stop the workers, release the lock. Errors still pending are raised."""
+        """Drain pending I/O, stop the workers, release the lock; then raise any error still pending.
+
+        If a worker stays blocked in the kernel (a stalled disk), the file and its lock are kept, since
+        that thread may still write to the file, and ``StoreTimeoutError`` says so; call ``close``
+        again once the disk answers, or exit the process (the kernel then drops the lock)."""
         if self._closed:
             return
+        self._closing = True
+        error: BaseException | None = None
         try:
             self.fence(timeout=self.io_timeout_s)
-        finally:
-            self._closed = True
-            self._engine.shutdown()
-            os.close(self.fd)
-            if delete:
-                for p in (self.path, self.manifest_path):
-                    if os.path.exists(p):
-                        os.remove(p)
-            self._lock.release()
+        except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
+            error = e
+        busy = self._engine.shutdown(timeout=min(self.io_timeout_s, 30.0))
+        if busy:
+            raise StoreTimeoutError(f"store {self.path}: {busy} I/O thread(s) are still blocked in the kernel; the "
+                                    f"file and its lock stay held until they return (call close() again) or this "
+                                    f"process exits.") from error
+        self._closed = True
+        os.close(self.fd)
+        if delete:
+            for p in (self.path, self.manifest_path):
+                if os.path.exists(p):
+                    os.remove(p)
+        self._lock.release()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> "FlatStore":
         return self

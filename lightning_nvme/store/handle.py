@@ -27,6 +27,7 @@ class IOHandle:
         self.t_done: float | None = None
         self.error: BaseException | None = None
         self._remaining = nchunks
+        self.nchunks = nchunks
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._on_done = on_done
@@ -61,7 +62,7 @@ class IOHandle:
         if not self._event.wait(timeout):
             raise StoreTimeoutError(
                 f"{self.kind} of region {self.region!r} ({self.nbytes} bytes at offset {self.start}) did not complete "
-                f"within {timeout:.0f}s; {self._remaining} chunk(s) still pending. The disk may be stalled or failing."
+                f"within {timeout:.3g}s; {self._remaining} of {self.nchunks} chunk(s) still pending. The disk may be stalled or failing."
             )
         if self.error is not None:
             if isinstance(self.error, StoreError):
@@ -73,11 +74,13 @@ class IOHandle:
         return asyncio.get_running_loop().run_in_executor(None, self.wait).__await__()
 
     def describe(self) -> str:
-        return f"{self.kind} {self.region!r} [{self.start}, {self.end}) {'done' if self.done() else 'pending'}"
+        state = "done" if self.done() else f"{self._remaining}/{self.nchunks} chunks pending"
+        return f"{self.kind} {self.region!r} [{self.start}, {self.end}) {state}"
 
 
 def wait_all(handles: list[IOHandle], timeout: float | None = None) -> None:
-    """Wait for every handle, then raise the first error among them."""
+    """Wait for every handle, then raise the first error among them. A timeout lists every request
+    still pending, so a stalled disk is reported with what it was doing."""
     deadline = None if timeout is None else time.monotonic() + timeout
     first: BaseException | None = None
     for h in handles:
@@ -85,7 +88,10 @@ def wait_all(handles: list[IOHandle], timeout: float | None = None) -> None:
         try:
             h.wait(left)
         except StoreTimeoutError:
-            raise
+            stuck = [x for x in handles if not x.done()]
+            shown = "; ".join(x.describe() for x in stuck[:16]) + ("; ..." if len(stuck) > 16 else "")
+            raise StoreTimeoutError(f"{len(stuck)} request(s) did not complete within {timeout:.3g}s: {shown}. "
+                                    f"The disk may be stalled or failing.") from None
         except StoreError as e:
             first = first or e
     if first is not None:

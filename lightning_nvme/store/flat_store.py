@@ -323,7 +323,8 @@ class FlatStore:
         data = _as_bytes(t)
         deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
         spans = [(a, min(self.chunk_bytes, nbytes - a)) for a in range(0, nbytes, self.chunk_bytes)]
-        handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done)
+        handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done,
+                          timeout=self.io_timeout_s)
         make = self._write_job if kind == "write" else self._read_job
         jobs = [make(data if not zero_copy else t, a, n, start + a, name, zero_copy) for a, n in spans]
         self._engine.track(handle)

@@ -16,7 +16,7 @@ class IOHandle:
 
     def __init__(self, kind: str, region: str, start: int, nbytes: int, nchunks: int,
                  deps: list["IOHandle"], keepalive: Any = None,
-                 on_done: Callable[["IOHandle"], None] | None = None) -> None:
+                 on_done: Callable[["IOHandle"], None] | None = None, timeout: float | None = None) -> None:
         self.kind = kind
         self.region = region
         self.start = start  # absolute file offset
@@ -31,6 +31,7 @@ class IOHandle:
         self._lock = threading.Lock()
         self._event = threading.Event()
         self._on_done = on_done
+        self.timeout = timeout  # what wait() uses when given none: no wait is unbounded by default
         if nchunks == 0:
             self._finish()
 
@@ -59,6 +60,8 @@ class IOHandle:
         self._event.set()
 
     def wait(self, timeout: float | None = None) -> "IOHandle":
+        """Block until done (at most ``timeout``, else the store's ``io_timeout_s``); re-raise its error."""
+        timeout = self.timeout if timeout is None else timeout
         if not self._event.wait(timeout):
             raise StoreTimeoutError(
                 f"{self.kind} of region {self.region!r} ({self.nbytes} bytes at offset {self.start}) did not complete "

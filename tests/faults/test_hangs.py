@@ -3,6 +3,7 @@ store whose worker is still blocked in the kernel keeps its lock until that work
 
 from __future__ import annotations
 
+import asyncio
 import time
 
 import pytest
@@ -71,3 +72,18 @@ def test_close_cancels_requests_that_never_started(tmp_path, faulty_disk):
     with pytest.raises(Exception, match="cancelled"):
         queued.wait(1)
     assert faulty_disk.bytes_written - written_before <= MiB  # only the one stuck chunk finished
+
+
+def test_handle_wait_and_await_are_bounded_by_default(tmp_path, faulty_disk):
+    """``h.wait()`` and ``await h`` without a timeout use the store's io_timeout_s, never forever."""
+    store, handles = _stuck_store(tmp_path, faulty_disk, timeout_s=0.3)
+    with pytest.raises(StoreTimeoutError, match="alpha"):
+        handles[0].wait()
+
+    async def waiter():
+        await handles[1]
+
+    with pytest.raises(StoreTimeoutError, match="beta"):
+        asyncio.run(waiter())
+    faulty_disk.release()
+    store.close()

@@ -24,7 +24,7 @@ from dataclasses import asdict, dataclass
 
 from lightning_nvme import fsinfo
 from lightning_nvme.io_profile import IOProfile
-from lightning_nvme.preflight import ConfigError, _check_writable, _ensure_dir, check_store_dir
+from lightning_nvme.preflight import ConfigError, check_store_dir, check_writable, ensure_dir
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -194,8 +194,8 @@ def main(argv: list[str] | None = None) -> int:
     if not args.json:
         print(f"lightning-nvme doctor: {path}")
     try:
-        _ensure_dir(path, "PATH")
-        _check_writable(path, "PATH")
+        ensure_dir(path, "PATH")
+        check_writable(path, "PATH")
     except ConfigError as e:
         out["problems"].append(str(e))
         say("PROBLEM", str(e))

@@ -61,7 +61,7 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
-def _ensure_dir(path: str, key: str) -> None:
+def ensure_dir(path: str, key: str) -> None:
     """The store dir may be created, but its parent must exist: a missing parent such as
     ``/mnt/nvme0`` usually means the disk is not mounted, and creating it would silently put the
     store on the root disk."""
@@ -81,7 +81,7 @@ def _ensure_dir(path: str, key: str) -> None:
                                f"user, or set {key} to a writable directory.") from e
 
 
-def _check_writable(path: str, key: str) -> None:
+def check_writable(path: str, key: str) -> None:
     try:
         fd, probe = tempfile.mkstemp(prefix=".lightning-nvme-preflight-", dir=path)
         try:
@@ -132,8 +132,8 @@ def check_store_dir(path: str | os.PathLike | None, needed_bytes: int, *, min_fr
     path = os.path.abspath(os.fspath(path))
     if rank_dirs is not None:
         check_rank_dirs(rank_dirs, key)
-    _ensure_dir(path, key)
-    _check_writable(path, key)
+    ensure_dir(path, key)
+    check_writable(path, key)
     info = fsinfo.inspect(path)
     mount = info.mount
     where = f"{mount.mount_point} ({mount.fs_type})" if mount else "its filesystem"

@@ -3,7 +3,6 @@ names the config key and the fix; RAM-backed and network filesystems warn."""
 
 from __future__ import annotations
 
-import os
 import re
 import shutil
 

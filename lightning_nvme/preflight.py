@@ -9,6 +9,9 @@ numeric knobs (sizes positive and 4 KiB-aligned, staging holds a chunk, worker c
 
 from __future__ import annotations
 
+import fcntl
+import glob
+import json
 import os
 import socket
 import tempfile
@@ -19,6 +22,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_nvme import fsinfo
+from lightning_nvme.store.flat_store import MAGIC as STORE_MAGIC
 
 ALIGN = 4096
 GiB = 1 << 30
@@ -49,12 +53,13 @@ class PreflightReport:
     min_free_bytes: int
     direct_io: bool
     direct_io_detail: str
+    reclaimable_bytes: int = 0  # held by stale stores in the dir that a new store replaces
     warnings: list[str] = field(default_factory=list)
 
     @property
     def spare_bytes(self) -> int:
         """Free bytes left after the store and the safety margin (negative never gets past preflight)."""
-        return self.free_bytes - self.needed_bytes - self.min_free_bytes
+        return self.free_bytes + self.reclaimable_bytes - self.needed_bytes - self.min_free_bytes
 
 
 def _gib(n: int) -> str:
@@ -92,6 +97,36 @@ def check_writable(path: str, key: str) -> None:
     except OSError as e:
         raise ConfigError(key, f"{path} is not writable ({e.strerror}). Fix: make it writable for this user "
                                f"(or remount it read-write), or set {key} to a writable directory.") from e
+
+
+def stale_store_bytes(path: str) -> int:
+    """Disk bytes held by lightning-nvme store files in ``path`` whose lock no live process holds,
+    e.g. left by a crashed run. A new store of the same name truncates and replaces such a file, so
+    on a nearly full disk a restart must count them as free, not refuse."""
+    total = 0
+    for manifest in glob.glob(os.path.join(glob.escape(path), "*.json")):
+        data_file = manifest[:-5] + ".bin"
+        try:
+            with open(manifest) as f:
+                if json.load(f).get("magic") != STORE_MAGIC:
+                    continue
+            size = os.stat(data_file).st_blocks * 512
+        except (OSError, ValueError, AttributeError):
+            continue
+        try:
+            fd = os.open(data_file + ".lock", os.O_RDWR)
+        except FileNotFoundError:  # no lock file: no live holder
+            total += size
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            total += size
+        except OSError:  # locked by a live run: not ours to reclaim
+            pass
+        finally:
+            os.close(fd)
+    return total
 
 
 def _host_and_dir(value: str | tuple[str, str]) -> tuple[str, str]:
@@ -137,16 +172,19 @@ def check_store_dir(path: str | os.PathLike | None, needed_bytes: int, *, min_fr
     info = fsinfo.inspect(path)
     mount = info.mount
     where = f"{mount.mount_point} ({mount.fs_type})" if mount else "its filesystem"
-    if needed_bytes + min_free_bytes > info.free_bytes:
-        short = needed_bytes + min_free_bytes - info.free_bytes
+    reclaimable = stale_store_bytes(path)
+    available = info.free_bytes + reclaimable
+    if needed_bytes + min_free_bytes > available:
+        short = needed_bytes + min_free_bytes - available
+        stale = f" (plus {reclaimable} bytes of stale stores it would replace)" if reclaimable else ""
         raise ConfigError(key, f"{path} cannot hold the planned store: it needs {needed_bytes} bytes "
                                f"({_gib(needed_bytes)}) plus the safety margin min_free_bytes={min_free_bytes} "
                                f"({_gib(min_free_bytes)}), but only {info.free_bytes} bytes ({_gib(info.free_bytes)}) "
-                               f"are free on {where}. Fix: free at least {short} bytes ({_gib(short)}), set {key} "
-                               f"to a larger local SSD, or lower min_free_bytes.")
+                               f"are free on {where}{stale}. Fix: free at least {short} bytes ({_gib(short)}), set "
+                               f"{key} to a larger local SSD, or lower min_free_bytes.")
     report = PreflightReport(path, mount.fs_type if mount else None, mount.mount_point if mount else None,
                              mount.options if mount else (), info.free_bytes, needed_bytes, min_free_bytes,
-                             info.direct_io, info.direct_io_detail)
+                             info.direct_io, info.direct_io_detail, reclaimable)
     if mount is not None and mount.is_memory:
         report.warnings.append(f"{key}={path} is on {mount.fs_type} ({mount.mount_point}), which lives in RAM: "
                                f"offloading there saves no memory. Fix: point {key} at a local SSD.")

@@ -181,3 +181,20 @@ def test_parse_dtype():
     assert preflight.parse_dtype(torch.float16) is torch.float16
     with pytest.raises(ConfigError):
         preflight.parse_dtype("Tensor")
+
+
+def test_stale_store_space_counts_as_free_but_live_store_does_not(tmp_path):
+    """A restart on a nearly full disk must not be refused because of the crashed run's own store."""
+    from lightning_nvme.store import FlatStore
+
+    live = FlatStore(tmp_path, chunk_bytes=MiB, pool_bytes=MiB)
+    live.add_region("x", 8 * MiB)
+    assert preflight.stale_store_bytes(str(tmp_path)) == 0  # its lock is held
+    live.close()
+    stale = preflight.stale_store_bytes(str(tmp_path))
+    assert stale >= 8 * MiB
+    free = shutil.disk_usage(tmp_path).free
+    report = check_store_dir(tmp_path, free + stale // 2)  # fits only by replacing the stale store
+    assert report.reclaimable_bytes == stale and report.spare_bytes >= 0
+    (tmp_path / "other.json").write_text("{not a store")  # foreign files are ignored
+    assert preflight.stale_store_bytes(str(tmp_path)) == stale

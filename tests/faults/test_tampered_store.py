@@ -112,3 +112,42 @@ def test_header_from_another_store_is_refused(saved, tmp_path_factory):
         dst.write(src.read(4096))
     with pytest.raises(StoreFormatError, match="layout hash"):
         _reopen(d)
+
+
+def test_digest_detects_changed_data_bytes(saved):
+    """Header checks cannot see data changes; region digests recorded at commit time can."""
+    d, path, _, data = saved
+    store = _reopen(d)
+    recorded = store.digest()
+    assert set(recorded) == {"w", "m"} and store.digest(["w"]) == {"w": recorded["w"]}
+    store.close()
+    offset = _reopen_offset(d, "w")
+    with open(path, "r+b") as f:
+        f.seek(offset + MiB + 123)
+        byte = f.read(1)
+        f.seek(offset + MiB + 123)
+        f.write(bytes([byte[0] ^ 0xFF]))
+    store = _reopen(d)  # the header/layout checks pass: only the data changed
+    now = store.digest()
+    assert now["w"] != recorded["w"] and now["m"] == recorded["m"]
+    store.close()
+
+
+def test_digest_matches_independent_hash_of_written_bytes(tmp_path):
+    import hashlib
+
+    store = FlatStore(tmp_path, chunk_bytes=1 * MiB, pool_bytes=2 * MiB)
+    store.add_region("odd", 3 * MiB + 5)  # not a multiple of the chunk or of 4 KiB
+    src = torch.randint(0, 256, (3 * MiB + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
+    store.write("odd", src)
+    expected = hashlib.blake2b(src.numpy().tobytes(), digest_size=16).hexdigest()
+    assert store.digest() == {"odd": expected}
+    store.close()
+
+
+def _reopen_offset(d, name):
+    store = _reopen(d)
+    try:
+        return store.region(name).offset
+    finally:
+        store.close()

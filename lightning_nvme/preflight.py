@@ -220,9 +220,9 @@ def validate_sizes(**settings: object) -> None:
     """Check numeric settings by the kind their name says, raising ``ConfigError`` for the first bad one.
 
     ``*_bytes``: positive multiple of 4096 (``min_*_bytes``: any integer >= 0). ``*workers``: >= 1.
-    ``*depth``: >= 0. ``*dtype``: a known torch dtype. ``*_s``: a positive number. ``staging_bytes``
-    must hold at least one ``chunk_bytes`` and one ``io_chunk_bytes``, and ``pool_bytes`` one
-    ``chunk_bytes``, when both are given. Unknown names raise ``TypeError`` (a programming error).
+    ``*depth``: >= 1. ``*dtype``: a known torch dtype. ``*_s``: a positive number. ``staging_bytes``
+    and ``pool_bytes`` must hold one I/O chunk (``io_chunk_bytes`` if given, else ``chunk_bytes``).
+    Unknown names raise ``TypeError`` (a programming error).
     """
     for key, value in settings.items():
         if key.endswith("_bytes") and key.startswith("min_"):
@@ -239,8 +239,9 @@ def validate_sizes(**settings: object) -> None:
             if _as_int(key, value) < 1:
                 raise ConfigError(key, f"must be >= 1 I/O worker, got {value}. Fix: use 1-8 (4 is a good default).")
         elif key.endswith("depth"):
-            if _as_int(key, value) < 0:
-                raise ConfigError(key, f"must be >= 0, got {value}.")
+            if _as_int(key, value) < 1:
+                raise ConfigError(key, f"must be >= 1, got {value}. Fix: use 2 (prefetch the next chunk while "
+                                       f"one is in use).")
         elif key.endswith("dtype"):
             parse_dtype(value, key)
         elif key.endswith("_s"):
@@ -248,8 +249,9 @@ def validate_sizes(**settings: object) -> None:
                 raise ConfigError(key, f"must be a positive number of seconds, got {value!r}.")
         else:
             raise TypeError(f"validate_sizes does not know how to check setting {key!r}")
-    for holder, chunk in (("staging_bytes", "chunk_bytes"), ("staging_bytes", "io_chunk_bytes"),
-                          ("pool_bytes", "chunk_bytes")):
+    # the buffer pool holds I/O chunks: io_chunk_bytes in strategy settings, chunk_bytes in store settings
+    io_chunk = "io_chunk_bytes" if "io_chunk_bytes" in settings else "chunk_bytes"
+    for holder, chunk in (("staging_bytes", io_chunk), ("pool_bytes", io_chunk)):
         if holder in settings and chunk in settings and settings[holder] < settings[chunk]:  # type: ignore[operator]
             raise ConfigError(holder, f"{holder}={settings[holder]} cannot hold one {chunk}={settings[chunk]}. "
                                       f"Fix: set {holder} >= {chunk} (e.g. {holder}={settings[chunk]}).")

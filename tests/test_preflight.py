@@ -147,7 +147,7 @@ def test_valid_sizes_pass():
     ("chunk_bytes", True, "integer"),
     ("io_workers", 0, ">= 1"),
     ("num_workers", -2, ">= 1"),
-    ("prefetch_depth", -1, ">= 0"),
+    ("prefetch_depth", 0, ">= 1"),
     ("min_free_bytes", -1, ">= 0"),
     ("io_timeout_s", 0, "positive"),
     ("state_dtype", "float33", "unknown dtype"),
@@ -163,12 +163,14 @@ def test_nonaligned_size_suggests_fix():
         validate_sizes(chunk_bytes=5000)
 
 
-def test_staging_must_hold_a_chunk():
+def test_staging_must_hold_an_io_chunk():
     with pytest.raises(ConfigError) as ei:
-        validate_sizes(chunk_bytes=64 * MiB, staging_bytes=32 * MiB)
-    assert ei.value.key == "staging_bytes" and "chunk_bytes" in str(ei.value)
+        validate_sizes(chunk_bytes=64 * MiB, pool_bytes=32 * MiB)  # store settings: chunk_bytes is the I/O chunk
+    assert ei.value.key == "pool_bytes" and "chunk_bytes" in str(ei.value)
     with pytest.raises(ConfigError, match="io_chunk_bytes"):
         validate_sizes(io_chunk_bytes=8 * MiB, staging_bytes=4 * MiB)
+    # strategy settings: the optimizer-state chunk is not an I/O buffer and may exceed the staging pool
+    validate_sizes(chunk_bytes=128 * MiB, io_chunk_bytes=8 * MiB, staging_bytes=64 * MiB)
 
 
 def test_unknown_setting_is_a_programming_error():

@@ -18,13 +18,14 @@ import json
 import logging
 import os
 import shutil
+import threading
 import time
 
 import torch
 
 from lightning_nvme.store.buffers import StagingPool, aligned_empty, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
-from lightning_nvme.store.errors import StoreFormatError, StoreIOError, StoreSpaceError, StoreTimeoutError
+from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreSpaceError, StoreTimeoutError
 from lightning_nvme.store.handle import IOHandle, wait_all
 from lightning_nvme.store.layout import ALIGN, FORMAT_VERSION, HEADER_BYTES, Layout, Region, align_up
 from lightning_nvme.store.lock import StoreLock
@@ -72,21 +73,22 @@ class FlatStore:
         self.chunk_bytes = chunk_bytes
         self.io_timeout_s = io_timeout_s
         self.min_free_bytes = min_free_bytes
+        self._closing = False  # set by close(): no new requests while it drains
         self._lock = StoreLock(self.path + ".lock")
         self._lock.acquire()
         self._closed = False
-        self._closing = False
         self._first_error: BaseException | None = None
+        self._submit_lock = threading.Lock()
         self._stats = StatsRecorder()
-        self.fd: int | None = None
+        self.fd = -1
         try:
             self.layout = Layout()
             self._open(direct, reopen)
             self._pool = StagingPool(max(1, pool_bytes // chunk_bytes), chunk_bytes, pin=torch.cuda.is_available())
             self._engine = IOEngine(num_workers)
         except BaseException:
-            if getattr(self, "fd", None) is not None:
-                os.close(self.fd)
+            if self.fd >= 0:
+                os.close(self.fd)  # a refused reopen must not leak the descriptor
             self._lock.release()
             raise
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d pool=%d MiB", self.path, self.mode,
@@ -147,25 +149,34 @@ class FlatStore:
         os.replace(tmp, self.manifest_path)
 
     def _check_existing(self) -> None:
+        """Refuse a store whose manifest, header or size disagree: reading it would return garbage."""
         try:
             with open(self.manifest_path) as f:
                 manifest = json.load(f)
         except (OSError, ValueError) as e:
             raise StoreFormatError(f"store manifest {self.manifest_path} is missing or unreadable: {e}") from e
-        if manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
+        if not isinstance(manifest, dict) or manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
+            found = manifest if not isinstance(manifest, dict) else f"{manifest.get('magic')!r} v{manifest.get('version')}"
             raise StoreFormatError(f"{self.manifest_path}: not a lightning-nvme store of format version "
-                                   f"{FORMAT_VERSION} (found {manifest.get('magic')!r} v{manifest.get('version')})")
-        self.layout = Layout.from_json(manifest["layout"])
+                                   f"{FORMAT_VERSION} (found {found})")
+        try:
+            self.layout = Layout.from_json(manifest["layout"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreFormatError(f"{self.manifest_path}: the manifest's layout is malformed ({e!r})") from e
         if self.layout.digest() != manifest.get("digest"):
             raise StoreFormatError(f"{self.manifest_path}: layout hash mismatch; the manifest was modified")
+        # Size first: a header read from a file truncated below one block would be a short read.
         size = os.fstat(self.fd).st_size
-        if size < max(HEADER_BYTES, self.layout.end):
-            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}")
+        if size < self.layout.end:
+            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}. "
+                                   f"The store cannot be reopened; start a new one (reopen=False).")
         buf = aligned_empty(HEADER_BYTES)
         self._pread_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
         try:
             header = json.loads(bytes(buf.numpy()).rstrip(b"\0"))
         except ValueError:
+            header = {}
+        if not isinstance(header, dict):
             header = {}
         if (header.get("magic") != MAGIC or header.get("version") != FORMAT_VERSION
                 or header.get("layout") != self.layout.digest() or header.get("end") != self.layout.end):
@@ -322,14 +333,17 @@ class FlatStore:
             zero_copy = not self.direct or is_direct_capable(t, nbytes, for_read=kind == "read")
         start = region.offset + offset
         data = _as_bytes(t)
-        deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
         spans = [(a, min(self.chunk_bytes, nbytes - a)) for a in range(0, nbytes, self.chunk_bytes)]
-        handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done,
-                          timeout=self.io_timeout_s)
         make = self._write_job if kind == "write" else self._read_job
         jobs = [make(data if not zero_copy else t, a, n, start + a, name, zero_copy) for a, n in spans]
-        self._engine.track(handle)
-        self._engine.submit(handle, jobs)
+        # Finding the dependencies, registering the request and queueing its chunks is one step, so two
+        # threads submitting at once cannot both miss each other (or queue out of dependency order).
+        with self._submit_lock:
+            deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
+            handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done,
+                              default_timeout=self.io_timeout_s)
+            self._engine.track(handle)
+            self._engine.submit(handle, jobs)
         return handle
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
@@ -352,11 +366,16 @@ class FlatStore:
             for name in regions:
                 r = self.layout[name]
                 pending += self._engine.pending(r.offset, r.end)
+        limit = self.io_timeout_s if timeout is None else timeout
         t0 = time.perf_counter()
         try:
-            wait_all(pending, self.io_timeout_s if timeout is None else timeout)
-        except StoreTimeoutError as e:
-            raise StoreTimeoutError(f"store {self.path}: {e}") from None
+            wait_all(pending, limit)
+        except StoreTimeoutError:
+            stuck = [h.describe() for h in pending if not h.done()]
+            shown = "; ".join(stuck[:20]) + (f"; ... {len(stuck) - 20} more" if len(stuck) > 20 else "")
+            raise StoreTimeoutError(
+                f"fence on {self.path} timed out after {limit:g}s with {len(stuck)} request(s) pending: {shown}. "
+                f"The disk may be stalled or failing; raise io_timeout_s only if it is just slow.") from None
         finally:
             self._stats.add(wait_seconds=time.perf_counter() - t0)
         if self._first_error is not None:
@@ -441,8 +460,14 @@ class FlatStore:
     def __enter__(self) -> "FlatStore":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is already propagating: clean up, but do not mask it with a store error
+            self.close()
+        except StoreError as e:
+            log.error("FlatStore %s: error while closing after %s: %s", self.path, exc_type.__name__, e)
 
     def __repr__(self) -> str:
         return f"FlatStore({self.path!r}, mode={self.mode}, regions={len(self.layout.regions)}, bytes={self.size_bytes})"

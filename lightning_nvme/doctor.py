@@ -25,6 +25,7 @@ from dataclasses import asdict, dataclass
 from lightning_nvme import fsinfo
 from lightning_nvme.io_profile import IOProfile
 from lightning_nvme.preflight import ConfigError, check_store_dir, check_writable, ensure_dir
+from lightning_nvme.store import StoreError
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -181,111 +182,129 @@ def _parser() -> argparse.ArgumentParser:
     return p
 
 
+class Findings:
+    """What the doctor found: printed as it goes (or collected for ``--json``), problems set the exit code."""
+
+    def __init__(self, path: str, as_json: bool) -> None:
+        self.as_json = as_json
+        self.data: dict = {"path": path, "problems": [], "advice": []}
+
+    def say(self, label: str, text: str) -> None:
+        if not self.as_json:
+            print(f"  {label:<12} {text}")
+
+    def problem(self, text: str) -> None:
+        self.data["problems"].append(text)
+        self.say("PROBLEM", text)
+
+    def advise(self, label: str, text: str) -> None:
+        self.data["advice"].append(text)
+        self.say(label, text)
+
+    def finish(self) -> int:
+        rc = 1 if self.data["problems"] else 0
+        self.data["ok"] = rc == 0
+        if self.as_json:
+            print(json.dumps(self.data))
+        else:
+            print(f"  {'verdict':<12} {'OK' if rc == 0 else 'PROBLEMS FOUND (' + str(len(self.data['problems'])) + ')'}")
+        return rc
+
+
+def _check_filesystem(path: str, info: fsinfo.FsInfo, args: argparse.Namespace, f: Findings) -> None:
+    m = info.mount
+    f.data.update(fs_type=m.fs_type if m else None, mount_point=m.mount_point if m else None,
+                  mount_options=list(m.options) if m else [], disk=info.disk, direct_io=info.direct_io,
+                  free_bytes=info.free_bytes, total_bytes=info.total_bytes,
+                  swap_same_disk=[asdict(s) for s in info.swap_same_disk])
+    if m:
+        f.say("filesystem", f"{m.fs_type} on {m.device} at {m.mount_point} (disk {info.disk or 'none: virtual'})")
+        f.say("mount opts", ",".join(m.options))
+        if not m.noatime:
+            f.advise("noatime", "absent: add noatime to the mount options (reads then never update access times; "
+                                "minor for one preallocated store file)")
+        if m.is_memory:
+            f.problem(f"{m.fs_type} lives in RAM: a store there saves no memory; use a local SSD")
+        if m.is_network:
+            f.advise("WARNING", f"{m.fs_type} is a network/FUSE filesystem: slow, weaker durability; use a local SSD")
+    f.say("O_DIRECT", ("supported" if info.direct_io else "NOT supported (buffered I/O + fadvise instead)")
+          + f": {info.direct_io_detail}")
+
+    line = f"{_size(info.free_bytes)} free of {_size(info.total_bytes)}"
+    if args.plan_bytes is not None:
+        try:
+            with warnings.catch_warnings():
+                warnings.simplefilter("ignore")  # tmpfs/network were reported above
+                rep = check_store_dir(path, args.plan_bytes, min_free_bytes=args.min_free_bytes, key="PATH")
+            line += (f"; plan {_size(args.plan_bytes)} + margin {_size(args.min_free_bytes)}: fits "
+                     f"({_size(rep.spare_bytes)} to spare)")
+        except ConfigError as e:
+            f.data["problems"].append(str(e))
+            line += f"; PROBLEM: {e}"
+    f.say("free space", line)
+
+    if info.swap_same_disk:
+        names = ", ".join(f"{s.filename} ({_size(s.size_bytes)}, {_size(s.used_bytes)} used)"
+                          for s in info.swap_same_disk)
+        f.advise("swap", f"on the same disk {info.disk}: {names}; it competes with the store when the host swaps")
+    else:
+        f.say("swap", f"none on this disk ({len(fsinfo.read_swaps())} swap area(s) in total)")
+
+
+def _measure_and_tune(path: str, info: fsinfo.FsInfo, args: argparse.Namespace, f: Findings) -> None:
+    budget = max(0, info.free_bytes - args.min_free_bytes) // 2  # never fill the disk to measure it
+    bench_bytes = min(args.bench_bytes, budget) // (8 * MiB) * (8 * MiB)
+    tune_bytes = min(args.tune_bytes, budget) // MiB * MiB
+    if bench_bytes >= 8 * MiB:
+        bw = measure_bandwidth(path, bench_bytes, args.seconds * 0.4)
+        f.data["bandwidth"] = asdict(bw)
+        f.say("bandwidth", f"sequential write {bw.write_mib_s:.0f} MiB/s (through fsync), read {bw.read_mib_s:.0f} "
+                           f"MiB/s, {_size(bw.nbytes)}, {'O_DIRECT' if bw.direct else 'buffered, cache dropped'}, "
+                           f"one stream of 8 MiB requests")
+    else:
+        f.say("bandwidth", "skipped: not enough free space for a measurement")
+    if args.no_tune or tune_bytes < MiB:
+        return
+    profile = tune(path, nbytes=tune_bytes, seconds=args.seconds * 0.45)
+    f.data["profile"] = asdict(profile)
+    f.say("tuning", f"{len(profile.trials)} settings x {profile.trials[0]['rounds']} rounds of {_size(tune_bytes)} "
+                    f"through FlatStore (median combined read+write MiB/s):")
+    if not f.as_json:
+        for t in sorted(profile.trials, key=lambda t: -t["ratio_to_default"])[:6]:
+            print(f"    chunk {t['chunk_bytes'] // MiB:>3} MiB x {t['num_workers']} workers: "
+                  f"{t['combined_mib_s']:>7.0f} MiB/s, {t['ratio_to_default']:.2f}x default "
+                  f"(write {t['write_mib_s']:.0f}, read {t['read_mib_s']:.0f})")
+    kept = (profile.chunk_bytes, profile.num_workers) == DEFAULT_SETTING
+    f.say("profile", f"chunk_bytes={profile.chunk_bytes} ({profile.chunk_bytes // MiB} MiB), num_workers="
+                     f"{profile.num_workers}: " + ("the default; no setting beat it by 5% when re-measured in "
+                     "alternating pairs" if kept else f"{profile.speedup_vs_default:.2f}x the default (8 MiB x 4), "
+                     "median of re-measured alternating pairs"))
+    if args.write_profile:
+        profile.save(args.write_profile)
+        f.data["profile_file"] = os.path.abspath(args.write_profile)
+        f.say("written", f"{args.write_profile}; use it with NVMeOffloadStrategy(io_profile={args.write_profile!r})")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the doctor; returns 0 when the directory is usable for the plan, 1 when it is not."""
     args = _parser().parse_args(argv)
     path = os.path.abspath(args.path)
-    out: dict = {"path": path, "problems": [], "advice": []}
-
-    def say(label: str, text: str) -> None:
-        if not args.json:
-            print(f"  {label:<12} {text}")
-
+    f = Findings(path, args.json)
     if not args.json:
         print(f"lightning-nvme doctor: {path}")
     try:
         ensure_dir(path, "PATH")
         check_writable(path, "PATH")
     except ConfigError as e:
-        out["problems"].append(str(e))
-        say("PROBLEM", str(e))
-        return _finish(args, out, 1)
-
+        f.problem(str(e))
+        return f.finish()
     info = fsinfo.inspect(path)
-    m = info.mount
-    out.update(fs_type=m.fs_type if m else None, mount_point=m.mount_point if m else None,
-               mount_options=list(m.options) if m else [], disk=info.disk, direct_io=info.direct_io,
-               free_bytes=info.free_bytes, total_bytes=info.total_bytes,
-               swap_same_disk=[asdict(s) for s in info.swap_same_disk])
-    if m:
-        say("filesystem", f"{m.fs_type} on {m.device} at {m.mount_point} (disk {info.disk or 'none: virtual'})")
-        say("mount opts", ",".join(m.options))
-        if not m.noatime:
-            out["advice"].append("mount option noatime is absent: reads update inode access times (with relatime "
-                                 "at most daily; minor for one preallocated file). Add noatime in /etc/fstab.")
-            say("noatime", "absent (advice: add noatime to the mount options; minor for a single store file)")
-        if m.is_memory:
-            out["problems"].append(f"{m.fs_type} lives in RAM: a store there saves no memory")
-            say("PROBLEM", f"{m.fs_type} lives in RAM: offloading there saves no memory; use a local SSD")
-        if m.is_network:
-            out["advice"].append(f"{m.fs_type} is a network/FUSE filesystem: expect low bandwidth; use a local SSD")
-            say("WARNING", f"{m.fs_type} is a network/FUSE filesystem: slow, weaker durability; use a local SSD")
-    say("O_DIRECT", ("supported" if info.direct_io else "NOT supported (buffered I/O + fadvise instead)")
-        + f": {info.direct_io_detail}")
-
-    plan_line = f"{_size(info.free_bytes)} free of {_size(info.total_bytes)}"
-    if args.plan_bytes is not None:
-        try:
-            with warnings.catch_warnings():
-                warnings.simplefilter("ignore")
-                rep = check_store_dir(path, args.plan_bytes, min_free_bytes=args.min_free_bytes, key="PATH")
-            plan_line += (f"; plan {_size(args.plan_bytes)} + margin {_size(args.min_free_bytes)}: fits "
-                          f"({_size(rep.spare_bytes)} to spare)")
-        except ConfigError as e:
-            out["problems"].append(str(e))
-            plan_line += f"; PROBLEM: {e}"
-    say("free space", plan_line)
-
-    if info.swap_same_disk:
-        names = ", ".join(f"{s.filename} ({_size(s.size_bytes)}, {_size(s.used_bytes)} used)"
-                          for s in info.swap_same_disk)
-        out["advice"].append(f"swap on the same disk ({names}) competes with the store for bandwidth")
-        say("swap", f"on the same disk {info.disk}: {names}: it competes with the store when the host swaps")
-    else:
-        say("swap", f"none on this disk ({len(fsinfo.read_swaps())} swap area(s) in total)")
-
-    budget = max(0, info.free_bytes - args.min_free_bytes) // 2
-    bench_bytes = min(args.bench_bytes, budget) // (8 * MiB) * (8 * MiB)
-    tune_bytes = min(args.tune_bytes, budget) // MiB * MiB
-    if bench_bytes >= 8 * MiB:
-        bw = measure_bandwidth(path, bench_bytes, args.seconds * 0.4)
-        out["bandwidth"] = asdict(bw)
-        say("bandwidth", f"sequential write {bw.write_mib_s:.0f} MiB/s (through fsync), read {bw.read_mib_s:.0f} "
-                         f"MiB/s, {_size(bw.nbytes)}, {'O_DIRECT' if bw.direct else 'buffered, cache dropped'}, "
-                         f"one stream of 8 MiB requests")
-    else:
-        say("bandwidth", "skipped: not enough free space for a measurement")
-
-    if not args.no_tune and tune_bytes >= MiB:
-        profile = tune(path, nbytes=tune_bytes, seconds=args.seconds * 0.45)
-        out["profile"] = asdict(profile)
-        say("tuning", f"{len(profile.trials)} settings x {profile.trials[0]['rounds']} rounds of {_size(tune_bytes)} "
-                      f"through FlatStore (median combined read+write MiB/s):")
-        if not args.json:
-            for t in sorted(profile.trials, key=lambda t: -t["ratio_to_default"])[:6]:
-                print(f"    chunk {t['chunk_bytes'] // MiB:>3} MiB x {t['num_workers']} workers: "
-                      f"{t['combined_mib_s']:>7.0f} MiB/s, {t['ratio_to_default']:.2f}x default "
-                      f"(write {t['write_mib_s']:.0f}, read {t['read_mib_s']:.0f})")
-        kept = (profile.chunk_bytes, profile.num_workers) == DEFAULT_SETTING
-        say("profile", f"chunk_bytes={profile.chunk_bytes} ({profile.chunk_bytes // MiB} MiB), "
-                       f"num_workers={profile.num_workers}: " + ("the default; no setting beat it by 5% when re-measured in alternating pairs"
-                       if kept else f"{profile.speedup_vs_default:.2f}x the default (8 MiB x 4), median of "
-                       f"re-measured alternating pairs"))
-        if args.write_profile:
-            profile.save(args.write_profile)
-            out["profile_file"] = os.path.abspath(args.write_profile)
-            say("written", f"{args.write_profile}; use it with NVMeOffloadStrategy(io_profile="
-                           f"{args.write_profile!r})")
-    return _finish(args, out, 1 if out["problems"] else 0)
-
-
-def _finish(args: argparse.Namespace, out: dict, rc: int) -> int:
-    out["ok"] = rc == 0
-    if args.json:
-        print(json.dumps(out))
-    else:
-        print(f"  {'verdict':<12} {'OK' if rc == 0 else 'PROBLEMS FOUND: ' + ' | '.join(out['problems'])}")
-    return rc
+    _check_filesystem(path, info, args, f)
+    try:
+        _measure_and_tune(path, info, args, f)
+    except (OSError, StoreError) as e:  # a failing disk is a finding, not a crash of the doctor
+        f.problem(f"I/O on {path} failed during the measurements: {e}")
+    return f.finish()
 
 
 if __name__ == "__main__":

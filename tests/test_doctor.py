@@ -123,3 +123,13 @@ def test_module_entry_point(tmp_path):
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     assert "lightning-nvme doctor" in proc.stdout and "bandwidth" in proc.stdout
+
+
+def test_main_reports_failing_disk_instead_of_crashing(tmp_path, monkeypatch, capsys):
+    def eio(*a, **k):
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(doctor, "measure_bandwidth", eio)
+    rc = doctor.main([str(tmp_path), "--json", *QUICK])
+    out = _json_out(capsys)
+    assert rc == 1 and "Input/output error" in out["problems"][0] and str(tmp_path) in out["problems"][0]

@@ -4,7 +4,7 @@ second with one message naming the config key and the fix, not hours later in a 
 ``check_store_dir`` validates the store directory (exists or can be created under an existing
 parent, writable, enough free space for the planned store plus the safety margin, O_DIRECT,
 not memory-backed, not remote, not shared by two ranks of one host). ``validate_sizes`` checks the
-numeric knobs (sizes positive and 4 KiB-aligned, staging holds a chunk, worker counts >= 1).
+numeric knobs (sizes positive and 4 KiB-aligned, staging holds an I/O chunk, worker counts >= 1).
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ the same bytes, so a chunk is never updated from stale state.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -64,10 +64,13 @@ class OffloadedOptimizer:
         overlap: ``"step"`` (pipeline inside the step, reads start on entry) or ``"backward"``.
         clip_value: with ``overlap="backward"``, element-wise gradient value clipping applied before
             each chunk's update (what Lightning would apply after the closure).
+        owned: param index -> element ranges: offload and update only these (a data-parallel rank's
+            partition, see ``partition_by_bytes``); ``None`` = every trainable parameter.
     """
 
     def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0", chunk_bytes: int = 64 << 20,
-                 prefetch_depth: int = 2, overlap: str = "step", clip_value: float | None = None) -> None:
+                 prefetch_depth: int = 2, overlap: str = "step", clip_value: float | None = None,
+                 owned: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> None:
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
         if prefetch_depth < 1:
@@ -78,7 +81,8 @@ class OffloadedOptimizer:
         self.overlap = overlap
         self.prefetch_depth = prefetch_depth
         self.clip_value = clip_value
-        self.chunks, self.specs = plan_chunks(optimizer, chunk_bytes, name)
+        self.owned = owned
+        self.chunks, self.specs = plan_chunks(optimizer, chunk_bytes, name, owned=owned)
         self.pieces_of: dict[int, list[tuple[Chunk, Piece]]] = defaultdict(list)
         for c in self.chunks:
             for piece in c.pieces:

@@ -1,0 +1,204 @@
+"""NVMeOffloadDDPStrategy on 2 processes (Gloo, CPU): bitwise equal to plain DDP (norm clipping included,
+which is global because every rank holds the all-reduced gradient), identical replicas, and each rank's
+store holding only its share of the state.
+
+Lightning's own launcher starts the processes: each test runs this file as a script in a subprocess
+(``python tests/test_ddp.py SPEC.json``), which runs ``Trainer(devices=N)`` for each run of the spec and
+saves every rank's parameters; pytest itself is never forked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---- the launcher side (pytest) ---------------------------------------------------------------------------
+def launch(tmp_path, runs: list[dict], world: int = 2, expect_kill: bool = False) -> None:
+    """Run ``runs`` one after another in one ``Trainer(devices=world)`` job; results land in each run's ``out``."""
+    spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
+    spec.write_text(json.dumps({"world": world, "runs": runs}))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "test_ddp.py"), str(spec)], env=env, timeout=240,
+                          capture_output=True, text=True)
+    if expect_kill:
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-5000:]
+
+
+def results(out: str, world: int = 2) -> list[dict]:
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def assert_bitwise(a: dict, b: dict, what: str) -> None:
+    for name, p in a["params"].items():
+        assert torch.equal(p, b["params"][name]), f"{what}: parameter {name} differs"
+
+
+def run_spec(tmp_path, name: str, strategy: str, **kw) -> dict:
+    return {"name": name, "strategy": strategy, "root": str(tmp_path / name), "out": str(tmp_path / name / "result"),
+            "store": str(tmp_path / name / "store"), **kw}
+
+
+# ---- the tests ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 2-process job: plain DDP and nvme_offload_ddp (AdamW, two param groups, LR scheduler, accumulation,
+    norm clipping), value clipping with overlap='backward', and manual optimization with two optimizers."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    common = {"steps": 20, "accumulate": 2, "clip": 0.05, "clip_algo": "norm"}
+    runs = [run_spec(tmp, "ddp", "ddp", **common),
+            run_spec(tmp, "offload", "offload", chunk_bytes=16 << 10, **common),
+            run_spec(tmp, "ddp_value", "ddp", steps=20, accumulate=1, clip=0.01, clip_algo="value"),
+            run_spec(tmp, "offload_backward", "offload", overlap="backward", chunk_bytes=8 << 10, steps=20,
+                     accumulate=1, clip=0.01, clip_algo="value"),
+            run_spec(tmp, "ddp_manual", "ddp", model="two_optimizers", steps=20),
+            run_spec(tmp, "offload_manual", "offload", model="two_optimizers", steps=20, chunk_bytes=8 << 10)]
+    launch(tmp, runs)
+    return {r["name"]: results(r["out"]) for r in runs}
+
+
+def test_bitwise_equal_to_plain_ddp_with_global_norm_clipping(trained):
+    ref, off = trained["ddp"], trained["offload"]
+    for rank in range(2):
+        assert off[rank]["global_step"] == 20
+        assert_bitwise(ref[rank], off[rank], f"rank {rank}")
+    assert_bitwise(off[0], off[1], "replicas")
+    # Clipping was active (pre-clip norms above the threshold) and saw the same global norm on every rank.
+    norms = [r["grad_norms"] for r in off]
+    assert norms[0] == norms[1] == ref[0]["grad_norms"]
+    assert max(norms[0]) > 0.05
+
+
+def test_backward_overlap_with_value_clipping_equals_plain_ddp(trained):
+    ref, off = trained["ddp_value"], trained["offload_backward"]
+    for rank in range(2):
+        assert_bitwise(ref[rank], off[rank], f"rank {rank}")
+    assert off[0]["updated_in_backward"] > 0, "no chunk was updated during backward"
+
+
+def test_manual_optimization_with_two_optimizers_equals_plain_ddp(trained):
+    ref, off = trained["ddp_manual"], trained["offload_manual"]
+    for rank in range(2):
+        assert_bitwise(ref[rank], off[rank], f"rank {rank}")
+
+
+def test_each_rank_stores_only_its_share(trained):
+    """Each rank's store holds <= total / N + one chunk of state (total = what one process would store)."""
+    off = trained["offload"]
+    total = off[0]["single_process_state_bytes"]
+    chunk = off[0]["chunk_bytes"]
+    per_rank = [r["state_bytes"] for r in off]
+    assert sum(per_rank) >= total - 64 * 16  # every element's state is owned by some rank (slot padding aside)
+    for rank, r in enumerate(off):
+        assert r["state_bytes"] <= total / 2 + chunk, (rank, per_rank, total)
+        assert r["store_path"].endswith(f"store-rank{rank}.bin")
+        assert r["store_regions_bytes"] <= total / 2 + chunk + 4096 * r["store_regions"], (rank, r, total)
+
+
+def test_partition_balances_bytes_and_cuts_large_params():
+    from lightning_nvme.optim import partition_by_bytes
+
+    big, small = torch.nn.Parameter(torch.zeros(1000)), [torch.nn.Parameter(torch.zeros(10)) for _ in range(7)]
+    half = torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([big, *small, half])
+    for world in (1, 2, 3, 4):
+        part = partition_by_bytes(opt, world)
+        assert part.balance <= 1.01, (world, part.state_bytes)
+        covered: dict[int, list] = {}
+        for r in range(world):
+            for i, rs in part.owned(r).items():
+                covered.setdefault(i, []).extend(rs)
+        for i, p in enumerate([big, *small, half]):
+            spans = sorted(covered[i])
+            assert spans[0][0] == 0 and spans[-1][1] == p.numel()
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans  # no gap, no overlap
+    assert partition_by_bytes(opt, 2).state_bytes[0] == 1000 * 8 // 2 + (70 * 8 + 300 * 12) // 2
+
+
+# ---- the worker side (run by Lightning in every rank) -----------------------------------------------------------
+def _worker(spec_path: str) -> None:
+    sys.path.insert(0, HERE)
+    spec = json.loads(open(spec_path).read())
+    for run in spec["runs"]:
+        _train(run, spec["world"])
+
+
+def _train(run: dict, world: int) -> None:
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import lightning_nvme  # noqa: F401
+    from lightning_nvme import NVMeOffloadDDPStrategy
+    from lightning_nvme.optim import plan_chunks
+    from models import MLP, TwoOptimizers
+
+    batch = run.get("global_batch", 16) // world
+    model = TwoOptimizers() if run.get("model") == "two_optimizers" else MLP(run.get("optimizer", "adamw"),
+                                                                          batch_size=batch)
+    if run["strategy"] == "ddp":
+        strategy = DDPStrategy(find_unused_parameters=True)
+    else:
+        strategy = NVMeOffloadDDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
+                                          overlap=run.get("overlap", "step"), find_unused_parameters=True)
+    norms: list[float] = []
+
+    class Record(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+    class SaveAndKill(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == run["save_epoch"]:
+                trainer.save_checkpoint(run["save"])
+                if run.get("kill"):
+                    trainer.strategy.barrier()
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks = [Record()] + ([SaveAndKill()] if run.get("save") else [])
+    trainer = Trainer(default_root_dir=run["root"], strategy=strategy, accelerator="cpu", devices=world,
+                      max_steps=run.get("steps", -1), max_epochs=run.get("epochs"),
+                      accumulate_grad_batches=run.get("accumulate", 1), gradient_clip_val=run.get("clip"),
+                      gradient_clip_algorithm=run.get("clip_algo", "norm"), precision=run.get("precision", "32-true"),
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      callbacks=callbacks)
+    updated_in_backward = 0
+    if run["strategy"] != "ddp" and run.get("overlap") == "backward":
+        from lightning_nvme.optim import OffloadedOptimizer
+
+        original = OffloadedOptimizer._update_chunk
+
+        def counting(self, c):
+            nonlocal updated_in_backward
+            updated_in_backward += bool(self._armed)
+            return original(self, c)
+
+        OffloadedOptimizer._update_chunk = counting
+    trainer.fit(model, ckpt_path=run.get("resume"))
+    out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "global_step": trainer.global_step,
+           "grad_norms": norms, "updated_in_backward": updated_in_backward}
+    if run["strategy"] != "ddp":
+        off = trainer.strategy.offloaded[0]
+        store = off.store
+        out.update(state_bytes=off.state_bytes, chunk_bytes=run.get("chunk_bytes", 16 << 10), store_path=store.path,
+                   store_regions=len(off.chunks),
+                   store_regions_bytes=sum(off.capacity.values()),
+                   single_process_state_bytes=sum(c.nbytes for c in plan_chunks(
+                       off.optimizer, run.get("chunk_bytes", 16 << 10), "probe")[0]))
+    os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
+    torch.save(out, f"{run['out']}.rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

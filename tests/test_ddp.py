@@ -57,11 +57,12 @@ def trained(tmp_path_factory):
     norm clipping), value clipping with overlap='backward', and manual optimization with two optimizers."""
     tmp = tmp_path_factory.mktemp("ddp")
     common = {"steps": 20, "accumulate": 2, "clip": 0.05, "clip_algo": "norm"}
+    # small DDP buckets, so several all-reduces finish while backward still runs
+    backward = {"steps": 20, "accumulate": 2, "clip": 0.01, "clip_algo": "value", "ddp_kwargs": {"bucket_cap_mb": 0.01}}
     runs = [run_spec(tmp, "ddp", "ddp", **common),
             run_spec(tmp, "offload", "offload", chunk_bytes=16 << 10, **common),
-            run_spec(tmp, "ddp_value", "ddp", steps=20, accumulate=1, clip=0.01, clip_algo="value"),
-            run_spec(tmp, "offload_backward", "offload", overlap="backward", chunk_bytes=8 << 10, steps=20,
-                     accumulate=1, clip=0.01, clip_algo="value"),
+            run_spec(tmp, "ddp_value", "ddp", **backward),
+            run_spec(tmp, "offload_backward", "offload", overlap="backward", chunk_bytes=8 << 10, **backward),
             run_spec(tmp, "ddp_manual", "ddp", model="two_optimizers", steps=20),
             run_spec(tmp, "offload_manual", "offload", model="two_optimizers", steps=20, chunk_bytes=8 << 10)]
     launch(tmp, runs)
@@ -147,10 +148,11 @@ def _train(run: dict, world: int) -> None:
     model = TwoOptimizers() if run.get("model") == "two_optimizers" else MLP(run.get("optimizer", "adamw"),
                                                                           batch_size=batch)
     if run["strategy"] == "ddp":
-        strategy = DDPStrategy(find_unused_parameters=True)
+        strategy = DDPStrategy(find_unused_parameters=True, **run.get("ddp_kwargs", {}))
     else:
         strategy = NVMeOffloadDDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
-                                          overlap=run.get("overlap", "step"), find_unused_parameters=True)
+                                          overlap=run.get("overlap", "step"), find_unused_parameters=True,
+                                          **run.get("ddp_kwargs", {}))
     norms: list[float] = []
 
     class Record(Callback):

@@ -12,6 +12,13 @@ One step on every rank::
 
 Ownership is a ``Partition`` balanced by state bytes (``partition_by_bytes``). Checkpoints are sharded
 directories (``lightning_nvme.checkpoint.sharded``), and resume at any world size.
+
+``overlap="backward"``: a gradient is final only once its all-reduce has completed, not when autograd
+accumulates it, so the strategy installs a DDP communication hook (the same averaging all-reduce, with
+``gradient_as_bucket_view=True`` so a parameter's ``.grad`` *is* its slice of the reduced bucket). When
+bucket k is ready, its all-reduce is launched, then the previous bucket's is awaited (it ran while bucket
+k's gradients were computed) and the chunks whose gradients are now all final are updated, while bucket
+k's all-reduce and the rest of backward proceed. The last bucket's chunks are updated after backward.
 """
 
 from __future__ import annotations
@@ -45,6 +52,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     buffer updated parameters are shared through) and those of Lightning's ``DDPStrategy``."""
 
     strategy_name = "nvme_offload_ddp"
+    _local_grad_hooks = False
 
     def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
                  staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
@@ -66,12 +74,48 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
                                          io_workers, overlap, io_profile, min_free_bytes))
         self.broadcast_bucket_bytes = broadcast_bucket_bytes
         self.partitions: list[Partition] = []
+        self._grad_owner: dict[int, list[tuple[OffloadedOptimizer, int]]] = {}  # id(param) -> (optimizer, index)
+        self._reducing: list[tuple[torch.futures.Future, list[torch.Tensor]]] = []  # launched bucket all-reduces
 
     # ---- ownership ----------------------------------------------------------------------------------------
     @override
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         self.partitions = []
         super()._offload_optimizers(trainer)
+        self._grad_owner = {}
+        for off in self.offloaded:
+            for index, p in enumerate(off.params):
+                self._grad_owner.setdefault(id(p), []).append((off, index))
+
+    # ---- overlap="backward": updates start as buckets finish their all-reduce ---------------------------------
+    @override
+    def configure_ddp(self) -> None:
+        if self.config.overlap != "backward":
+            return super().configure_ddp()
+        if self._ddp_comm_hook is not None:
+            raise ValueError("nvme_offload_ddp: overlap='backward' installs its own DDP communication hook, so "
+                             "ddp_comm_hook cannot be given too; use overlap='step' with a custom hook")
+        self._ddp_kwargs["gradient_as_bucket_view"] = True
+        super().configure_ddp()
+        # (unannotated: DDP checks the hook's annotations by identity, which postponed annotations fail)
+        self.model.register_comm_hook(None, lambda state, bucket: self._reduce_bucket(bucket))  # type: ignore[union-attr]
+
+    def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's averaging all-reduce of one bucket; then update what the previous bucket completed."""
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / self.world_size)  # as DDP's built-in reducer (bitwise equal for any world size)
+        work = dist.all_reduce(buffer, async_op=True).get_future()
+        self._reducing.append((work, bucket.parameters()))
+        self._update_reduced(keep_last=1)
+        return work.then(lambda fut: fut.value()[0])
+
+    def _update_reduced(self, keep_last: int = 0) -> None:
+        while len(self._reducing) > keep_last:
+            work, params = self._reducing.pop(0)
+            work.wait()
+            for p in params:
+                for off, index in self._grad_owner.get(id(p), ()):
+                    off.grad_ready(index)
 
     @override
     def _owned_ranges(self, index: int, optimizer: Optimizer) -> Mapping[int, Sequence[tuple[int, int]]]:
@@ -93,8 +137,15 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
 
     # ---- sharing the update ----------------------------------------------------------------------------------
     @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        self._reducing = []  # reductions of a backward outside this step (manual optimization) are not ours
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
     def _after_update(self, off: OffloadedOptimizer) -> None:
         """Every rank broadcasts the element ranges it updated; afterwards all replicas are identical."""
+        self._reducing = []  # all complete: the step updated whatever backward did not
         if self.world_size == 1:
             return
         params = off.params

@@ -33,6 +33,9 @@ class OffloadMixin:
     """Mix in before a Lightning strategy class; call ``_init_offload`` from ``__init__``."""
 
     strategy_name: str
+    # overlap="backward": a gradient is final when its post-accumulate-grad hook fires (single process);
+    # False where the subclass signals it itself (data parallel: after the all-reduce).
+    _local_grad_hooks: bool = True
     config: OffloadConfig
     nvme_store: FlatStore | None
     offloaded: list[OffloadedOptimizer]
@@ -84,7 +87,8 @@ class OffloadMixin:
         self.offloaded = [
             OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
                                prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
-                               clip_value=clip_value, owned=self._owned_ranges(i, opt))
+                               clip_value=clip_value, owned=self._owned_ranges(i, opt),
+                               grad_hooks=self._local_grad_hooks)
             for i, opt in enumerate(self.optimizers)  # type: ignore[attr-defined]
         ]
         state = sum(o.state_bytes for o in self.offloaded)

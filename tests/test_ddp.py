@@ -63,6 +63,9 @@ def trained(tmp_path_factory):
             run_spec(tmp, "offload", "offload", chunk_bytes=16 << 10, **common),
             run_spec(tmp, "ddp_value", "ddp", **backward),
             run_spec(tmp, "offload_backward", "offload", overlap="backward", chunk_bytes=8 << 10, **backward),
+            run_spec(tmp, "ddp_master", "ddp", model="master_weights_reference", precision="bf16-true", steps=20),
+            run_spec(tmp, "offload_bf16", "offload", precision="bf16-true", steps=20),
+            run_spec(tmp, "save_failure", "offload", steps=4, failing_save=str(tmp / "f.ckpt")),
             run_spec(tmp, "ddp_manual", "ddp", model="two_optimizers", steps=20),
             run_spec(tmp, "offload_manual", "offload", model="two_optimizers", steps=20, chunk_bytes=8 << 10)]
     launch(tmp, runs)
@@ -86,6 +89,24 @@ def test_backward_overlap_with_value_clipping_equals_plain_ddp(trained):
     for rank in range(2):
         assert_bitwise(ref[rank], off[rank], f"rank {rank}")
     assert off[0]["updated_in_backward"] > 0, "no chunk was updated during backward"
+
+
+def test_bf16_master_weights_equal_in_memory_master_weight_reference(trained):
+    """bf16 params, fp32 master weights in each rank's store: equal to plain DDP driving an in-memory
+    fp32-master AdamW (the same gradients, all-reduced in bf16)."""
+    ref, off = trained["ddp_master"], trained["offload_bf16"]
+    for rank in range(2):
+        assert all(p.dtype == torch.bfloat16 for n, p in off[rank]["params"].items())
+        assert_bitwise(ref[rank], off[rank], f"rank {rank}")
+    assert off[0]["state_bytes"] + off[1]["state_bytes"] >= 12 * sum(  # exp_avg, exp_avg_sq, master: 3 x fp32
+        p.numel() for n, p in off[0]["params"].items() if not n.startswith("frozen"))
+
+
+def test_failed_save_on_one_rank_fails_every_rank_and_keeps_the_previous_checkpoint(trained):
+    for rank, r in enumerate(trained["save_failure"]):
+        assert "disk went away" in r["save_error"], (rank, r["save_error"])
+        assert r["unchanged"], f"rank {rank}: the previous checkpoint was modified"
+        assert r["leftovers"] == []
 
 
 def test_manual_optimization_with_two_optimizers_equals_plain_ddp(trained):
@@ -145,8 +166,12 @@ def _train(run: dict, world: int) -> None:
     from models import MLP, TwoOptimizers
 
     batch = run.get("global_batch", 16) // world
-    model = TwoOptimizers() if run.get("model") == "two_optimizers" else MLP(run.get("optimizer", "adamw"),
-                                                                          batch_size=batch)
+    if run.get("model") == "two_optimizers":
+        model = TwoOptimizers()
+    elif run.get("model") == "master_weights_reference":
+        model = _MasterWeightsMLP(batch_size=batch)
+    else:
+        model = MLP(run.get("optimizer", "adamw"), batch_size=batch)
     if run["strategy"] == "ddp":
         strategy = DDPStrategy(find_unused_parameters=True, **run.get("ddp_kwargs", {}))
     else:
@@ -198,8 +223,80 @@ def _train(run: dict, world: int) -> None:
                    store_regions_bytes=sum(off.capacity.values()),
                    single_process_state_bytes=sum(c.nbytes for c in plan_chunks(
                        off.optimizer, run.get("chunk_bytes", 16 << 10), "probe")[0]))
+    if run.get("failing_save"):
+        out.update(_save_failure(trainer, run["failing_save"]))
     os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
     torch.save(out, f"{run['out']}.rank{trainer.global_rank}.pt")
+
+
+def _save_failure(trainer, path: str) -> dict:
+    """Save once, then save again with rank 1's shard writer failing: every rank must raise, and the
+    first checkpoint must stay as it was."""
+    from lightning_nvme.checkpoint import sharded
+
+    trainer.save_checkpoint(path)
+    before = {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+    original = sharded.SafetensorsWriter.write
+
+    def failing(self, *args, **kwargs):
+        raise OSError("disk went away mid-checkpoint")
+
+    if trainer.global_rank == 1:
+        sharded.SafetensorsWriter.write = failing
+    error = ""
+    try:
+        trainer.save_checkpoint(path)
+    except Exception as e:  # noqa: BLE001  (the test inspects the message)
+        error = str(e)
+    finally:
+        sharded.SafetensorsWriter.write = original
+    after = {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+    parent = os.path.dirname(os.path.abspath(path))
+    return {"save_error": error, "unchanged": before == after,
+            "leftovers": [f for f in os.listdir(parent) if ".tmp-" in f]}
+
+
+def _master_weights_reference_optimizer():
+    class MasterWeightsAdamW(torch.optim.Optimizer):
+        """Reference: fp32 master copies in memory, AdamW on them, cast back to the bf16 params."""
+
+        def __init__(self, groups, **defaults):
+            super().__init__(groups, defaults)
+            self.masters = {p: p.detach().float().clone() for g in self.param_groups for p in g["params"]}
+            self.inner = torch.optim.AdamW([{**{k: v for k, v in g.items() if k != "params"},
+                                             "params": [self.masters[p] for p in g["params"]]}
+                                            for g in self.param_groups])
+
+        def step(self, closure=None):
+            loss = closure() if closure is not None else None
+            for g, inner in zip(self.param_groups, self.inner.param_groups):
+                inner.update({k: v for k, v in g.items() if k != "params"})  # the LR scheduler's lr
+                for p, m in zip(g["params"], inner["params"]):
+                    m.grad = p.grad.float() if p.grad is not None else None
+            self.inner.step()
+            with torch.no_grad():
+                for p, m in self.masters.items():
+                    p.copy_(m)
+            return loss
+
+    return MasterWeightsAdamW
+
+
+class _MasterWeightsMLPBase:
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+        opt = _master_weights_reference_optimizer()([{"params": decay}, {"params": no_decay, "lr": 5e-3,
+                                                                            "weight_decay": 0.0}],
+                                                     lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _MasterWeightsMLP(**kwargs):
+    from models import MLP
+
+    return type("MasterWeightsMLP", (_MasterWeightsMLPBase, MLP), {})(**kwargs)
 
 
 if __name__ == "__main__":

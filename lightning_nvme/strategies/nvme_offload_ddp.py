@@ -205,10 +205,10 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
                 sharded.commit(checkpoint, tmp, path)
             except BaseException as e:
                 error, failed = e, [(0, repr(e))]
-        failed = self.broadcast(failed)
+        if failed and self.is_global_zero:
+            sharded.abort(tmp)
+        failed = self.broadcast(failed)  # after the abort: no rank returns while the temp dir still exists
         if failed:
-            if self.is_global_zero:
-                sharded.abort(tmp)
             if error is not None:
                 raise error
             raise RuntimeError(f"nvme_offload_ddp: checkpoint {path} was not written: " +

@@ -12,8 +12,8 @@ Layout of ``<name>.ckpt/`` (beside the single-process layout of ``streamed``)::
 Names carry the param index and element range, so resuming at another world size is reading ranges: each
 rank reads the ranges it now owns from whichever shard files hold them (``streamed._FileSource``).
 
-The protocol (run by ``NVMeOffloadDDPStrategy``): rank 0 ``begin``s a temp directory and broadcasts its
-name; every rank ``write_shard``s into it; the ranks agree that all shards were written; rank 0
+The protocol (run by ``NVMeOffloadDDPStrategy``): rank 0 ``begin``s the temp directory
+``.<name>.tmp-sharded`` beside the target and broadcasts its name; every rank ``write_shard``s into it; the ranks agree that all shards were written; rank 0
 ``commit``s (metadata, fsync, one atomic rename) or ``abort``s.
 """
 
@@ -25,7 +25,7 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint.atomic import commit_dir, fsync_path, recover, temp_name
+from lightning_nvme.checkpoint.atomic import commit_dir, fsync_path, recover
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsWriter
 from lightning_nvme.checkpoint.streamed import FORMAT_VERSION, MARKER, META_FILE, tensor_name
 from lightning_nvme.optim import OffloadedOptimizer, Partition, Piece
@@ -40,12 +40,19 @@ def shard_marker(i: int, partition: Partition, shapes: list[tuple[int, ...]]) ->
             "world_size": partition.world_size, "partition": partition.to_dict(), "shapes": shapes}
 
 
+def temp_dir(path: str) -> str:
+    """The one temp name of a sharded save of ``path``. Not per process (ranks on other machines write into
+    it, and a pid means nothing there): a leftover of a killed save is removed by the next save of ``path``."""
+    head, tail = os.path.split(os.path.abspath(path))
+    return os.path.join(head, f".{tail}.tmp-sharded")
+
+
 def begin(path: str) -> str:
     """Rank 0: recover an interrupted commit of ``path`` and create the empty temp directory all ranks write to."""
     path = os.path.abspath(path)
     os.makedirs(os.path.dirname(path), exist_ok=True)
     recover(path)
-    tmp = temp_name(path)
+    tmp = temp_dir(path)
     shutil.rmtree(tmp, ignore_errors=True)
     os.makedirs(tmp)
     return tmp

@@ -183,7 +183,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
                         storage_options: Any | None = None) -> None:
         """Every rank streams its shard into one temp directory named by rank 0; rank 0 adds the metadata and
         commits atomically once every rank reports its shard written (or removes it if any failed)."""
-        if not self.offloaded:
+        if not self.offloaded or "optimizer_states" not in checkpoint:  # weights_only: one plain file
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = os.path.abspath(os.fspath(filepath))
         tmp = self.broadcast(sharded.begin(path) if self.is_global_zero else None)

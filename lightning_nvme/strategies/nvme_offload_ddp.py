@@ -103,7 +103,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's averaging all-reduce of one bucket; then update what the previous bucket completed."""
         buffer = bucket.buffer()
-        buffer.mul_(1.0 / self.world_size)  # as DDP's built-in reducer (bitwise equal for any world size)
+        buffer.mul_(1.0 / self.world_size)  # averages as DDP's built-in reducer does: multiply by 1/N, then sum
         work = dist.all_reduce(buffer, async_op=True).get_future()
         self._reducing.append((work, bucket.parameters()))
         self._update_reduced(keep_last=1)

@@ -2,8 +2,9 @@
 size bitwise equal to the uninterrupted run; resume at world size 1 from a 2-rank save and at 2 from a
 1-rank save; conversion to a plain Lightning checkpoint that plain DDP resumes, and back.
 
-Across world sizes the global batch is kept (16 = 2 x 8 = 1 x 16; DistributedSampler interleaves ranks, so
-the global batches hold the same samples), so the runs do the same maths except the order in which the
+Across world sizes the global batch is kept (16 = 2 x 8 = 1 x 16; Lightning's DistributedSampler draws one
+permutation per epoch whatever the world size and interleaves it over the ranks, so the global batches
+hold the same samples), so the runs do the same maths except the order in which the
 all-reduce adds gradients: those are compared with ``allclose(rtol=1e-4, atol=1e-6)``, same-world-size
 resumes bitwise.
 """
@@ -48,8 +49,10 @@ def runs(tmp_path_factory):
     ws2_from_ws1 = run_spec(tmp, "ws2_from_ws1", "offload", resume=ck1, **COMMON)
     ddp_from_plain = run_spec(tmp, "ddp_from_plain", "ddp", resume=plain, **COMMON)
     from_back = run_spec(tmp, "from_back", "offload", resume=back, **COMMON)
-    launch(tmp, [same_world, ws2_from_ws1, ddp_from_plain, from_back], world=2)
-    out = {r["name"]: results(r["out"], 2) for r in (ref, same_world, ws2_from_ws1, ddp_from_plain, from_back)}
+    offload_from_plain = run_spec(tmp, "offload_from_plain", "offload", resume=plain, **COMMON)
+    launch(tmp, [same_world, ws2_from_ws1, ddp_from_plain, from_back, offload_from_plain], world=2)
+    out = {r["name"]: results(r["out"], 2)
+           for r in (ref, same_world, ws2_from_ws1, ddp_from_plain, from_back, offload_from_plain)}
     out.update({r["name"]: results(r["out"], 1) for r in (ws1_from_ws2, ws1)})
     out.update(layout=layout, plain=torch.load(plain, weights_only=False), ck2=ck2)
     return out
@@ -93,3 +96,27 @@ def test_plain_conversion_resumes_with_plain_ddp_and_converts_back(runs):
     for rank in range(2):
         assert_bitwise(runs["ref"][rank], runs["ddp_from_plain"][rank], f"plain ddp, rank {rank}")
         assert_bitwise(runs["ref"][rank], runs["from_back"][rank], f"converted back, rank {rank}")
+        assert_bitwise(runs["ref"][rank], runs["offload_from_plain"][rank], f"plain into shards, rank {rank}")
+
+
+def test_single_device_strategy_resumes_a_sharded_checkpoint(runs, tmp_path):
+    """``nvme_offload`` (one process, batch 16 = the global batch) reads both shards of the 2-rank save.
+    Lightning shuffles a DDP job's training data with ``DistributedSampler(shuffle=True, seed=0)``, so
+    this single-process run uses the same sampler for the same global batches."""
+    from lightning.pytorch import Trainer
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    from lightning_nvme import NVMeOffloadStrategy
+    from models import MLP, dataset
+
+    class SameOrderMLP(MLP):
+        def train_dataloader(self):
+            data = dataset()
+            return DataLoader(data, batch_size=16, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=0))
+
+    model = SameOrderMLP()
+    Trainer(default_root_dir=tmp_path, strategy=NVMeOffloadStrategy(store_dir=str(tmp_path / "s"), chunk_bytes=16 << 10),
+            accelerator="cpu", max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False,
+            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+            ).fit(model, ckpt_path=runs["ck2"])
+    assert_close(runs["ref"][0], {"params": dict(model.named_parameters())}, "world size 2 -> single device")

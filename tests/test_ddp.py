@@ -121,7 +121,7 @@ def test_each_rank_stores_only_its_share(trained):
     total = off[0]["single_process_state_bytes"]
     chunk = off[0]["chunk_bytes"]
     per_rank = [r["state_bytes"] for r in off]
-    assert sum(per_rank) >= total - 64 * 16  # every element's state is owned by some rank (slot padding aside)
+    assert total <= sum(per_rank) <= total * 1.01  # every element's state is on one rank (+ slot padding of cuts)
     for rank, r in enumerate(off):
         assert r["state_bytes"] <= total / 2 + chunk, (rank, per_rank, total)
         assert r["store_path"].endswith(f"store-rank{rank}.bin")

@@ -76,16 +76,39 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         self.partitions: list[Partition] = []
         self._grad_owner: dict[int, list[tuple[OffloadedOptimizer, int]]] = {}  # id(param) -> (optimizer, index)
         self._reducing: list[tuple[torch.futures.Future, list[torch.Tensor]]] = []  # launched bucket all-reduces
+        self._broadcasts: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
 
     # ---- ownership ----------------------------------------------------------------------------------------
     @override
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         self.partitions = []
         super()._offload_optimizers(trainer)
+        # per optimizer: (source rank, ranges) of every broadcast that follows its step, in a fixed order
+        self._broadcasts = [[(src, bucket) for src, pieces in enumerate(part.owner_pieces())
+                             for bucket in _buckets(pieces, off.params, self.broadcast_bucket_bytes)]
+                            for off, part in zip(self.offloaded, self.partitions)]
         self._grad_owner = {}
         for off in self.offloaded:
             for index, p in enumerate(off.params):
                 self._grad_owner.setdefault(id(p), []).append((off, index))
+
+    @override
+    def _owned_ranges(self, index: int, optimizer: Optimizer) -> Mapping[int, Sequence[tuple[int, int]]]:
+        partition = partition_by_bytes(optimizer, self.world_size)
+        for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+            if p.requires_grad and not p.is_contiguous():
+                raise ValueError(f"nvme_offload_ddp: parameter {i} of optimizer {index} ({tuple(p.shape)}) is not "
+                                 "contiguous, so its owner cannot broadcast it in place; make it contiguous")
+        agreed = self.broadcast(partition.to_dict())
+        if agreed != partition.to_dict():
+            raise RuntimeError(f"nvme_offload_ddp: rank {self.global_rank} partitions optimizer {index} differently "
+                               "from rank 0: every rank must build the same model and optimizer (same parameter "
+                               "shapes, order, dtypes and requires_grad)")
+        self.partitions.append(partition)
+        return partition.owned(self.global_rank)
+
+    def partition_of(self, off: OffloadedOptimizer) -> Partition:
+        return self.partitions[self.offloaded.index(off)]
 
     # ---- overlap="backward": updates start as buckets finish their all-reduce ---------------------------------
     @override
@@ -117,24 +140,6 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
                 for off, index in self._grad_owner.get(id(p), ()):
                     off.grad_ready(index)
 
-    @override
-    def _owned_ranges(self, index: int, optimizer: Optimizer) -> Mapping[int, Sequence[tuple[int, int]]]:
-        partition = partition_by_bytes(optimizer, self.world_size)
-        for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
-            if p.requires_grad and not p.is_contiguous():
-                raise ValueError(f"nvme_offload_ddp: parameter {i} of optimizer {index} ({tuple(p.shape)}) is not "
-                                 "contiguous, so its owner cannot broadcast it in place; make it contiguous")
-        agreed = self.broadcast(partition.to_dict())
-        if agreed != partition.to_dict():
-            raise RuntimeError(f"nvme_offload_ddp: rank {self.global_rank} partitions optimizer {index} differently "
-                               "from rank 0: every rank must build the same model and optimizer (same parameter "
-                               "shapes, order, dtypes and requires_grad)")
-        self.partitions.append(partition)
-        return partition.owned(self.global_rank)
-
-    def partition_of(self, off: OffloadedOptimizer) -> Partition:
-        return self.partitions[self.offloaded.index(off)]
-
     # ---- sharing the update ----------------------------------------------------------------------------------
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
@@ -150,9 +155,8 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
             return
         params = off.params
         with torch.no_grad():
-            for src, pieces in enumerate(self.partition_of(off).owner_pieces()):
-                for bucket in _buckets(pieces, params, self.broadcast_bucket_bytes):
-                    self._broadcast_bucket(bucket, params, src)
+            for src, bucket in self._broadcasts[self.offloaded.index(off)]:
+                self._broadcast_bucket(bucket, params, src)
 
     def _broadcast_bucket(self, bucket: list[tuple[int, int, int]], params: list[torch.Tensor], src: int) -> None:
         views = [params[i].detach().view(-1)[lo:hi] for i, lo, hi in bucket]

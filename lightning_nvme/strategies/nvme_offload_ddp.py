@@ -40,6 +40,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import sharded
+from lightning_nvme.checkpoint.atomic import recover
 from lightning_nvme.config import GiB, MiB, OffloadConfig
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
 from lightning_nvme.strategies.offload_mixin import OffloadMixin
@@ -178,9 +179,11 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if not ckpt.is_streamed(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        checkpoint = ckpt.load_streamed(os.fspath(checkpoint_path), recover_first=self.is_global_zero)
+        path = os.path.abspath(os.fspath(checkpoint_path))
+        if self.is_global_zero:
+            recover(path)  # finish or undo an interrupted commit, once, before any rank reads
         self.barrier("nvme_offload_ddp.load_checkpoint")
-        return checkpoint
+        return ckpt.load_streamed(path, recover_first=False)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,

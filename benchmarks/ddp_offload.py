@@ -159,8 +159,9 @@ def main() -> None:
         print(f"pair {p}: ddp {step[(p, 'ddp')] * 1e3:7.1f} ms/step   nvme_offload_ddp "
               f"{step[(p, 'offload')] * 1e3:7.1f} ms/step   ratio {ratios[p]:.2f}")
     for rank, r in enumerate(last):
-        print(f"rank {rank}: {r['state_bytes'] / 2**20:.1f} MiB of state, store file {r['store_file_bytes'] / 2**20:.1f} "
-              f"MiB ({r['store_allocated_bytes'] / 2**20:.1f} MiB allocated, {r['io_mode']} I/O)")
+        print(f"rank {rank}: {r['state_bytes'] / 2**20:.1f} MiB of state, "
+              f"store file {r['store_file_bytes'] / 2**20:.1f} MiB "
+              f"({r['store_allocated_bytes'] / 2**20:.1f} MiB allocated, {r['io_mode']} I/O)")
     print(json.dumps({
         "world_size": 2, "params": last[0]["params"],
         "state_bytes_total": sum(per_rank),

@@ -115,8 +115,8 @@ def test_single_device_strategy_resumes_a_sharded_checkpoint(runs, tmp_path):
             return DataLoader(data, batch_size=16, sampler=DistributedSampler(data, num_replicas=1, rank=0, seed=0))
 
     model = SameOrderMLP()
-    Trainer(default_root_dir=tmp_path, strategy=NVMeOffloadStrategy(store_dir=str(tmp_path / "s"), chunk_bytes=16 << 10),
-            accelerator="cpu", max_epochs=2, accumulate_grad_batches=2, gradient_clip_val=0.5, logger=False,
-            enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-            ).fit(model, ckpt_path=runs["ck2"])
+    strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "s"), chunk_bytes=16 << 10)
+    Trainer(default_root_dir=tmp_path, strategy=strategy, accelerator="cpu", max_epochs=2, accumulate_grad_batches=2,
+            gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+            enable_model_summary=False).fit(model, ckpt_path=runs["ck2"])
     assert_close(runs["ref"][0], {"params": dict(model.named_parameters())}, "world size 2 -> single device")

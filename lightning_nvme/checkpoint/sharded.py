@@ -13,8 +13,9 @@ Names carry the param index and element range, so resuming at another world size
 rank reads the ranges it now owns from whichever shard files hold them (``streamed._FileSource``).
 
 The protocol (run by ``NVMeOffloadDDPStrategy``): rank 0 ``begin``s the temp directory
-``.<name>.tmp-sharded`` beside the target and broadcasts its name; every rank ``write_shard``s into it; the ranks agree that all shards were written; rank 0
-``commit``s (metadata, fsync, one atomic rename) or ``abort``s.
+``.<name>.tmp-sharded`` beside the target and broadcasts its name; every rank ``write_shard``s into
+it; the ranks agree that all shards were written; rank 0 ``commit``s (metadata, fsync, one atomic
+rename) or ``abort``s.
 """
 
 from __future__ import annotations
@@ -88,7 +89,8 @@ def write_shard(off: OffloadedOptimizer, directory: str, i: int, rank: int) -> s
     entries = []
     for (index, start), (run_start, run_stop) in sorted(runs.items()):
         if start == run_start:
-            entries += [(tensor_name(index, k, run_start, run_stop), d, (run_stop - run_start,)) for k, d in keys[index]]
+            entries += [(tensor_name(index, k, run_start, run_stop), d, (run_stop - run_start,))
+                        for k, d in keys[index]]
     name = shard_file(i, rank)
     writer = SafetensorsWriter(os.path.join(directory, name), entries,
                                {"format": MARKER, "format_version": str(FORMAT_VERSION), "rank": str(rank)})

@@ -122,7 +122,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         self._ddp_kwargs["gradient_as_bucket_view"] = True
         super().configure_ddp()
         # (unannotated: DDP checks the hook's annotations by identity, which postponed annotations fail)
-        self.model.register_comm_hook(None, lambda state, bucket: self._reduce_bucket(bucket))  # type: ignore[union-attr]
+        self.model.register_comm_hook(None, lambda state, bucket: self._reduce_bucket(bucket))
 
     def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
         """DDP's averaging all-reduce of one bucket; then update what the previous bucket completed."""

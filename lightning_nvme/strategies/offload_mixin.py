@@ -39,6 +39,11 @@ class OffloadMixin:
     config: OffloadConfig
     nvme_store: FlatStore | None
     offloaded: list[OffloadedOptimizer]
+    # provided by the Lightning strategy mixed with
+    global_rank: int
+    is_global_zero: bool
+    optimizers: list[Optimizer]
+    precision_plugin: Any
 
     def _init_offload(self, config: OffloadConfig) -> None:
         self.config = config
@@ -57,7 +62,7 @@ class OffloadMixin:
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)  # type: ignore[misc]
-        if trainer.state.fn == TrainerFn.FITTING and self.optimizers:  # type: ignore[attr-defined]
+        if trainer.state.fn == TrainerFn.FITTING and self.optimizers:
             self._check_overlap_supported(trainer)
             self._offload_optimizers(trainer)
 
@@ -70,7 +75,7 @@ class OffloadMixin:
                              "final, before the global gradient norm is known, so norm clipping "
                              f"(gradient_clip_val={trainer.gradient_clip_val}) would change the maths. Use "
                              "overlap='step', or gradient_clip_algorithm='value'.")
-        if getattr(self.precision_plugin, "scaler", None) is not None:  # type: ignore[attr-defined]
+        if getattr(self.precision_plugin, "scaler", None) is not None:
             raise ValueError(f"{self.strategy_name}: overlap='backward' cannot be used with a loss scaler "
                              "(precision='16-mixed'): the inf check needs all gradients first. Use overlap='step' "
                              "or precision='bf16-mixed'.")
@@ -78,8 +83,9 @@ class OffloadMixin:
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
         io = self.config.io_settings()
-        self.nvme_store = FlatStore(store_dir, rank=self.global_rank, chunk_bytes=io.chunk_bytes,  # type: ignore[attr-defined]
-                                    num_workers=io.num_workers, pool_bytes=max(self.config.staging_bytes, io.chunk_bytes),
+        self.nvme_store = FlatStore(store_dir, rank=self.global_rank, chunk_bytes=io.chunk_bytes,
+                                    num_workers=io.num_workers,
+                                    pool_bytes=max(self.config.staging_bytes, io.chunk_bytes),
                                     min_free_bytes=self.config.min_free_bytes)
         clip_value = None
         if self.config.overlap == "backward" and trainer.gradient_clip_val:
@@ -89,7 +95,7 @@ class OffloadMixin:
                                prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
                                clip_value=clip_value, owned=self._owned_ranges(i, opt),
                                grad_hooks=self._local_grad_hooks)
-            for i, opt in enumerate(self.optimizers)  # type: ignore[attr-defined]
+            for i, opt in enumerate(self.optimizers)
         ]
         state = sum(o.state_bytes for o in self.offloaded)
         resident = sum(o.ring.total_bytes for o in self.offloaded) + self.nvme_store.pool_bytes
@@ -117,8 +123,7 @@ class OffloadMixin:
             yield self.nvme_store
             return
         first = self.offloaded[0].store
-        store = FlatStore(first.directory, rank=self.global_rank, chunk_bytes=first.chunk_bytes,  # type: ignore[attr-defined]
-                          reopen=True)
+        store = FlatStore(first.directory, rank=self.global_rank, chunk_bytes=first.chunk_bytes, reopen=True)
         try:
             for off in self.offloaded:
                 off.attach(store)
@@ -166,7 +171,7 @@ class OffloadMixin:
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero and ckpt.is_streamed(filepath):  # type: ignore[attr-defined]
+        if self.is_global_zero and ckpt.is_streamed(filepath):
             ckpt.remove_streamed(os.fspath(filepath))
         else:
             super().remove_checkpoint(filepath)  # type: ignore[misc]

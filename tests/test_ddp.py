@@ -66,6 +66,7 @@ def trained(tmp_path_factory):
             run_spec(tmp, "ddp_master", "ddp", model="master_weights_reference", precision="bf16-true", steps=20),
             run_spec(tmp, "offload_bf16", "offload", precision="bf16-true", steps=20),
             run_spec(tmp, "save_failure", "offload", steps=4, failing_save=str(tmp / "f.ckpt")),
+            run_spec(tmp, "model_checkpoint", "offload", steps=12, model_checkpoint=str(tmp / "ckpts")),
             run_spec(tmp, "ddp_manual", "ddp", model="two_optimizers", steps=20),
             run_spec(tmp, "offload_manual", "offload", model="two_optimizers", steps=20, chunk_bytes=8 << 10)]
     launch(tmp, runs)
@@ -107,6 +108,16 @@ def test_failed_save_on_one_rank_fails_every_rank_and_keeps_the_previous_checkpo
         assert "disk went away" in r["save_error"], (rank, r["save_error"])
         assert r["unchanged"], f"rank {rank}: the previous checkpoint was modified"
         assert r["leftovers"] == []
+
+
+def test_model_checkpoint_callback_keeps_sharded_last_and_top_k(trained):
+    """ModelCheckpoint every 4 steps, save_last, top-1: old directories are removed by rank 0, last.ckpt is
+    replaced atomically, every kept checkpoint holds both ranks' shards, no temp directory is left."""
+    listing = trained["model_checkpoint"][0]["checkpoints"]
+    assert sorted(listing) == ["epoch=0-step=12.ckpt", "last.ckpt"], listing
+    for name, files in listing.items():
+        assert files == ["checkpoint.pt", "optimizer-0-rank0.safetensors", "optimizer-0-rank1.safetensors"], name
+    assert trained["model_checkpoint"][0]["leftovers"] == []
 
 
 def test_manual_optimization_with_two_optimizers_equals_plain_ddp(trained):
@@ -194,12 +205,16 @@ def _train(run: dict, world: int) -> None:
                     os.kill(os.getpid(), signal.SIGKILL)
 
     callbacks = [Record()] + ([SaveAndKill()] if run.get("save") else [])
+    if run.get("model_checkpoint"):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=run["model_checkpoint"], every_n_train_steps=4, save_last=True))
     trainer = Trainer(default_root_dir=run["root"], strategy=strategy, accelerator="cpu", devices=world,
                       max_steps=run.get("steps", -1), max_epochs=run.get("epochs"),
                       accumulate_grad_batches=run.get("accumulate", 1), gradient_clip_val=run.get("clip"),
                       gradient_clip_algorithm=run.get("clip_algo", "norm"), precision=run.get("precision", "32-true"),
-                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                      callbacks=callbacks)
+                      logger=False, enable_checkpointing=bool(run.get("model_checkpoint")), enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=callbacks)
     updated_in_backward = 0
     if run["strategy"] != "ddp" and run.get("overlap") == "backward":
         from lightning_nvme.optim import OffloadedOptimizer
@@ -225,6 +240,10 @@ def _train(run: dict, world: int) -> None:
                        off.optimizer, run.get("chunk_bytes", 16 << 10), "probe")[0]))
     if run.get("failing_save"):
         out.update(_save_failure(trainer, run["failing_save"]))
+    if run.get("model_checkpoint"):
+        d = run["model_checkpoint"]
+        out.update(checkpoints={n: sorted(os.listdir(os.path.join(d, n))) for n in os.listdir(d) if ".tmp-" not in n},
+                   leftovers=[n for n in os.listdir(d) if ".tmp-" in n or n.endswith(".old")])
     os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
     torch.save(out, f"{run['out']}.rank{trainer.global_rank}.pt")
 

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Callable
 
 from lightning_nvme.store.errors import StoreError
@@ -72,11 +73,15 @@ class IOEngine:
             else:
                 handle.chunk_finished(None)
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 30.0) -> bool:
+        """Stop the workers once the queued jobs are done; wait at most ``timeout`` s in total.
+        Returns False if some worker is still running (stuck in a system call)."""
         for _ in self._threads:
             self._queue.put(None)
+        deadline = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout=30)
+            t.join(timeout=max(0.0, deadline - time.monotonic()))
+        return self.alive_threads == 0
 
     @property
     def alive_threads(self) -> int:

@@ -7,9 +7,12 @@ recognised as stale and taken over, while a live holder is refused with its pid.
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 
 from lightning_nvme.store.errors import StoreLockedError
+
+log = logging.getLogger(__name__)
 
 
 class StoreLock:
@@ -31,6 +34,9 @@ class StoreLock:
             ) from None
         previous = os.pread(fd, 64, 0).decode(errors="replace").strip()
         self.took_over_stale = bool(previous) and previous != str(os.getpid())
+        if self.took_over_stale:
+            log.warning("taking over store %s: its lock was left by pid %s, which is no longer running",
+                        self.path[:-5], previous)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd

@@ -8,7 +8,8 @@ Each fit runs ``--warmup`` steps, then ``--steps`` timed steps; the offloaded wi
 fence of the store (writes are timed through fdatasync). Step time is the slower rank's. Reported: the
 median of the per-pair ratios offload / ddp.
 
-    python benchmarks/ddp_offload.py                  # ~8M params, 5 pairs of 10 timed steps, ~1 minute on 2 cores
+    python benchmarks/ddp_offload.py                  # ~8M params, 7 pairs of 10 timed steps, ~1-2 minutes on 2 cores
+    python benchmarks/ddp_offload.py --overlap backward
 
 Last line: one JSON object.
 """
@@ -94,7 +95,8 @@ def worker(args) -> None:
                 strategy = DDPStrategy()
             else:
                 strategy = NVMeOffloadDDPStrategy(store_dir=os.path.join(args.dir, "store"),
-                                                  chunk_bytes=args.chunk_mib << 20, min_free_bytes=0)
+                                                  chunk_bytes=args.chunk_mib << 20, min_free_bytes=0,
+                                                  overlap=args.overlap)
             clock = Clock()
             trainer = Trainer(default_root_dir=args.dir, strategy=strategy, accelerator="cpu", devices=2,
                               max_steps=total_steps, logger=False, enable_checkpointing=False,
@@ -123,10 +125,11 @@ def main() -> None:
     parser.add_argument("--vocab", type=int, default=8192)
     parser.add_argument("--tokens", type=int, default=16)
     parser.add_argument("--batch", type=int, default=4)
-    parser.add_argument("--pairs", type=int, default=5)
+    parser.add_argument("--pairs", type=int, default=7)
     parser.add_argument("--warmup", type=int, default=2)
     parser.add_argument("--steps", type=int, default=10)
     parser.add_argument("--chunk-mib", type=int, default=8)
+    parser.add_argument("--overlap", choices=["step", "backward"], default="step")
     parser.add_argument("--dir", default=None, help="store and scratch directory (default: a temp dir here)")
     parser.add_argument("--worker", dest="out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
@@ -163,7 +166,7 @@ def main() -> None:
               f"store file {r['store_file_bytes'] / 2**20:.1f} MiB "
               f"({r['store_allocated_bytes'] / 2**20:.1f} MiB allocated, {r['io_mode']} I/O)")
     print(json.dumps({
-        "world_size": 2, "params": last[0]["params"],
+        "world_size": 2, "params": last[0]["params"], "overlap": args.overlap,
         "state_bytes_total": sum(per_rank),
         "state_bytes_single_process": last[0]["single_process_state_bytes"],
         "state_bytes_per_rank": per_rank,

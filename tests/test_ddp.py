@@ -139,6 +139,30 @@ def test_each_rank_stores_only_its_share(trained):
         assert r["store_regions_bytes"] <= total / 2 + chunk + 4096 * r["store_regions"], (rank, r, total)
 
 
+def test_registered_and_constructed_from_a_string(tmp_path):
+    from lightning.pytorch import Trainer
+
+    import lightning_nvme  # noqa: F401
+    from lightning_nvme import NVMeOffloadDDPStrategy
+
+    trainer = Trainer(default_root_dir=tmp_path, strategy="nvme_offload_ddp", accelerator="cpu", devices=2,
+                      logger=False)
+    assert isinstance(trainer.strategy, NVMeOffloadDDPStrategy)
+    assert trainer.strategy.num_processes == 2 and trainer.strategy.config.overlap == "step"
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"broadcast_bucket_bytes": 0}, "broadcast_bucket_bytes"),
+    ({"chunk_bytes": -1}, "chunk_bytes"),
+    ({"overlap": "sometimes"}, "overlap"),
+])
+def test_invalid_arguments_are_named(kwargs, key):
+    from lightning_nvme import NVMeOffloadDDPStrategy
+
+    with pytest.raises(ValueError, match=key):
+        NVMeOffloadDDPStrategy(**kwargs)
+
+
 def test_partition_balances_bytes_and_cuts_large_params():
     from lightning_nvme.optim import partition_by_bytes
 

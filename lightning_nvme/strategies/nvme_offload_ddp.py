@@ -41,6 +41,7 @@ import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import sharded
 from lightning_nvme.checkpoint.atomic import recover
+from lightning_nvme.checkpoint.streamed import MARKER
 from lightning_nvme.config import GiB, MiB, OffloadConfig
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
 from lightning_nvme.strategies.offload_mixin import OffloadMixin
@@ -193,8 +194,16 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         if not self.offloaded or "optimizer_states" not in checkpoint:  # weights_only: one plain file
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         path = os.path.abspath(os.fspath(filepath))
-        tmp = self.broadcast(sharded.begin(path) if self.is_global_zero else None)
         error: BaseException | None = None
+        begun: tuple[str | None, str | None] = (None, None)
+        if self.is_global_zero:
+            try:
+                begun = (sharded.begin(path), None)
+            except OSError as e:  # e.g. the checkpoint directory is not writable: every rank must hear of it
+                error, begun = e, (None, repr(e))
+        tmp, begin_error = self.broadcast(begun)
+        if begin_error is not None:
+            raise error or RuntimeError(f"nvme_offload_ddp: rank 0 could not create {path}: {begin_error}")
         scalars: list[dict[int, dict[str, Any]]] = []
         try:
             with self._open_store() as store:
@@ -227,8 +236,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
             for per_rank in scalars_by_rank:
                 merged.update(per_rank[i])
             state["state"] = dict(sorted(merged.items()))
-            state[ckpt.streamed.MARKER] = sharded.shard_marker(i, self.partitions[i],
-                                                                [tuple(p.shape) for p in off.params])
+            state[MARKER] = sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params])
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not dist.is_available() or not dist.is_initialized():

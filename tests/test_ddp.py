@@ -53,8 +53,9 @@ def run_spec(tmp_path, name: str, strategy: str, **kw) -> dict:
 # ---- the tests ----------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def trained(tmp_path_factory):
-    """One 2-process job: plain DDP and nvme_offload_ddp (AdamW, two param groups, LR scheduler, accumulation,
-    norm clipping), value clipping with overlap='backward', and manual optimization with two optimizers."""
+    """One 2-process job, each pair a reference and its nvme_offload_ddp twin: AdamW with two param groups,
+    LR scheduler, accumulation and norm clipping; overlap='backward' with value clipping; bf16-true with fp32
+    master weights; manual optimization with two optimizers. Plus a failing save and ModelCheckpoint."""
     tmp = tmp_path_factory.mktemp("ddp")
     common = {"steps": 20, "accumulate": 2, "clip": 0.05, "clip_algo": "norm"}
     # small DDP buckets, so several all-reduces finish while backward still runs

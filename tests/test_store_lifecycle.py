@@ -69,18 +69,25 @@ def _manifest_regions(d) -> list[str]:
     return [r["name"] for r in json.loads(open(os.path.join(d, "store-rank0.json")).read())["layout"]["regions"]]
 
 
-def test_layout_is_persisted_by_durable_fence_and_close(tmp_path):
+def test_layout_is_written_at_once_and_made_durable_by_fence_and_close(tmp_path, monkeypatch):
+    """add_region writes the table at once (so a disk that fills up later cannot refuse it) but does not
+    fsync it per call; fence(durable=True) and close() do."""
     store = FlatStore(tmp_path, chunk_bytes=64 * KiB, pool_bytes=64 * KiB)
+    synced = []
+    real_fsync = os.fsync
+    monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
     store.add_region("a", 100)
-    assert _manifest_regions(tmp_path) == []  # add_region does not fsync a manifest rewrite each time
-    store.fence(durable=True)
     assert _manifest_regions(tmp_path) == ["a"]
+    assert synced == []  # no fsync'ed manifest rewrite per add_region
+    store.fence(durable=True)
+    assert len(synced) == 1
     store.add_region("b", 100)
     store.close()
+    assert len(synced) == 2
     assert _manifest_regions(tmp_path) == ["a", "b"]
 
 
-def test_killed_process_reopens_at_last_durable_fence(tmp_path):
+def test_killed_process_store_reopens_with_its_data(tmp_path):
     child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import os, signal, torch
         from lightning_nvme.store import FlatStore
@@ -88,12 +95,12 @@ def test_killed_process_reopens_at_last_durable_fence(tmp_path):
         s.add_region("kept", 400)
         s.write("kept", torch.arange(100, dtype=torch.int32))
         s.fence(durable=True)
-        s.add_region("lost", 400)  # never fenced durably
+        s.add_region("later", 400)  # its table entry is written at once, without fsync
         os.kill(os.getpid(), signal.SIGKILL)
     """)], timeout=60)
     assert child.returncode == -signal.SIGKILL
     with FlatStore(tmp_path, reopen=True, chunk_bytes=64 * KiB, pool_bytes=64 * KiB) as store:
-        assert list(store.layout.regions) == ["kept"]
+        assert list(store.layout.regions) == ["kept", "later"]
         out = torch.empty(100, dtype=torch.int32)
         store.read("kept", out).wait()
         assert torch.equal(out, torch.arange(100, dtype=torch.int32))

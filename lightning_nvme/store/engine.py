@@ -25,6 +25,7 @@ class IOEngine:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: list[IOHandle] = []
         self._lock = threading.Lock()
+        self._stopping = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(num_workers)]
         for t in self._threads:
@@ -61,6 +62,10 @@ class IOEngine:
             if item is None:
                 return
             handle, job = item
+            if self._stopping:  # close() gave up waiting: never touch the file after it is released
+                handle.chunk_finished(StoreError(f"{handle.kind} of region {handle.region!r} was cancelled: the "
+                                                 f"store was closed before it ran"))
+                continue
             try:
                 for dep in handle.deps:
                     dep._event.wait()
@@ -73,15 +78,16 @@ class IOEngine:
             else:
                 handle.chunk_finished(None)
 
-    def shutdown(self, timeout: float = 30.0) -> bool:
-        """Stop the workers once the queued jobs are done; wait at most ``timeout`` s in total.
-        Returns False if some worker is still running (stuck in a system call)."""
+    def shutdown(self, timeout: float = 30.0) -> int:
+        """Stop the workers within ``timeout`` (one deadline for all); jobs not yet started are
+        cancelled. Returns how many threads are still busy (blocked in the kernel)."""
+        self._stopping = True
         for _ in self._threads:
             self._queue.put(None)
         deadline = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout=max(0.0, deadline - time.monotonic()))
-        return self.alive_threads == 0
+            t.join(max(0.0, deadline - time.monotonic()))
+        return self.alive_threads
 
     @property
     def alive_threads(self) -> int:

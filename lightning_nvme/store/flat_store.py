@@ -13,6 +13,7 @@ with ``posix_fadvise(DONTNEED)`` after each chunk. ``store.mode`` says which is 
 from __future__ import annotations
 
 import errno as errno_mod
+import hashlib
 import json
 import logging
 import os
@@ -73,12 +74,13 @@ class FlatStore:
         self.chunk_bytes = chunk_bytes
         self.io_timeout_s = io_timeout_s
         self.min_free_bytes = min_free_bytes
+        self._closing = False  # set by close(): no new requests while it drains
         self._lock = StoreLock(self.path + ".lock")
         self._lock.acquire()
         self._closed = False
         self._first_error: BaseException | None = None
         self._submit_lock = threading.Lock()
-        self._layout_dirty = False
+        self._layout_unsynced = False
         self._stats = StatsRecorder()
         self.fd = -1
         try:
@@ -127,11 +129,12 @@ class FlatStore:
                              "end": self.layout.end}).encode()
         return header.ljust(HEADER_BYTES, b"\0")
 
-    def _persist_layout(self) -> None:
-        """Write the header block and the manifest (atomically: temp file, fsync, rename).
+    def _persist_layout(self, *, sync: bool = True) -> None:
+        """Write the header block and the manifest (temp file, rename; fsync'ed when ``sync``).
 
-        Called at creation, by ``fence(durable=True)`` and by ``close``, not per ``add_regions``: an
-        fsync'ed manifest rewrite per call made 1000 ``add_region`` calls take 48 s on this disk."""
+        ``add_regions`` writes without fsync (an fsync'ed rewrite per call made 1000 ``add_region``
+        calls take 48 s on this disk) so the table is on disk at once, before a disk that fills up later
+        could refuse it; ``fence(durable=True)`` and ``close`` make it durable."""
         buf = aligned_empty(HEADER_BYTES)
         buf.copy_(torch.frombuffer(bytearray(self._header_bytes()), dtype=torch.uint8))
         try:
@@ -149,9 +152,20 @@ class FlatStore:
         with open(tmp, "w") as f:
             json.dump(manifest, f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, self.manifest_path)
-        self._layout_dirty = False
+        self._layout_unsynced = not sync
+
+    def _sync_layout(self) -> None:
+        """Make the last written manifest durable (no new blocks needed: works on a full disk)."""
+        if self._layout_unsynced:
+            fd = os.open(self.manifest_path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._layout_unsynced = False
 
     def _check_existing(self) -> None:
         """Refuse a store whose manifest, header or size disagree: reading it would return garbage."""
@@ -224,7 +238,7 @@ class FlatStore:
                 del self.layout.regions[r.name]
             self.layout.end = start
             raise
-        self._layout_dirty = True  # persisted by the next fence(durable=True) or close()
+        self._persist_layout(sync=False)  # made durable by the next fence(durable=True) or close()
         return regions
 
     def add_region(self, name: str, nbytes: int) -> Region:
@@ -247,8 +261,10 @@ class FlatStore:
             try:
                 n = os.pwrite(self.fd, mv[done:], offset + done)
             except OSError as e:
+                hint = (" The disk is full: free space on it, or move store_dir to a larger disk."
+                        if e.errno == errno_mod.ENOSPC else "")
                 raise StoreIOError(f"write to {self.path} failed at offset {offset + done} (region {region!r}): "
-                                   f"{e.strerror}", path=self.path, region=region, offset=offset + done,
+                                   f"{e.strerror}.{hint}", path=self.path, region=region, offset=offset + done,
                                    errno=e.errno) from e
             if n <= 0:
                 raise StoreIOError(f"short write to {self.path} at offset {offset + done} (region {region!r}): "
@@ -308,7 +324,7 @@ class FlatStore:
 
     # ---- public async API ---------------------------------------------------------------------
     def _check_usable(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             raise StoreIOError(f"store {self.path} is closed", path=self.path)
         if self._first_error is not None:
             raise self._first_error
@@ -390,8 +406,7 @@ class FlatStore:
         if self._first_error is not None:
             raise self._first_error
         if durable:
-            if self._layout_dirty:
-                self._persist_layout()
+            self._sync_layout()
             try:
                 os.fdatasync(self.fd)
             except OSError as e:
@@ -404,8 +419,28 @@ class FlatStore:
         t0 = time.perf_counter()
         try:
             handle.wait(self.io_timeout_s)
+        except StoreTimeoutError as e:
+            raise StoreTimeoutError(f"store {self.path}: {e}") from None
         finally:
             self._stats.add(wait_seconds=time.perf_counter() - t0)
+
+    def digest(self, regions: list[str] | None = None) -> dict[str, str]:
+        """BLAKE2b of each region's bytes as they are on disk, read through one chunk-sized buffer.
+
+        Why: reopen checks version, layout hash, header and size, but cannot see changed data bytes
+        (a torn write-back from a killed run, bit rot, tampering). Record digests when committing a
+        checkpoint and compare them before trusting a reused store. Costs one full read."""
+        self.fence()
+        buf = self.aligned_empty(self.chunk_bytes)
+        out = {}
+        for name in (list(self.layout.regions) if regions is None else regions):
+            region, h = self.layout[name], hashlib.blake2b(digest_size=16)
+            for off in range(0, region.nbytes, self.chunk_bytes):
+                view = buf[:min(self.chunk_bytes, region.nbytes - off)]
+                self.wait(self.read(name, view, off))
+                h.update(view.numpy())
+            out[name] = h.hexdigest()
+        return out
 
     def aligned_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A page-aligned tensor the store moves without a staging copy."""
@@ -420,30 +455,41 @@ class FlatStore:
         return self._pool.total_bytes
 
     def close(self, *, delete: bool = False) -> None:
-        """Drain pending I/O, stop the workers, release the lock. Errors still pending are raised."""
+        """Drain pending I/O, stop the workers, release the lock; then raise any error still pending.
+
+        If a worker stays blocked in the kernel (a stalled disk), the file and its lock are kept, since
+        that thread may still write to the file, and ``StoreTimeoutError`` says so; call ``close``
+        again once the disk answers, or exit the process (the kernel then drops the lock)."""
         if self._closed:
             return
+        self._closing = True
+        error: BaseException | None = None
         try:
+            if not delete:
+                self._sync_layout()
             self.fence(timeout=self.io_timeout_s)
-            if self._layout_dirty and not delete:
-                self._persist_layout()
-        finally:
-            self._closed = True
-            stopped = self._engine.shutdown(timeout=min(30.0, self.io_timeout_s))
-            if stopped:
-                os.close(self.fd)
-            else:
-                # A worker is stuck in a read/write on this fd. Closing it would let the number be reused by
-                # another file, which that worker (or a job queued behind it) would then write into; and
-                # releasing the lock would let another store truncate the file under it.
-                log.error("FlatStore %s: %d I/O thread(s) still blocked at close; the file and its lock stay "
-                          "held until the process exits", self.path, self._engine.alive_threads)
-            if delete:
-                for p in (self.path, self.manifest_path):
-                    if os.path.exists(p):
-                        os.remove(p)
-            if stopped:
-                self._lock.release()
+        except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
+            error = e
+        busy = self._engine.shutdown(timeout=min(self.io_timeout_s, 30.0))
+        if busy:
+            # A worker is stuck in a read/write on this fd. Closing it would let the number be reused by
+            # another file, which that worker would then write into; releasing the lock would let another
+            # store truncate the file under it.
+            log.error("FlatStore %s: %d I/O thread(s) still blocked at close; the file and its lock stay held",
+                      self.path, busy)
+            pending = f" Pending: {error}" if error is not None else ""
+            raise StoreTimeoutError(f"store {self.path}: {busy} I/O thread(s) are still blocked in the kernel; the "
+                                    f"file and its lock stay held until they return (call close() again) or this "
+                                    f"process exits.{pending}") from error
+        self._closed = True
+        os.close(self.fd)
+        if delete:
+            for p in (self.path, self.manifest_path):
+                if os.path.exists(p):
+                    os.remove(p)
+        self._lock.release()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> "FlatStore":
         return self

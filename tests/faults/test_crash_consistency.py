@@ -34,7 +34,7 @@ from lightning_nvme.checkpoint import is_streamed, load_streamed
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader
 
 SEED = int(os.environ.get("CRASH_SEED", "20261129"))
-TRIALS = int(os.environ.get("CRASH_TRIALS", "6"))  # per phase
+TRIALS = int(os.environ.get("CRASH_TRIALS", "8"))  # per phase
 EPOCHS, STEPS = 6, 3  # a checkpoint every 3 optimizer steps; 18 steps in all
 HIDDEN = re.compile(r"^\..+\.(tmp-\d+|old)$")
 KILLED = -signal.SIGKILL
@@ -155,11 +155,17 @@ def params_equal(a: dict[str, torch.Tensor], b: dict[str, torch.Tensor]) -> bool
 class Tally:
     killed: int = 0
     torn_writes: int = 0
+    finished_first: int = 0  # runs that completed before their kill point came: not trials
     checkpoints_verified: int = 0
-    resumes_checked: int = 0  # a resumed run started at last.ckpt's step and took over the stale lock
-    stale_takeovers: int = 0
-    hidden_leftovers: int = 0
-    kill_steps: list[int | None] = field(default_factory=list)  # last.ckpt step at each kill
+    resumes_checked: int = 0  # a resumed run started at last.ckpt's step (or at 0 when there was none)
+    stale_takeovers: int = 0  # ... and took over the lock the killed run left
+    hidden_leftovers: int = 0  # hidden temp/aside dirs seen after kills (never visible, swept later)
+    final_runs_equal: int = 0  # run directories whose completed run equals the reference bitwise
+    kill_steps: list[int | None] = field(default_factory=list)  # last.ckpt's step after each kill
+
+
+FINAL_STEP = EPOCHS * STEPS
+KILLS_PER_DIR = 3  # then a new run directory, so kill points spread over all epochs
 
 
 def _draw_kill(rng: random.Random, phase: str, ref: Reference, start_epoch: int) -> dict:
@@ -182,7 +188,7 @@ def _wait_started(root: str, pid: int, timeout: float = 60) -> bool:
 def _check_resumed(root: str, pid: int, last_step: int | None, dead_pid: int | None, tally: Tally) -> None:
     """The run ``pid`` resumed from last.ckpt's step (via ``ckpt_path="last"``) and took over the stale lock."""
     started = [e for e in cw.read_events(root) if e["event"] == "started" and e["pid"] == pid]
-    if not started:  # killed during setup, before training started: checked by the next run
+    if not started:  # killed during setup, before training started (or nothing left to train): checked later
         return
     s = started[0]
     if last_step is None:
@@ -196,58 +202,75 @@ def _check_resumed(root: str, pid: int, last_step: int | None, dead_pid: int | N
     tally.resumes_checked += 1
 
 
-def run_chain(jobs: cw.Jobs, ref: Reference, root: str, phase: str, trials: int, *, exchange: bool = True,
+def _check_completed(root: str, ref: Reference, tally: Tally, saved: bool) -> None:
+    """The run in ``root`` completed: bitwise equal to the reference; dead runs' hidden dirs swept if it saved."""
+    final_step, hidden = checkpoint_state(root, ref)
+    assert final_step == FINAL_STEP
+    assert params_equal(torch.load(cw.paths(root)["final"]), ref.final), f"{root}: final params differ"
+    if saved:
+        assert hidden == 0, f"hidden leftovers of dead runs were not swept: {os.listdir(cw.paths(root)['ckpts'])}"
+    tally.final_runs_equal += 1
+
+
+def run_chain(jobs: cw.Jobs, ref: Reference, base: str, phase: str, trials: int, *, exchange: bool = True,
               activations: bool = False, fresh_final: bool = False) -> Tally:
-    """``trials`` kills in a row on one run directory, each run resuming the last one, then a run to the end."""
+    """``trials`` kills, each run resuming the one killed before it in the same run directory, up to
+    ``KILLS_PER_DIR`` per directory; each directory's last run goes to the end and is compared with the
+    reference. A run that finished before its kill point is verified too but is not counted as a trial."""
     rng = random.Random(f"{SEED}-{phase}-{exchange}")
     tally = Tally()
-    last_step, dead_pid, attempts = None, None, 0
+    attempts, segment = 0, 0
     while tally.killed < trials:
-        attempts += 1
-        assert attempts <= 3 * trials, f"{phase}: only {tally.killed} of {trials} runs could be killed"
-        resume = last_step is not None or dead_pid is not None
-        start_epoch = (last_step or 0) // STEPS
-        kill = None if phase == "timed" else _draw_kill(rng, phase, ref, start_epoch)
-        spec = cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=resume, kill=kill, exchange=exchange,
-                           activations=activations, recover_last=not exchange)
-        pid = jobs.start(spec)
-        if phase == "timed":
-            if _wait_started(root, pid):
-                remaining = ref.seconds * (EPOCHS - start_epoch) / EPOCHS
-                time.sleep(rng.uniform(0, remaining))
+        root = os.path.join(base, f"run{segment}")
+        segment += 1
+        last_step, dead_pid, finished = None, None, False
+        kills_here = 0
+        while tally.killed < trials and last_step != FINAL_STEP and kills_here < KILLS_PER_DIR:
+            attempts += 1
+            assert attempts <= 3 * trials, f"{phase}: only {tally.killed} of {trials} runs could be killed"
+            resume = last_step is not None or dead_pid is not None
+            start_epoch = (last_step or 0) // STEPS
+            kill = None if phase == "timed" else _draw_kill(rng, phase, ref, start_epoch)
+            spec = cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=resume, kill=kill,
+                               exchange=exchange, activations=activations, recover_last=not exchange)
+            pid = jobs.start(spec)
+            if phase == "timed" and _wait_started(root, pid):
+                time.sleep(rng.uniform(0, ref.seconds * (EPOCHS - start_epoch) / EPOCHS))
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
                     pass
-        rc = jobs.wait(pid)
-        _check_resumed(root, pid, last_step, dead_pid, tally)
-        if rc == 0:  # a timed kill that came after the run had finished: not a trial; go on in a new directory
-            assert phase == "timed", f"{phase}: kill {kill} did not fire\n{_log(root)}"
-            assert params_equal(torch.load(cw.paths(root)["final"]), ref.final)
-            root, last_step, dead_pid = f"{root}-{attempts}", None, None
+            rc = jobs.wait(pid)
+            _check_resumed(root, pid, last_step, dead_pid, tally)
+            if rc == 0:  # the kill point lay beyond this run's end (resumed runs vary a little): not a trial
+                tally.finished_first += 1
+                _check_completed(root, ref, tally, saved=last_step != FINAL_STEP)
+                finished = True
+                break
+            assert rc == KILLED, f"run {pid} exited with {rc} instead of being killed:\n{_log(root)}"
+            tally.killed += 1
+            kills_here += 1
+            tally.torn_writes += bool(kill and kill["torn"])
+            holder = lock_holder(root)
+            assert holder in (str(pid), None), f"the lock file names {holder}, not the dead run {pid}"
+            dead_pid = pid if holder == str(pid) else None
+            last_step, hidden = checkpoint_state(root, ref)
+            tally.hidden_leftovers += hidden
+            tally.checkpoints_verified += sum(not n.startswith(".") for n in os.listdir(cw.paths(root)["ckpts"])) \
+                if os.path.isdir(cw.paths(root)["ckpts"]) else 0
+            tally.kill_steps.append(last_step)
+        if finished:
             continue
-        assert rc == KILLED, f"run {pid} exited with {rc} instead of being killed:\n{_log(root)}"
-        tally.killed += 1
-        tally.torn_writes += bool(kill and kill["torn"])
-        assert lock_holder(root) in (str(pid), None), "the dead run's lock file does not name it"
-        dead_pid = pid if lock_holder(root) == str(pid) else None
-        last_step, hidden = checkpoint_state(root, ref)
-        tally.hidden_leftovers += hidden
-        tally.checkpoints_verified += sum(not n.startswith(".") for n in os.listdir(cw.paths(root)["ckpts"])) \
-            if os.path.isdir(cw.paths(root)["ckpts"]) else 0
-        tally.kill_steps.append(last_step)
-    spec = cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True, exchange=exchange,
-                       activations=activations, recover_last=not exchange)
-    if fresh_final:  # the last resume in a new interpreter: nothing shared with the fork server
-        rc = cw.run_fresh_interpreter(spec)
-        pid = [e for e in cw.read_events(root) if e["event"] == "started"][-1]["pid"]
-    else:
-        pid, rc = jobs.run(spec)
-    assert rc == 0, _log(root)
-    _check_resumed(root, pid, last_step, dead_pid, tally)
-    final_step, _ = checkpoint_state(root, ref)
-    assert final_step == EPOCHS * STEPS
-    assert params_equal(torch.load(cw.paths(root)["final"]), ref.final), "resumed run differs from the reference"
+        spec = cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True, exchange=exchange,
+                           activations=activations, recover_last=not exchange)
+        if fresh_final and segment == 1:  # a resume in a new interpreter: nothing shared with the fork server
+            rc = cw.run_fresh_interpreter(spec)
+            pid = [e for e in cw.read_events(root) if e["event"] in ("started", "done")][-1]["pid"]
+        else:
+            pid, rc = jobs.run(spec)
+        assert rc == 0, _log(root)
+        _check_resumed(root, pid, last_step, dead_pid, tally)
+        _check_completed(root, ref, tally, saved=last_step != FINAL_STEP)
     print(f"\n[crash {phase}{'' if exchange else ' fallback-commit'}] {tally}")
     return tally
 
@@ -257,7 +280,7 @@ def run_chain(jobs: cw.Jobs, ref: Reference, root: str, phase: str, trials: int,
                                             ("timed", True)],
                          ids=["mid-writeback", "mid-checkpoint", "mid-checkpoint-fallback-commit", "random-time"])
 def test_kill9_trials_resume_bitwise(jobs, reference, tmp_path, phase, exchange):
-    tally = run_chain(jobs, reference, str(tmp_path / "run"), phase, TRIALS, exchange=exchange,
+    tally = run_chain(jobs, reference, str(tmp_path), phase, TRIALS, exchange=exchange,
                       fresh_final=phase == "writeback")
     assert tally.killed == TRIALS
     assert tally.resumes_checked >= 1 and tally.stale_takeovers >= 1
@@ -270,7 +293,7 @@ def test_kill9_trials_resume_bitwise(jobs, reference, tmp_path, phase, exchange)
 def test_kill9_mid_activation_offload(jobs, tmp_path):
     ref = _reference(jobs, str(tmp_path / "reference"), activations=True)
     assert sum(ref.counts["activation"].values()) > 0, "the activation callback wrote nothing to the store"
-    run_chain(jobs, ref, str(tmp_path / "run"), "activation", TRIALS, activations=True)
+    run_chain(jobs, ref, str(tmp_path / "chain"), "activation", TRIALS, activations=True)
 
 
 # ---- targeted kills at the two riskiest instants ---------------------------------------------------------------

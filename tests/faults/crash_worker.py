@@ -283,8 +283,9 @@ def _child(spec: dict) -> int:
     try:
         run_job(spec)
         return 0
-    except BaseException:  # noqa: BLE001 - the test reads the log
+    except BaseException as e:  # noqa: BLE001 - the test reads the event and the log
         traceback.print_exc()
+        _emit(spec["root"], "failed", error=f"{type(e).__name__}: {e}")
         return 1
     finally:
         sys.stdout.flush()

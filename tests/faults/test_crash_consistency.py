@@ -235,7 +235,7 @@ def run_chain(jobs: cw.Jobs, ref: Reference, base: str, phase: str, trials: int,
                                exchange=exchange, activations=activations, recover_last=not exchange)
             pid = jobs.start(spec)
             if phase == "timed" and _wait_started(root, pid):
-                time.sleep(rng.uniform(0, ref.seconds * (EPOCHS - start_epoch) / EPOCHS))
+                time.sleep(rng.uniform(0, 0.6 * ref.seconds * (EPOCHS - start_epoch) / EPOCHS))
                 try:
                     os.kill(pid, signal.SIGKILL)
                 except ProcessLookupError:
@@ -339,3 +339,61 @@ def test_kill9_between_fallback_renames_is_recovered(jobs, reference, tmp_path):
     assert rc == 0, _log(root)
     assert [e["global_step"] for e in cw.read_events(root) if e["event"] == "started" and e["pid"] == pid] == [STEPS]
     assert params_equal(torch.load(cw.paths(root)["final"]), reference.final)
+
+
+# ---- a live run's store is never touched ------------------------------------------------------------------------
+def _tree_state(directory: str) -> dict[str, tuple[str, int, int]]:
+    """Every file under ``directory``: (sha256, size, mtime_ns)."""
+    out = {}
+    for dirpath, _, files in os.walk(directory):
+        for name in files:
+            path = os.path.join(dirpath, name)
+            with open(path, "rb") as f:
+                digest = hashlib.sha256(f.read()).hexdigest()
+            st = os.stat(path)
+            out[os.path.relpath(path, directory)] = (digest, st.st_size, st.st_mtime_ns)
+    return out
+
+
+def test_live_store_is_refused_and_untouched(jobs, reference, tmp_path):
+    """While a run is alive (paused after step 7, its I/O fenced), a second trainer on the same store_dir, in
+    this process and in another process launched exactly like the first, fails with StoreLockedError naming
+    the live pid; no file of the live run changes, and the live run then finishes bitwise equal."""
+    from lightning.pytorch import Trainer
+
+    from lightning_nvme import NVMeOffloadStrategy
+    from lightning_nvme.store import StoreLockedError
+    from models import MLP
+
+    root, release = str(tmp_path / "live"), str(tmp_path / "release")
+    spec = cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, hold={"step": 7, "file": release})
+    pid = jobs.start(spec)
+    try:
+        deadline = time.monotonic() + 60
+        while not any(e["event"] == "holding" and e["pid"] == pid for e in cw.read_events(root)):
+            assert cw._alive(pid) and time.monotonic() < deadline, f"live run did not reach its pause:\n{_log(root)}"
+            time.sleep(0.01)
+        store_dir = cw.paths(root)["store"]
+        before = _tree_state(root)
+        assert lock_holder(root) == str(pid)
+
+        second = Trainer(default_root_dir=str(tmp_path / "second"), accelerator="cpu", max_epochs=1,
+                         strategy=NVMeOffloadStrategy(store_dir=store_dir, chunk_bytes=16 << 10, io_chunk_bytes=8 << 10,
+                                                      staging_bytes=64 << 10, min_free_bytes=0),
+                         limit_train_batches=2, logger=False, enable_progress_bar=False, enable_model_summary=False,
+                         enable_checkpointing=False)
+        with pytest.raises(StoreLockedError, match=rf"pid {pid}\b"):
+            second.fit(MLP())
+
+        twin_pid, rc = jobs.run(dict(spec, hold=None, resume=True))
+        assert rc == 1
+        twin_errors = [e for e in cw.read_events(root) if e["pid"] == twin_pid and e["event"] == "failed"]
+        assert twin_errors and "StoreLockedError" in twin_errors[0]["error"] and f"pid {pid}" in twin_errors[0]["error"]
+        after = _tree_state(root)
+        changed = {k for k in before.keys() | after.keys() if before.get(k) != after.get(k)}
+        assert changed <= {"events.jsonl", "log.txt"}, f"a second run changed the live run's files: {changed}"
+    finally:
+        open(release, "w").close()
+    assert jobs.wait(pid) == 0, _log(root)
+    assert params_equal(torch.load(cw.paths(root)["final"]), reference.final)
+    assert checkpoint_state(root, reference)[0] == FINAL_STEP

@@ -49,12 +49,13 @@ CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmd
 
 def job_spec(root: str, *, epochs: int, steps_per_epoch: int = 3, resume: bool = False,
              kill: dict[str, Any] | None = None, exchange: bool = True, snapshots: bool = False,
-             hold: dict[str, Any] | None = None, activations: bool = False, recover_last: bool = False) -> dict:
+             hold: dict[str, Any] | None = None, activations: bool = False, recover_last: bool = False,
+             loader_workers: int = 0) -> dict:
     """``kill``: ``{"phase": ..., "at": n, "torn": fraction or None}``; ``hold``: ``{"step": n, "file": path}``
     pauses the job after step ``n`` (I/O fenced) until ``file`` exists."""
     return dict(root=root, epochs=epochs, steps_per_epoch=steps_per_epoch, resume=resume, kill=kill,
                 exchange=exchange, snapshots=snapshots, hold=hold, activations=activations,
-                recover_last=recover_last)
+                recover_last=recover_last, loader_workers=loader_workers)
 
 
 def paths(root: str) -> dict[str, str]:
@@ -190,6 +191,7 @@ def run_job(spec: dict) -> None:
     import torch
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.utils.data import DataLoader
 
     import lightning_nvme  # noqa: F401
     from lightning_nvme import NVMeOffloadStrategy
@@ -259,7 +261,16 @@ def run_job(spec: dict) -> None:
                                                write_inflight_bytes=1 << 20, prefetch_bytes=1 << 20))
     strategy = NVMeOffloadStrategy(store_dir=p["store"], chunk_bytes=16 << 10, io_chunk_bytes=8 << 10,
                                    staging_bytes=64 << 10, io_workers=2, min_free_bytes=0)
-    model = MLP(batch_size=32 if spec["activations"] else 8)
+    class Model(MLP):
+        def train_dataloader(self):
+            loader = super().train_dataloader()
+            if not spec["loader_workers"]:
+                return loader
+            return DataLoader(loader.dataset, batch_size=loader.batch_size, shuffle=False,
+                              num_workers=spec["loader_workers"], multiprocessing_context="fork",
+                              worker_init_fn=lambda _: _emit(root, "loader_worker"))
+
+    model = Model(batch_size=32 if spec["activations"] else 8)
     trainer = Trainer(default_root_dir=root, strategy=strategy, accelerator="cpu", max_epochs=spec["epochs"],
                       limit_train_batches=spec["steps_per_epoch"], gradient_clip_val=0.5, logger=False,
                       enable_progress_bar=False, enable_model_summary=False, callbacks=callbacks,

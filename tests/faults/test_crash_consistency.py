@@ -397,3 +397,31 @@ def test_live_store_is_refused_and_untouched(jobs, reference, tmp_path):
     assert jobs.wait(pid) == 0, _log(root)
     assert params_equal(torch.load(cw.paths(root)["final"]), reference.final)
     assert checkpoint_state(root, reference)[0] == FINAL_STEP
+
+
+def test_kill9_with_forked_dataloader_workers_restarts_at_once(jobs, reference, tmp_path):
+    """DataLoader workers are forked, so they share the run's open files, the store lock's included. Killed
+    mid-epoch, the run leaves orphaned workers that live on until they notice (seconds later); they must not
+    keep the lock, or an immediate restart would be refused in the dead run's name."""
+    root = str(tmp_path / "run")
+    at = sum(n for e, n in reference.counts["writeback"].items() if e < 2) + reference.counts["writeback"][2] // 2
+    spec = cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, loader_workers=2,
+                       kill={"phase": "writeback", "at": at, "torn": None})
+    pid, rc = jobs.run(spec)
+    assert rc == KILLED, _log(root)
+    workers = {e["pid"] for e in cw.read_events(root) if e["event"] == "loader_worker"}
+    orphans = [w for w in workers if cw._alive(w)]
+    try:
+        assert orphans, "no DataLoader worker outlived the kill: the case this test is about did not arise"
+        resumed, rc = jobs.run(dict(spec, kill=None, resume=True))  # at once, while the orphans still run
+        assert rc == 0, _log(root)
+        started = [e for e in cw.read_events(root) if e["event"] == "started" and e["pid"] == resumed]
+        assert started[0]["took_over_stale"] and started[0]["global_step"] == 2 * STEPS
+        assert params_equal(torch.load(cw.paths(root)["final"]), reference.final)
+    finally:
+        deadline = time.monotonic() + 15
+        while any(cw._alive(w) for w in orphans) and time.monotonic() < deadline:
+            time.sleep(0.1)
+        for w in orphans:  # never leave a process behind
+            if cw._alive(w):
+                os.kill(w, signal.SIGKILL)

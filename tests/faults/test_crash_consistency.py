@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 
 import pytest
 import torch
+from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # crash_worker, whether or not faults/ is a package
 import crash_worker as cw  # noqa: E402
@@ -129,6 +130,8 @@ def checkpoint_state(root: str, ref: Reference) -> tuple[int | None, int]:
     names = os.listdir(ckpts) if os.path.isdir(ckpts) else []
     hidden = [n for n in names if n.startswith(".")]
     assert all(HIDDEN.match(n) for n in hidden), f"unexpected hidden entries in {ckpts}: {hidden}"
+    resolved = ModelCheckpoint(dirpath=ckpts)._find_last_checkpoints(None)  # what ckpt_path="last" picks from
+    assert resolved <= {os.path.join(ckpts, "last.ckpt")}, f"ckpt_path='last' would consider {resolved}"
     last = None
     for name in names:
         if not name.startswith("."):
@@ -320,8 +323,6 @@ def test_kill9_between_fallback_renames_is_recovered(jobs, reference, tmp_path):
 
     Known limit, pinned here: Lightning resolves ``ckpt_path="last"`` before the strategy runs, so on such a
     filesystem call ``lightning_nvme.checkpoint.atomic.recover(<dir>/last.ckpt)`` before ``fit``."""
-    from lightning.pytorch.callbacks import ModelCheckpoint
-
     from lightning_nvme.checkpoint.atomic import recover
 
     root = str(tmp_path / "run")

@@ -11,10 +11,13 @@ would be refused in the name of the dead pid. So a forked child closes its copie
 from __future__ import annotations
 
 import fcntl
+import logging
 import os
 import weakref
 
 from lightning_nvme.store.errors import StoreLockedError
+
+log = logging.getLogger(__name__)
 
 
 _HELD: "weakref.WeakSet[StoreLock]" = weakref.WeakSet()
@@ -53,6 +56,9 @@ class StoreLock:
             ) from None
         previous = os.pread(fd, 64, 0).decode(errors="replace").strip()
         self.took_over_stale = bool(previous) and previous != str(os.getpid())
+        if self.took_over_stale:
+            log.warning("taking over store %s: its lock was left by pid %s, which is no longer running",
+                        self.path[:-5], previous)
         os.ftruncate(fd, 0)
         os.pwrite(fd, str(os.getpid()).encode(), 0)
         self._fd = fd

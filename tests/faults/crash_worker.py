@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import select
 import signal
 import subprocess
@@ -94,16 +95,19 @@ class _Injector:
         self.main = threading.main_thread()
         self.store_path: str | None = None
         self.store = None  # the live FlatStore, for region lookups
+        self.root: str | None = None  # where to record the instant of the kill
         self.real_pwrite = os.pwrite
         self._busy = threading.local()
 
-    def hit(self, phase: str, write: tuple[int, Any, int] | None = None) -> None:
+    def hit(self, phase: str, write: tuple[int, Any, int] | None = None, what: str = "") -> None:
         with self.lock:
             self.total[phase] += 1
             n = self.total[phase]
             self.by_epoch[phase][self.epoch] = self.by_epoch[phase].get(self.epoch, 0) + 1
         if self.kill and self.kill.get("phase") == phase and n == self.kill["at"]:
             torn = self.kill.get("torn")
+            if self.root:
+                _emit(self.root, "dying", phase=phase, at=what, torn=bool(write is not None and torn))
             if write is not None and torn:
                 self._torn_write(*write, torn)
             os.kill(os.getpid(), signal.SIGKILL)
@@ -133,9 +137,9 @@ class _Injector:
         except OSError:
             target = ""
         if self.store_path is not None and target == self.store_path:
-            self.hit(self._store_phase(offset), (fd, data, offset))
+            self.hit(self._store_phase(offset), (fd, data, offset), "pwrite store")
         elif self._counting():
-            self.hit("checkpoint", (fd, data, offset))
+            self.hit("checkpoint", (fd, data, offset), f"pwrite {_norm(target)}")
         return self.real_pwrite(fd, data, offset)
 
     def _counting(self) -> bool:
@@ -146,7 +150,7 @@ class _Injector:
             self._busy.on = True
             try:
                 self._targeted(event, args)
-                self.hit("checkpoint")
+                self.hit("checkpoint", what=f"{event} {_short(args)}")
             finally:
                 self._busy.on = False
 
@@ -168,16 +172,32 @@ class _Injector:
 
         def fsync(fd):
             if self._counting():
-                self.hit("checkpoint")
+                self.hit("checkpoint", what=f"fsync {_fd_name(fd)}")
             return real_fsync(fd)
 
         def fdatasync(fd):
             if self._counting():
-                self.hit("checkpoint")
+                self.hit("checkpoint", what=f"fdatasync {_fd_name(fd)}")
             return real_fdatasync(fd)
 
         os.pwrite, os.fsync, os.fdatasync = self.pwrite, fsync, fdatasync
         sys.addaudithook(self.audit)
+
+
+def _norm(path: str) -> str:
+    """A file's name without directory, pid or step numbers, for the kill-site tally."""
+    return re.sub(r"(tmp-|step=|epoch=)\d+", r"\1N", os.path.basename(path))
+
+
+def _fd_name(fd: int) -> str:
+    try:
+        return _norm(os.readlink(f"/proc/self/fd/{fd}"))
+    except OSError:
+        return "?"
+
+
+def _short(args: tuple) -> str:
+    return " -> ".join(_norm(str(a)) for a in args[:2] if isinstance(a, (str, bytes)))
 
 
 def _emit(root: str, event: str, **fields: Any) -> None:
@@ -206,6 +226,7 @@ def run_job(spec: dict) -> None:
     p = paths(root)
     inj = _Injector(spec["kill"])
     inj.store_path = os.path.join(p["store"], STORE_FILE)
+    inj.root = root
     inj.install()
     if not spec["exchange"]:
         atomic._exchange = lambda a, b: False  # the fallback commit of filesystems without RENAME_EXCHANGE

@@ -23,6 +23,7 @@ import re
 import signal
 import sys
 import time
+from collections import Counter
 from dataclasses import dataclass, field
 
 import pytest
@@ -165,6 +166,7 @@ class Tally:
     hidden_leftovers: int = 0  # hidden temp/aside dirs seen after kills (never visible, swept later)
     final_runs_equal: int = 0  # run directories whose completed run equals the reference bitwise
     kill_steps: list[int | None] = field(default_factory=list)  # last.ckpt's step after each kill
+    kill_sites: Counter = field(default_factory=Counter)  # the call each in-process kill came just before
 
 
 FINAL_STEP = EPOCHS * STEPS
@@ -253,6 +255,7 @@ def run_chain(jobs: cw.Jobs, ref: Reference, base: str, phase: str, trials: int,
             assert rc == KILLED, f"run {pid} exited with {rc} instead of being killed:\n{_log(root)}"
             tally.killed += 1
             kills_here += 1
+            tally.kill_sites.update(e["at"] for e in cw.read_events(root) if e["event"] == "dying" and e["pid"] == pid)
             tally.torn_writes += bool(kill and kill["torn"])
             holder = lock_holder(root)
             assert holder in (str(pid), None), f"the lock file names {holder}, not the dead run {pid}"

@@ -164,6 +164,7 @@ class Tally:
     resumes_checked: int = 0  # a resumed run started at last.ckpt's step (or at 0 when there was none)
     stale_takeovers: int = 0  # ... and took over the lock the killed run left
     hidden_leftovers: int = 0  # hidden temp/aside dirs seen after kills (never visible, swept later)
+    between_fallback_renames: int = 0  # kills that left last.ckpt only as the complete .last.ckpt.old
     final_runs_equal: int = 0  # run directories whose completed run equals the reference bitwise
     kill_steps: list[int | None] = field(default_factory=list)  # last.ckpt's step after each kill
     kill_sites: Counter = field(default_factory=Counter)  # the call each in-process kill came just before
@@ -262,6 +263,12 @@ def run_chain(jobs: cw.Jobs, ref: Reference, base: str, phase: str, trials: int,
             dead_pid = pid if holder == str(pid) else None
             last_step, hidden = checkpoint_state(root, ref)
             tally.hidden_leftovers += hidden
+            aside = os.path.join(cw.paths(root)["ckpts"], ".last.ckpt.old")
+            if last_step is None and not exchange and os.path.isdir(aside):
+                # killed between the fallback commit's two renames: the next run recovers the previous
+                # last.ckpt (see test_kill9_between_fallback_renames_is_recovered) and must resume from it
+                last_step = verify_checkpoint(aside, ref)
+                tally.between_fallback_renames += 1
             tally.checkpoints_verified += sum(not n.startswith(".") for n in os.listdir(cw.paths(root)["ckpts"])) \
                 if os.path.isdir(cw.paths(root)["ckpts"]) else 0
             tally.kill_steps.append(last_step)

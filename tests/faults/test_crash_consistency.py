@@ -293,6 +293,7 @@ def run_chain(jobs: cw.Jobs, ref: Reference, base: str, phase: str, trials: int,
                                             ("timed", True)],
                          ids=["mid-writeback", "mid-checkpoint", "mid-checkpoint-fallback-commit", "random-time"])
 def test_kill9_trials_resume_bitwise(jobs, reference, tmp_path, phase, exchange):
+    """``CRASH_TRIALS`` seeded SIGKILLs in one phase; every check of ``run_chain`` holds after each."""
     tally = run_chain(jobs, reference, str(tmp_path), phase, TRIALS, exchange=exchange,
                       fresh_final=phase == "writeback")
     assert tally.killed == TRIALS

@@ -122,7 +122,20 @@ def load_streamed(path: str, recover_first: bool = True) -> dict[str, Any]:
 
 
 def remove_streamed(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Delete a checkpoint directory as one step: rename it to a hidden temp name, then delete that.
+    A crash mid-delete leaves no half-deleted checkpoint under its name, only a hidden temp that
+    ``recover`` drops later."""
+    path = os.path.abspath(path)
+    if os.path.islink(path):  # e.g. ModelCheckpoint(save_last="link")
+        os.unlink(path)
+        return
+    if not os.path.exists(path):
+        return
+    doomed = temp_name(path)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    fsync_path(os.path.dirname(path))
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 class _FileSource:

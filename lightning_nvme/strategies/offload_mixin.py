@@ -25,8 +25,10 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.config import GiB, MiB, OffloadConfig
-from lightning_nvme.optim import OffloadedOptimizer
+from lightning_nvme.optim import OffloadedOptimizer, plan_chunks
+from lightning_nvme.preflight import check_store_dir
 from lightning_nvme.store import FlatStore
+from lightning_nvme.store.layout import HEADER_BYTES, align_up
 
 
 class OffloadMixin:
@@ -83,6 +85,11 @@ class OffloadMixin:
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
         io = self.config.io_settings()
+        owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
+        planned = HEADER_BYTES + sum(align_up(c.nbytes) for i, opt in enumerate(self.optimizers)
+                                     for c in plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])[0])
+        # Before anything is allocated: writable, enough free space (+ margin), warn on tmpfs/NFS.
+        check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
         self.nvme_store = FlatStore(store_dir, rank=self.global_rank, chunk_bytes=io.chunk_bytes,
                                     num_workers=io.num_workers,
                                     pool_bytes=max(self.config.staging_bytes, io.chunk_bytes),
@@ -93,7 +100,7 @@ class OffloadMixin:
         self.offloaded = [
             OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
                                prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
-                               clip_value=clip_value, owned=self._owned_ranges(i, opt),
+                               clip_value=clip_value, owned=owned[i],
                                grad_hooks=self._local_grad_hooks)
             for i, opt in enumerate(self.optimizers)
         ]

@@ -177,9 +177,11 @@ def test_preflight_refuses_a_disk_too_small_before_training(tmp_path, monkeypatc
     assert str(tmp_path / "store") in str(info.value)
 
 
-def test_preflight_refuses_missing_parent(tmp_path):
+def test_preflight_refuses_missing_parent(tmp_path, monkeypatch):
+    from lightning_nvme import preflight
     from lightning_nvme.preflight import ConfigError
 
+    monkeypatch.setattr(preflight, "MOUNT_ROOTS", preflight.MOUNT_ROOTS + (str(tmp_path),))
     strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "not-mounted" / "store"))
     with pytest.raises(ConfigError, match="store_dir"):
         fit(tmp_path, strategy, steps=1)

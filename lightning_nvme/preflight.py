@@ -87,7 +87,7 @@ def ensure_dir(path: str, key: str) -> None:
                                f"there. Fix: mount the disk or create it (mkdir -p {missing}), or set {key} to an "
                                f"existing directory on a local SSD.")
     try:
-        os.makedirs(path)
+        os.makedirs(path, exist_ok=True)  # ranks sharing a dir create it concurrently
     except OSError as e:
         raise ConfigError(key, f"cannot create {path}: {e.strerror}. Fix: create it with write permission for this "
                                f"user, or set {key} to a writable directory.") from e

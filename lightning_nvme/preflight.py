@@ -66,21 +66,28 @@ def _gib(n: int) -> str:
     return f"{n / GiB:.2f} GiB"
 
 
+# Directories whose children are usually mount points: a missing /mnt/nvme0 means an unmounted disk.
+MOUNT_ROOTS = ("/", "/mnt", "/media", "/run/media", "/Volumes")
+
+
 def ensure_dir(path: str, key: str) -> None:
-    """The store dir may be created, but its parent must exist: a missing parent such as
-    ``/mnt/nvme0`` usually means the disk is not mounted, and creating it would silently put the
-    store on the root disk."""
+    """Create the store dir (and missing parents), except when the first missing directory would sit
+    directly in a mount root such as ``/mnt``: ``/mnt/nvme0`` missing usually means the disk is not
+    mounted, and creating it would silently put the store on the root disk."""
     if os.path.exists(path):
         if not os.path.isdir(path):
             raise ConfigError(key, f"{path} exists and is not a directory. Fix: point {key} at a directory.")
         return
-    parent = os.path.dirname(path.rstrip("/")) or "/"
-    if not os.path.isdir(parent):
-        raise ConfigError(key, f"the parent directory {parent} of {path} does not exist (is the disk mounted?). "
-                               f"Fix: mount the disk or create it (mkdir -p {parent}), or set {key} to an existing "
-                               f"directory on a local SSD.")
+    missing = path.rstrip("/")
+    while not os.path.isdir(os.path.dirname(missing) or "/"):
+        missing = os.path.dirname(missing)
+    parent = os.path.dirname(missing) or "/"
+    if parent in MOUNT_ROOTS:
+        raise ConfigError(key, f"{missing} does not exist (is the disk mounted?), so {path} cannot be created "
+                               f"there. Fix: mount the disk or create it (mkdir -p {missing}), or set {key} to an "
+                               f"existing directory on a local SSD.")
     try:
-        os.mkdir(path)
+        os.makedirs(path, exist_ok=True)  # ranks sharing a dir create it concurrently
     except OSError as e:
         raise ConfigError(key, f"cannot create {path}: {e.strerror}. Fix: create it with write permission for this "
                                f"user, or set {key} to a writable directory.") from e

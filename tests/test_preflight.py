@@ -30,7 +30,17 @@ def test_creates_missing_store_dir_under_existing_parent(tmp_path):
     assert target.is_dir()
 
 
-def test_missing_parent_is_refused_and_not_created(tmp_path):
+def test_creates_missing_nested_dirs_under_an_ordinary_directory(tmp_path):
+    target = tmp_path / "runs" / "exp1" / "nvme_store"  # e.g. <default_root_dir>/nvme_store on a fresh run
+    check_store_dir(target, 0)
+    assert target.is_dir()
+
+
+def test_missing_mount_point_is_refused_and_not_created(tmp_path, monkeypatch):
+    """/mnt/nvme0 missing means the disk is not mounted: refuse rather than fill the root disk."""
+    from lightning_nvme import preflight
+
+    monkeypatch.setattr(preflight, "MOUNT_ROOTS", preflight.MOUNT_ROOTS + (str(tmp_path),))
     target = tmp_path / "not-mounted" / "run1"
     with pytest.raises(ConfigError) as ei:
         check_store_dir(target, 0, key="store_dir")

@@ -160,3 +160,28 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), chunk_bytes=8 << 10)
     off = run(strategy, tmp_path / "off")
     assert_same_params(ref, off)
+
+
+def test_preflight_refuses_a_disk_too_small_before_training(tmp_path, monkeypatch):
+    """The strategy plans the store's size and refuses at setup, naming the path and the bytes."""
+    import shutil
+    from collections import namedtuple
+
+    from lightning_nvme.preflight import ConfigError
+
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 20, 10 << 20, 4096))
+    strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), chunk_bytes=16 << 10, min_free_bytes=0)
+    with pytest.raises(ConfigError, match="store_dir") as info:
+        fit(tmp_path, strategy, steps=1)
+    assert str(tmp_path / "store") in str(info.value)
+
+
+def test_preflight_refuses_missing_parent(tmp_path, monkeypatch):
+    from lightning_nvme import preflight
+    from lightning_nvme.preflight import ConfigError
+
+    monkeypatch.setattr(preflight, "MOUNT_ROOTS", preflight.MOUNT_ROOTS + (str(tmp_path),))
+    strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "not-mounted" / "store"))
+    with pytest.raises(ConfigError, match="store_dir"):
+        fit(tmp_path, strategy, steps=1)

@@ -45,17 +45,18 @@ def _exchange(a: str, b: str) -> bool:
 
 
 def recover(path: str) -> None:
-    """Undo a crash between the two renames of the fallback path, and drop temp dirs of dead writers."""
+    """Undo a crash between the two renames of the fallback path, and drop temp dirs of dead writers
+    (of any checkpoint in the same directory: a deleted or renamed checkpoint's name may never recur)."""
     aside = _aside_name(path)
     if os.path.isdir(aside):
         if os.path.exists(path):
             shutil.rmtree(aside, ignore_errors=True)
         else:
             os.rename(aside, path)
-    head, tail = os.path.split(os.path.abspath(path))
-    for tmp in glob.glob(os.path.join(glob.escape(head), f".{glob.escape(tail)}.tmp-*")):
+    head = os.path.dirname(os.path.abspath(path))
+    for tmp in glob.glob(os.path.join(glob.escape(head), ".*.tmp-*")):
         pid = tmp.rsplit("-", 1)[-1]
-        if pid.isdigit() and not os.path.exists(f"/proc/{pid}"):
+        if pid.isdigit() and os.path.isdir(tmp) and not os.path.islink(tmp) and not os.path.exists(f"/proc/{pid}"):
             shutil.rmtree(tmp, ignore_errors=True)
 
 

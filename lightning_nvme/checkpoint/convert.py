@@ -1,9 +1,11 @@
 """Convert between streamed checkpoint directories and plain single-file Lightning checkpoints.
 
-``to_lightning``: a directory written by ``NVMeOffloadStrategy`` -> one ``.ckpt`` file that a Trainer
-without this plugin resumes from (the per-element state is materialized: this is the way out).
-``from_lightning``: a plain ``.ckpt`` -> a streamed directory (``NVMeOffloadStrategy`` also resumes from
-plain checkpoints directly; this is for moving large state into the directory layout ahead of time).
+``to_lightning``: a directory written by ``NVMeOffloadStrategy`` or (sharded, one file per rank) by
+``NVMeOffloadDDPStrategy`` -> one ``.ckpt`` file that a Trainer without this plugin resumes from (the
+per-element state is materialized: this is the way out).
+``from_lightning``: a plain ``.ckpt`` -> a streamed directory (both strategies also resume from plain
+checkpoints directly; this is for moving large state into the directory layout ahead of time). The
+directory resumes at any world size: each rank reads only the element ranges it owns.
 
     python -m lightning_nvme.checkpoint.convert to-lightning SRC_DIR DST.ckpt
     python -m lightning_nvme.checkpoint.convert from-lightning SRC.ckpt DST_DIR
@@ -21,7 +23,7 @@ import torch
 from lightning_nvme.checkpoint.atomic import commit_dir, fsync_path, temp_name
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
 from lightning_nvme.checkpoint.streamed import (FORMAT_VERSION, MARKER, META_FILE, load_streamed, optimizer_file,
-                                                tensor_name)
+                                                parse_tensor_name, tensor_name)
 
 
 def _atomic_torch_save(obj, path: str) -> None:
@@ -39,14 +41,27 @@ def to_lightning(src_dir: str, dst_file: str) -> None:
         marker = state.pop(MARKER, None)
         if marker is None:
             continue
-        reader = SafetensorsReader(os.path.join(directory, marker["file"]))
-        try:
-            for name in reader.entries:
-                _, index, key = name.split(".", 2)
-                state["state"].setdefault(int(index), {})[key] = reader.read(name).view(reader.entries[name][1])
-        finally:
-            reader.close()
+        for file in marker.get("files", [marker.get("file")]):  # "files": the shards of a data-parallel save
+            reader = SafetensorsReader(os.path.join(directory, file))
+            try:
+                for name in reader.entries:
+                    _gather(state["state"], reader, name, marker.get("shapes"))
+            finally:
+                reader.close()
     _atomic_torch_save(checkpoint, dst_file)
+
+
+def _gather(state: dict, reader: SafetensorsReader, name: str, shapes: list | None) -> None:
+    """Put entry ``name`` into the torch-format ``state``: a whole tensor, or a range of one (then the
+    full tensor, shaped like its parameter, is assembled from the ranges of all shards)."""
+    index, key, start, stop = parse_tensor_name(name)
+    entries = state.setdefault(index, {})
+    if start is None:
+        entries[key] = reader.read(name).view(reader.entries[name][1])
+        return
+    if key not in entries:
+        entries[key] = torch.empty(tuple(shapes[index]), dtype=reader.entries[name][0])
+    entries[key].view(-1)[start:stop] = reader.read(name)
 
 
 def from_lightning(src_file: str, dst_dir: str) -> None:

@@ -15,8 +15,9 @@ loading streams back the same way, restoring moments, step counts and master wei
 from __future__ import annotations
 
 import os
+import re
 import shutil
-from typing import Any, Mapping
+from typing import Any, Mapping, Sequence
 
 import torch
 
@@ -33,8 +34,22 @@ def optimizer_file(i: int) -> str:
     return f"optimizer-{i}.safetensors"
 
 
-def tensor_name(index: int, key: str) -> str:
-    return f"state.{index}.{key}"
+def tensor_name(index: int, key: str, start: int | None = None, stop: int | None = None) -> str:
+    """``state.<index>.<key>`` (whole parameter) or ``state.<index>.<key>[<start>:<stop>]`` (an element range
+    of it, as written by a data-parallel rank for the ranges it owns)."""
+    return f"state.{index}.{key}" if start is None else f"state.{index}.{key}[{start}:{stop}]"
+
+
+_NAME = re.compile(r"^state\.(\d+)\.(.+?)(?:\[(\d+):(\d+)\])?$")
+
+
+def parse_tensor_name(name: str) -> tuple[int, str, int | None, int | None]:
+    """``(param index, key, start, stop)``; start/stop are None for a whole-parameter entry."""
+    m = _NAME.match(name)
+    if m is None:
+        raise ValueError(f"not a lightning_nvme state tensor name: {name!r}")
+    index, key, start, stop = m.groups()
+    return int(index), key, None if start is None else int(start), None if stop is None else int(stop)
 
 
 def is_streamed(path: Any) -> bool:
@@ -95,31 +110,68 @@ def save_streamed(checkpoint: dict[str, Any], path: str, offloaded: list[Offload
         raise
 
 
-def load_streamed(path: str) -> dict[str, Any]:
+def load_streamed(path: str, recover_first: bool = True) -> dict[str, Any]:
+    """Lightning's checkpoint dict of a streamed directory. ``recover_first=False`` for every rank but one
+    of a data-parallel job (recovery renames and deletes; one process does it, then the others read)."""
     path = os.path.abspath(path)
-    recover(path)
+    if recover_first:
+        recover(path)
     checkpoint = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=False)
     checkpoint.setdefault("_lightning_nvme", {})["dir"] = path
     return checkpoint
 
 
 def remove_streamed(path: str) -> None:
-    shutil.rmtree(path, ignore_errors=True)
+    """Delete a checkpoint directory as one step: rename it to a hidden temp name, then delete that.
+    A crash mid-delete leaves no half-deleted checkpoint under its name, only a hidden temp that
+    ``recover`` drops later."""
+    path = os.path.abspath(path)
+    if os.path.islink(path):  # e.g. ModelCheckpoint(save_last="link")
+        os.unlink(path)
+        return
+    if not os.path.exists(path):
+        return
+    doomed = temp_name(path)
+    shutil.rmtree(doomed, ignore_errors=True)
+    os.rename(path, doomed)
+    fsync_path(os.path.dirname(path))
+    shutil.rmtree(doomed, ignore_errors=True)
 
 
 class _FileSource:
-    """Per-element state read piece by piece from an optimizer's safetensors file."""
+    """Per-element state read range by range from one or more safetensors files (one per rank that wrote a
+    shard; a range may span entries of several files when the world size changed since the save)."""
 
-    def __init__(self, reader: SafetensorsReader, state: Mapping[int, Mapping[str, Any]]) -> None:
-        self.reader = reader
+    def __init__(self, readers: Sequence[SafetensorsReader], state: Mapping[int, Mapping[str, Any]]) -> None:
         self.state = state
+        self.entries: dict[tuple[int, str], list[tuple[int, int, SafetensorsReader, str]]] = {}
+        for reader in readers:
+            for name, (_, shape, _) in reader.entries.items():
+                index, key, start, stop = parse_tensor_name(name)
+                if start is None:
+                    start, stop = 0, int(torch.Size(shape).numel())
+                self.entries.setdefault((index, key), []).append((start, stop, reader, name))
+        for spans in self.entries.values():
+            spans.sort(key=lambda e: e[0])
 
     def tensor(self, index: int, key: str, start: int, stop: int) -> torch.Tensor | None:
-        name = tensor_name(index, key)
-        if name in self.reader:
-            return self.reader.read(name, start, stop)
-        value = self.state.get(index, {}).get(key)
-        return value.reshape(-1)[start:stop] if torch.is_tensor(value) else None
+        spans = self.entries.get((index, key))
+        if spans is None:
+            value = self.state.get(index, {}).get(key)
+            return value.reshape(-1)[start:stop] if torch.is_tensor(value) else None
+        parts, pos = [], start
+        for lo, hi, reader, name in spans:
+            if hi <= pos or lo >= stop:
+                continue
+            if lo > pos:
+                break
+            end = min(hi, stop)
+            parts.append(reader.read(name, pos - lo, end - lo))
+            pos = end
+        if pos < stop and stop > start:
+            raise ValueError(f"checkpoint holds {key} of parameter {index} only partly: elements [{pos}, {stop}) "
+                             f"are in none of {sorted({r.path for _, _, r, _ in spans})}")
+        return parts[0] if len(parts) == 1 else torch.cat(parts) if parts else torch.empty(0)
 
     def scalars(self, index: int, tensor_keys: set[str]) -> dict[str, Any]:
         return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.state.get(index, {}).items()
@@ -141,8 +193,10 @@ def restore_optimizer(off: OffloadedOptimizer, state: Mapping[str, Any], checkpo
                          "not loaded from one; load it with NVMeOffloadStrategy or convert it first "
                          "(python -m lightning_nvme.checkpoint.convert)")
     off.set_param_groups(state["param_groups"])
-    reader = SafetensorsReader(os.path.join(directory, marker["file"]))
+    files = marker["files"] if "files" in marker else [marker["file"]]  # "files": one shard per rank
+    readers = [SafetensorsReader(os.path.join(directory, f)) for f in files]
     try:
-        off.import_state(_FileSource(reader, state["state"]))
+        off.import_state(_FileSource(readers, state["state"]))
     finally:
-        reader.close()
+        for reader in readers:
+            reader.close()

@@ -15,7 +15,7 @@ the same bytes, so a chunk is never updated from stale state.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Protocol
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -64,10 +64,16 @@ class OffloadedOptimizer:
         overlap: ``"step"`` (pipeline inside the step, reads start on entry) or ``"backward"``.
         clip_value: with ``overlap="backward"``, element-wise gradient value clipping applied before
             each chunk's update (what Lightning would apply after the closure).
+        owned: param index -> element ranges: offload and update only these (a data-parallel rank's
+            partition, see ``partition_by_bytes``); ``None`` = every trainable parameter.
+        grad_hooks: with ``overlap="backward"``, learn that a parameter's gradient is final from its
+            post-accumulate-grad hook. ``False``: the caller says so with ``grad_ready`` (data parallel:
+            a gradient is final only once its all-reduce has completed).
     """
 
     def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0", chunk_bytes: int = 64 << 20,
-                 prefetch_depth: int = 2, overlap: str = "step", clip_value: float | None = None) -> None:
+                 prefetch_depth: int = 2, overlap: str = "step", clip_value: float | None = None,
+                 owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, grad_hooks: bool = True) -> None:
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
         if prefetch_depth < 1:
@@ -78,7 +84,8 @@ class OffloadedOptimizer:
         self.overlap = overlap
         self.prefetch_depth = prefetch_depth
         self.clip_value = clip_value
-        self.chunks, self.specs = plan_chunks(optimizer, chunk_bytes, name)
+        self.owned = owned
+        self.chunks, self.specs = plan_chunks(optimizer, chunk_bytes, name, owned=owned)
         self.pieces_of: dict[int, list[tuple[Chunk, Piece]]] = defaultdict(list)
         for c in self.chunks:
             for piece in c.pieces:
@@ -97,7 +104,8 @@ class OffloadedOptimizer:
         self._order = list(range(len(self.chunks)))
         if overlap == "backward":
             self._order.reverse()
-            self._install_grad_hooks()
+            if grad_hooks:
+                self._install_grad_hooks()
         existing = {i: dict(s) for i, s in self._indexed_state().items() if s}
         optimizer.state = self._empty_state
         self.import_state(_DictSource(existing))
@@ -270,16 +278,20 @@ class OffloadedOptimizer:
 
     def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
         def hook(_: torch.Tensor) -> None:
-            if not self._armed:
-                return
-            for chunk, _piece in self.pieces_of.get(index, []):
-                waiting = self._waiting.get(chunk.index)
-                if waiting is None:
-                    continue
-                waiting.discard(index)
-                if not waiting and chunk.index not in self._done:
-                    self._update_chunk(chunk.index)
+            self.grad_ready(index)
         return hook
+
+    def grad_ready(self, index: int) -> None:
+        """Parameter ``index``'s gradient is final for this step: update every chunk now complete."""
+        if not self._armed:
+            return
+        for chunk, _piece in self.pieces_of.get(index, []):
+            waiting = self._waiting.get(chunk.index)
+            if waiting is None:
+                continue
+            waiting.discard(index)
+            if not waiting and chunk.index not in self._done:
+                self._update_chunk(chunk.index)
 
     # ---- moving state in and out ----------------------------------------------------------------------
     def fence(self, durable: bool = False) -> None:

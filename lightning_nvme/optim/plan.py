@@ -16,6 +16,7 @@ from __future__ import annotations
 import inspect
 from collections import defaultdict
 from dataclasses import dataclass, field
+from typing import Mapping, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -108,11 +109,33 @@ def probe_state_spec(optimizer: Optimizer, group: dict, master: bool) -> StateSp
     return StateSpec(tuple(tensor_keys), tuple(scalar_keys))
 
 
-def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str,
-                master_weights: bool = True) -> tuple[list[Chunk], list[StateSpec]]:
-    """Cut the optimizer's trainable parameters into pieces and pack them into chunks of at most
-    ``chunk_bytes`` of state each (a chunk holds whole small params, big params are split)."""
+def param_state_keys(optimizer: Optimizer, master_weights: bool = True
+                     ) -> tuple[list[StateSpec], list[tuple[int, torch.Tensor, tuple[tuple[str, torch.dtype], ...]]]]:
+    """The probed spec of each param group, and ``(group, param, per-element state keys)`` for every
+    parameter in the optimizer's flat order (keys empty for frozen or stateless params)."""
     specs: list[StateSpec] = []
+    params: list[tuple[int, torch.Tensor, tuple[tuple[str, torch.dtype], ...]]] = []
+    for g, group in enumerate(optimizer.param_groups):
+        master = master_weights and any(p.dtype in HALF_DTYPES for p in group["params"])
+        spec = probe_state_spec(optimizer, group, master)
+        specs.append(spec)
+        for p in group["params"]:
+            keys = tuple(k for k in spec.tensor_keys if k[0] != MASTER_KEY or p.dtype in HALF_DTYPES)
+            params.append((g, p, keys if p.requires_grad else ()))
+    return specs, params
+
+
+def bytes_per_element(keys: tuple[tuple[str, torch.dtype], ...]) -> int:
+    return sum(torch.empty((), dtype=d).element_size() for _, d in keys)
+
+
+def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, master_weights: bool = True,
+                owned: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> tuple[list[Chunk], list[StateSpec]]:
+    """Cut the optimizer's trainable parameters into pieces and pack them into chunks of at most
+    ``chunk_bytes`` of state each (a chunk holds whole small params, big params are split).
+
+    ``owned`` (param index -> element ranges) restricts the plan to those ranges: a data-parallel rank
+    plans, stores and updates only its partition (see ``partition.partition_by_bytes``)."""
     chunks: list[Chunk] = []
     current: list[Piece] = []
     used = 0
@@ -123,27 +146,23 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str,
             chunks.append(Chunk(len(chunks), f"{region_prefix}/chunk{len(chunks)}", current, used))
         current, used = [], 0
 
-    index = 0
-    for g, group in enumerate(optimizer.param_groups):
-        params = group["params"]
-        master = master_weights and any(p.dtype in HALF_DTYPES for p in params)
-        spec = probe_state_spec(optimizer, group, master)
-        specs.append(spec)
-        for p in params:
-            keys = tuple(k for k in spec.tensor_keys if k[0] != MASTER_KEY or p.dtype in HALF_DTYPES)
-            index += 1
-            if not p.requires_grad or not keys:
-                continue
-            per_elem = sum(torch.empty((), dtype=d).element_size() for _, d in keys)
-            # Whole params whenever they fit; only contiguous params can be cut into ranges.
-            max_elems = max(1, (chunk_bytes - SLOT_ALIGN * len(keys)) // per_elem)
-            if p.numel() > max_elems and not p.is_contiguous():
-                raise ValueError(f"parameter {index - 1} ({tuple(p.shape)}) is non-contiguous and its state "
-                                 f"exceeds chunk_bytes={chunk_bytes}; raise chunk_bytes or make it contiguous")
-            start = 0
-            while start < p.numel() or (p.numel() == 0 and start == 0):
-                stop = min(p.numel(), start + max_elems)
-                piece = Piece(g, index - 1, p, start, stop, keys)
+    specs, params = param_state_keys(optimizer, master_weights)
+    for index, (g, p, keys) in enumerate(params):
+        if not keys:
+            continue
+        ranges = [(0, p.numel())] if owned is None else [tuple(r) for r in owned.get(index, ())]
+        per_elem = bytes_per_element(keys)
+        # Whole params whenever they fit; only contiguous params can be cut into ranges.
+        max_elems = max(1, (chunk_bytes - SLOT_ALIGN * len(keys)) // per_elem)
+        if (p.numel() > max_elems or ranges != [(0, p.numel())]) and not p.is_contiguous():
+            raise ValueError(f"parameter {index} ({tuple(p.shape)}) is non-contiguous and must be cut into "
+                             f"ranges (its state exceeds chunk_bytes={chunk_bytes}, or it is split between "
+                             f"ranks); raise chunk_bytes or make it contiguous")
+        for lo, hi in ranges:
+            start = lo
+            while start < hi or (lo == hi and start == lo):
+                stop = min(hi, start + max_elems)
+                piece = Piece(g, index, p, start, stop, keys)
                 size = piece.state_bytes()
                 if used and used + size > chunk_bytes:
                     close()
@@ -154,7 +173,7 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str,
                 current.append(piece)
                 used = offset
                 start = stop
-                if p.numel() == 0:
+                if lo == hi:
                     break
     close()
     return chunks, specs

@@ -24,7 +24,7 @@ def _err(capsys: pytest.CaptureFixture[str]) -> str:
     (["train", "recipe=quickstart", "trainer.max_steps=many"], "'trainer.max_steps' must be int"),
     (["train", "recipe=quickstrat"], "unknown recipe 'quickstrat'"),
     (["train", "recipe=hf_local"], "'model.path' is required"),
-    (["train", "recipe=quickstart", "strategy.store_dir=/nonexistent_mount/run"], "is the SSD mounted"),
+    (["train", "recipe=quickstart", "strategy.store_dir=/nonexistent_mount/run"], "is the disk mounted"),
 ])
 def test_config_errors_exit_2_with_one_message(argv: list[str], expected: str,
                                                capsys: pytest.CaptureFixture[str]) -> None:

@@ -12,7 +12,6 @@ import enum
 import importlib
 import inspect
 import os
-import tempfile
 import types
 import typing
 from collections.abc import Iterator, Mapping, Sequence
@@ -178,33 +177,16 @@ def _store_dirs(resolved: dict[str, Any]) -> Iterator[tuple[str, Any]]:
 
 
 def check_store_dir(key: str, path: Any) -> None:
-    """A store directory must be usable: an existing writable directory, or a new one whose parent exists.
-
-    Why the parent rule: ``/mnt/nvme/run`` on an SSD that is not mounted would otherwise be created on the
-    system disk and quietly fill it. ``None`` is left to the component (it picks its own default).
-    Delegates to ``lightning_nvme.preflight`` when installed (free space, filesystem type)."""
+    """A store directory must be usable before training starts; the rules (created if missing, except
+    directly in a mount root such as ``/mnt`` where a missing directory means an unmounted disk; writable;
+    warnings for RAM-backed or network filesystems) are ``lightning_nvme.preflight``'s, the same the
+    strategy applies at setup. ``None`` is left to the component: it picks its own default."""
     if path is None:
         return
-    if isinstance(path, str) and not path.strip():
-        raise ConfigError(f"'{key}' is empty: give the store a directory on a local SSD. Fix: {key}=/mnt/nvme/run")
-    path = os.path.abspath(os.path.expanduser(str(path)))
-    parent = os.path.dirname(path)
-    if not os.path.exists(path) and not os.path.isdir(parent):
-        raise ConfigError(f"'{key}'={path}: its parent {parent} is not an existing directory (is the SSD mounted?). "
-                          f"Fix: mkdir -p {parent}, or {key}=<a directory on a mounted local SSD>")
+    from lightning_nvme import preflight
+
     try:
-        os.makedirs(path, exist_ok=True)
-        with tempfile.TemporaryFile(dir=path):  # the only writability check that also holds for root
-            pass
-    except OSError as e:
-        raise ConfigError(f"'{key}'={path} is not a writable directory ({e.strerror}). "
-                          f"Fix: {key}=<a writable directory on a local SSD>") from None
-    try:
-        from lightning_nvme import preflight  # written by another session; optional here
-    except ImportError:
-        return
-    try:
-        preflight.check_store_dir(path, 0, key=key)
+        preflight.check_store_dir(os.path.expanduser(str(path)), 0, key=key)
     except preflight.ConfigError as e:
         raise ConfigError(str(e)) from None
 

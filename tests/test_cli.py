@@ -9,8 +9,26 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from lightning_nvme.cli import main
+
+
+@pytest.fixture(autouse=True)
+def _no_global_state_leak(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """Recipes call ``seed_everything``: restore the RNGs (torch, random, numpy) and drop the PL_* seed
+    variables afterwards, so later tests in this process (and what they spawn) see the state they had."""
+    import random
+
+    import numpy as np
+
+    for var in ("PL_GLOBAL_SEED", "PL_SEED_WORKERS"):
+        monkeypatch.delenv(var, raising=False)
+    states = torch.get_rng_state(), random.getstate(), np.random.get_state()
+    yield
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    np.random.set_state(states[2])
 
 
 def _err(capsys: pytest.CaptureFixture[str]) -> str:
@@ -40,14 +58,17 @@ def test_dry_run_prints_the_composed_config(capsys: pytest.CaptureFixture[str]) 
     assert "name: quickstart" in out and "max_steps: 7" in out and "NVMeOffloadStrategy" in out
 
 
-def test_train_runs_a_recipe_end_to_end(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
-    rc = main(["train", "recipe=quickstart", f"paths.output_dir={tmp_path}", "trainer.max_steps=2",
-               "data.source=generated", "data.max_bytes=20000", "data.batch_size=2", "data.steps_per_epoch=2",
-               "data.val_batches=1", "model.n_layer=1", "model.n_embd=32", "model.block_size=32",
-               "trainer.accelerator=cpu"])
-    assert rc == 0
-    out = capsys.readouterr().out
-    assert "I/O telemetry summary" in out and "finished quickstart: 2 steps" in out
+def test_train_runs_a_recipe_end_to_end(tmp_path: Path) -> None:
+    """The real command in its own process (training seeds the process-global RNGs)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "lightning_nvme", "train", "recipe=quickstart", f"paths.output_dir={tmp_path}",
+         "trainer.max_steps=2", "data.source=generated", "data.max_bytes=20000", "data.batch_size=2",
+         "data.steps_per_epoch=2", "data.val_batches=1", "model.n_layer=1", "model.n_embd=32",
+         "model.block_size=32", "trainer.accelerator=cpu", "trainer.enable_progress_bar=false"],
+        capture_output=True, text=True, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "I/O telemetry summary" in proc.stdout and "finished quickstart: 2 steps" in proc.stdout
+    assert "NVMeOffloadStrategy:" in proc.stdout  # the summary names the strategy's store
     assert list(tmp_path.glob("logs/version_*/io_telemetry.png"))
 
 

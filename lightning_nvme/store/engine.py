@@ -60,6 +60,8 @@ class IOEngine:
             if item is None:
                 return
             handle, job = item
+            del item
+            error: BaseException | None = None
             try:
                 for dep in handle.deps:
                     dep._event.wait()
@@ -68,9 +70,12 @@ class IOEngine:
                                          f"{dep.kind} of region {dep.region!r} it depends on failed: {dep.error}")
                 job()
             except BaseException as e:  # noqa: BLE001 - every error goes to the waiter
-                handle.chunk_finished(e)
-            else:
-                handle.chunk_finished(None)
+                error = e
+            # The job holds the tensor it moved: drop it before the waiter is woken, not at the next job,
+            # so a caller that frees its tensor once the handle is done really frees the memory.
+            del job
+            handle.chunk_finished(error)
+            del handle, error
 
     def shutdown(self) -> None:
         for _ in self._threads:

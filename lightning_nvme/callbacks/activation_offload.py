@@ -61,19 +61,14 @@ class NVMeActivationOffload(Callback):
         self._store: FlatStore | None = None
         self._owns_store = False
         self.offloader: ActivationOffloader | None = None
+        self.last_step_stats = OffloadStats()  # what the last training step moved and waited for
+        self.total_stats = OffloadStats()  # summed over every step of every fit
 
     @property
     def nvme_store(self) -> FlatStore | None:
         """The store activations go to: the strategy's, or the callback's own (None before fit starts)."""
         return self._store
 
-    @property
-    def last_step_stats(self) -> OffloadStats:
-        return self.offloader.last_step_stats if self.offloader else OffloadStats()
-
-    @property
-    def total_stats(self) -> OffloadStats:
-        return self.offloader.total_stats if self.offloader else OffloadStats()
 
     # ---- store --------------------------------------------------------------------------------
     def _resolve_store_dir(self, trainer: pl.Trainer) -> str:
@@ -126,6 +121,8 @@ class NVMeActivationOffload(Callback):
                            batch_idx: int) -> None:
         if self.offloader is not None:
             self.offloader.end_step()
+            self.last_step_stats = self.offloader.last_step_stats
+            self.total_stats.add(self.last_step_stats)
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:

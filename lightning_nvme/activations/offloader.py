@@ -255,16 +255,23 @@ class ActivationOffloader:
         except BaseException as e:  # noqa: BLE001
             first_error = e
         with self._lock:
-            for h in list(self._handles):
-                try:
-                    self.store.wait(h)
-                except BaseException as e:  # noqa: BLE001 - drain everything, then report the first
-                    first_error = first_error or e
+            # CUDA copies first (a finished copy may still start its disk write in the reap below), then
+            # every disk request of the step.
             for s in self._writes:
                 if s.copy_event is not None:
                     s.copy_event.synchronize()
             for _, event in self._h2d:
                 event.synchronize()
+            if first_error is None and raise_errors:
+                try:
+                    self._reap()
+                except BaseException as e:  # noqa: BLE001
+                    first_error = e
+            for h in list(self._handles):
+                try:
+                    self.store.wait(h)
+                except BaseException as e:  # noqa: BLE001 - drain everything, then report the first
+                    first_error = first_error or e
             if first_error is None:
                 try:
                     self._reap()
@@ -471,8 +478,7 @@ class ActivationOffloader:
             buf = self._take(s)
             self._cursor = min(self._cursor, s.index - 1)
             self._fill_prefetch()
-            if buf.device != s.device:
-                assert self._staging is not None or s.device.type == "cuda"
+            if buf.device != s.device:  # a CUDA tensor read back into pinned host memory
                 host = buf
                 buf, event = CudaStaging.to_device(host, s.device)
                 self._h2d.append((host, event))

@@ -86,13 +86,13 @@ class NVMeActivationOffload(Callback):
         self.offloader = ActivationOffloader(store, meter=self.meter, **self._offloader_kwargs)
         return self.offloader
 
-    def _disconnect(self, *, clean: bool) -> None:
+    def _disconnect(self, *, clean: bool, exc: BaseException | None = None) -> None:
         offloader, store, owned = self.offloader, self._store, self._owns_store
         self.offloader = None
         self._store, self._owns_store = None, False
         try:
             if offloader is not None:
-                offloader.end_step() if clean else offloader.abort()
+                offloader.end_step() if clean else offloader.abort(exc)
         finally:
             if owned and store is not None:
                 store.close(delete=True)
@@ -126,7 +126,7 @@ class NVMeActivationOffload(Callback):
 
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
-        self._disconnect(clean=False)
+        self._disconnect(clean=False, exc=exception)
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

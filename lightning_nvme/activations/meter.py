@@ -38,6 +38,12 @@ class ResidencyMeter:
             self.peak_bytes = max(self.peak_bytes, self.current_bytes)
         weakref.finalize(storage, self._release, key)
 
+    def add(self, nbytes: int) -> None:
+        """Count memory that is not a storage (idle pooled buffers); negative to uncount."""
+        with self._lock:
+            self.current_bytes += nbytes
+            self.peak_bytes = max(self.peak_bytes, self.current_bytes)
+
     def _release(self, key: int) -> None:
         with self._lock:
             self.current_bytes -= self._tracked.pop(key, 0)

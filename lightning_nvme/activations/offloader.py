@@ -38,7 +38,7 @@ import sys
 
 from lightning_nvme.activations.boundary import (DETECTION_AVAILABLE, close_abandoned_checkpoints,
                                                  saved_at_checkpoint_boundary)
-from lightning_nvme.activations.device import CudaStaging, host_buffer
+from lightning_nvme.activations.device import CudaStaging, ReadBufferPool, host_buffer
 from lightning_nvme.activations.meter import ResidencyMeter, storage_ptrs
 from lightning_nvme.store import FlatStore, IOHandle
 
@@ -155,6 +155,7 @@ class ActivationOffloader:
         self.total_stats = OffloadStats()
         self._lock = threading.RLock()  # unpack runs on autograd's device threads for CUDA
         self._staging: CudaStaging | None = None
+        self._read_pool = ReadBufferPool(max_prefetch_bytes, on_idle_change=self.meter.add)
         self._hooks: saved_tensors_hooks | None = None
         self._orphan: saved_tensors_hooks | None = None  # ours, left under someone else's after an exception
         self._phase = "idle"  # idle | forward | backward
@@ -280,6 +281,7 @@ class ActivationOffloader:
             for s in self._order:
                 s.data = s.host = s.prefetch = s.copy_event = None
                 s.state = "released"
+            self._read_pool.clear()
             self.stats.io_busy_s = _busy_seconds(self._handles)
             self.last_step_stats = self.stats
             self.total_stats.add(self.stats)
@@ -455,14 +457,22 @@ class ActivationOffloader:
                 continue
             if self._reads and self._prefetch_bytes + s.nbytes > self.max_prefetch_bytes:
                 return
-            buf = host_buffer(s.nbytes, pinned=s.device.type == "cuda")
-            self.meter.track(buf.untyped_storage())
+            buf = self._read_buffer(s)
             handle = self.store.read(s.region, buf, s.offset)
             self._handles.append(handle)
             s.prefetch = (handle, buf)
             self._reads.append(s)
             self._prefetch_bytes += s.nbytes
             self._cursor -= 1
+
+    def _read_buffer(self, s: _Stored) -> torch.Tensor:
+        """Pinned memory for a CUDA tensor (torch's host allocator recycles it), else a pooled buffer."""
+        if s.device.type == "cuda":
+            buf = host_buffer(s.nbytes, pinned=True)
+        else:
+            buf = self._read_pool.get(s.nbytes)
+        self.meter.track(buf.untyped_storage())
+        return buf
 
     def _unpack(self, packed: Any) -> torch.Tensor:
         if isinstance(packed, torch.Tensor):
@@ -504,8 +514,7 @@ class ActivationOffloader:
             self._prefetch_bytes -= s.nbytes
             self.stats.prefetch_hits += 1
         else:
-            buf = host_buffer(s.nbytes, pinned=s.device.type == "cuda")
-            self.meter.track(buf.untyped_storage())
+            buf = self._read_buffer(s)
             handle = self.store.read(s.region, buf, s.offset)
             self._handles.append(handle)
             self.stats.misses += 1

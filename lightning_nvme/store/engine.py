@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import time
 from typing import Callable
 
 from lightning_nvme.store.errors import StoreError
@@ -24,6 +25,7 @@ class IOEngine:
         self._queue: queue.SimpleQueue = queue.SimpleQueue()
         self._pending: list[IOHandle] = []
         self._lock = threading.Lock()
+        self._stopping = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(num_workers)]
         for t in self._threads:
@@ -61,6 +63,12 @@ class IOEngine:
                 return
             handle, job = item
             del item
+            if self._stopping:  # close() gave up waiting: never touch the file after it is released
+                del job
+                handle.chunk_finished(StoreError(f"{handle.kind} of region {handle.region!r} was cancelled: the "
+                                                 f"store was closed before it ran"))
+                del handle
+                continue
             error: BaseException | None = None
             try:
                 for dep in handle.deps:
@@ -77,11 +85,16 @@ class IOEngine:
             handle.chunk_finished(error)
             del handle, error
 
-    def shutdown(self) -> None:
+    def shutdown(self, timeout: float = 30.0) -> int:
+        """Stop the workers within ``timeout`` (one deadline for all); jobs not yet started are
+        cancelled. Returns how many threads are still busy (blocked in the kernel)."""
+        self._stopping = True
         for _ in self._threads:
             self._queue.put(None)
+        deadline = time.monotonic() + timeout
         for t in self._threads:
-            t.join(timeout=30)
+            t.join(max(0.0, deadline - time.monotonic()))
+        return self.alive_threads
 
     @property
     def alive_threads(self) -> int:

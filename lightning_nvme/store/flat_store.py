@@ -13,17 +13,19 @@ with ``posix_fadvise(DONTNEED)`` after each chunk. ``store.mode`` says which is 
 from __future__ import annotations
 
 import errno as errno_mod
+import hashlib
 import json
 import logging
 import os
 import shutil
+import threading
 import time
 
 import torch
 
-from lightning_nvme.store.buffers import StagingPool, aligned_empty, is_direct_capable, memview
+from lightning_nvme.store.buffers import StagingPool, aligned_empty, copy_bytes, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
-from lightning_nvme.store.errors import StoreFormatError, StoreIOError, StoreSpaceError
+from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreSpaceError, StoreTimeoutError
 from lightning_nvme.store.handle import IOHandle, wait_all
 from lightning_nvme.store.layout import ALIGN, FORMAT_VERSION, HEADER_BYTES, Layout, Region, align_up
 from lightning_nvme.store.lock import StoreLock
@@ -50,7 +52,8 @@ class FlatStore:
         num_workers: I/O threads; a few give the disk queue depth.
         pool_bytes: the staging pool (used only when a tensor is not page-aligned); bounded.
         direct: force O_DIRECT on (True) or off (False); ``None`` probes the filesystem.
-        reopen: open an existing store and check it against its manifest instead of creating one.
+        reopen: open an existing store and check it against its manifest instead of creating one. The
+            layout (like the data) is persisted by ``fence(durable=True)`` and ``close()``.
         io_timeout_s: no wait is unbounded; a stuck request raises with what was pending.
         min_free_bytes: safety margin kept free on the disk when the store grows.
     """
@@ -71,17 +74,23 @@ class FlatStore:
         self.chunk_bytes = chunk_bytes
         self.io_timeout_s = io_timeout_s
         self.min_free_bytes = min_free_bytes
+        self._closing = False  # set by close(): no new requests while it drains
         self._lock = StoreLock(self.path + ".lock")
         self._lock.acquire()
         self._closed = False
         self._first_error: BaseException | None = None
+        self._submit_lock = threading.Lock()
+        self._layout_unsynced = False
         self._stats = StatsRecorder()
+        self.fd = -1
         try:
             self.layout = Layout()
             self._open(direct, reopen)
             self._pool = StagingPool(max(1, pool_bytes // chunk_bytes), chunk_bytes, pin=torch.cuda.is_available())
             self._engine = IOEngine(num_workers)
         except BaseException:
+            if self.fd >= 0:
+                os.close(self.fd)  # a refused reopen must not leak the descriptor
             self._lock.release()
             raise
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d pool=%d MiB", self.path, self.mode,
@@ -109,7 +118,7 @@ class FlatStore:
             self._check_existing()
         else:
             self._allocate(0, HEADER_BYTES)
-            self._write_header()
+            self._persist_layout()
 
     @property
     def mode(self) -> str:
@@ -120,7 +129,12 @@ class FlatStore:
                              "end": self.layout.end}).encode()
         return header.ljust(HEADER_BYTES, b"\0")
 
-    def _write_header(self) -> None:
+    def _persist_layout(self, *, sync: bool = True) -> None:
+        """Write the header block and the manifest (temp file, rename; fsync'ed when ``sync``).
+
+        ``add_regions`` writes without fsync (an fsync'ed rewrite per call made 1000 ``add_region``
+        calls take 48 s on this disk) so the table is on disk at once, before a disk that fills up later
+        could refuse it; ``fence(durable=True)`` and ``close`` make it durable."""
         buf = aligned_empty(HEADER_BYTES)
         buf.copy_(torch.frombuffer(bytearray(self._header_bytes()), dtype=torch.uint8))
         try:
@@ -138,33 +152,55 @@ class FlatStore:
         with open(tmp, "w") as f:
             json.dump(manifest, f)
             f.flush()
-            os.fsync(f.fileno())
+            if sync:
+                os.fsync(f.fileno())
         os.replace(tmp, self.manifest_path)
+        self._layout_unsynced = not sync
+
+    def _sync_layout(self) -> None:
+        """Make the last written manifest durable (no new blocks needed: works on a full disk)."""
+        if self._layout_unsynced:
+            fd = os.open(self.manifest_path, os.O_RDONLY)
+            try:
+                os.fsync(fd)
+            finally:
+                os.close(fd)
+            self._layout_unsynced = False
 
     def _check_existing(self) -> None:
+        """Refuse a store whose manifest, header or size disagree: reading it would return garbage."""
         try:
             with open(self.manifest_path) as f:
                 manifest = json.load(f)
         except (OSError, ValueError) as e:
             raise StoreFormatError(f"store manifest {self.manifest_path} is missing or unreadable: {e}") from e
-        if manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
+        if not isinstance(manifest, dict) or manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
+            found = manifest if not isinstance(manifest, dict) else f"{manifest.get('magic')!r} v{manifest.get('version')}"
             raise StoreFormatError(f"{self.manifest_path}: not a lightning-nvme store of format version "
-                                   f"{FORMAT_VERSION} (found {manifest.get('magic')!r} v{manifest.get('version')})")
-        self.layout = Layout.from_json(manifest["layout"])
+                                   f"{FORMAT_VERSION} (found {found})")
+        try:
+            self.layout = Layout.from_json(manifest["layout"])
+        except (KeyError, TypeError, ValueError) as e:
+            raise StoreFormatError(f"{self.manifest_path}: the manifest's layout is malformed ({e!r})") from e
         if self.layout.digest() != manifest.get("digest"):
             raise StoreFormatError(f"{self.manifest_path}: layout hash mismatch; the manifest was modified")
+        # Size first: a header read from a file truncated below one block would be a short read.
+        size = os.fstat(self.fd).st_size
+        if size < self.layout.end:
+            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}. "
+                                   f"The store cannot be reopened; start a new one (reopen=False).")
         buf = aligned_empty(HEADER_BYTES)
         self._pread_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
         try:
             header = json.loads(bytes(buf.numpy()).rstrip(b"\0"))
         except ValueError:
             header = {}
-        if header.get("magic") != MAGIC or header.get("layout") != self.layout.digest():
+        if not isinstance(header, dict):
+            header = {}
+        if (header.get("magic") != MAGIC or header.get("version") != FORMAT_VERSION
+                or header.get("layout") != self.layout.digest() or header.get("end") != self.layout.end):
             raise StoreFormatError(f"{self.path}: header does not match manifest {self.manifest_path} "
                                    f"(layout hash {header.get('layout')} vs {self.layout.digest()})")
-        size = os.fstat(self.fd).st_size
-        if size < self.layout.end:
-            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}")
 
     def _allocate(self, offset: int, nbytes: int) -> None:
         """Reserve disk blocks for [offset, offset+nbytes), refusing early and clearly when space is short."""
@@ -186,18 +222,23 @@ class FlatStore:
 
     # ---- regions ------------------------------------------------------------------------------
     def add_regions(self, specs: list[tuple[str, int]]) -> list[Region]:
-        """Append regions ``(name, nbytes)`` to the layout and allocate their blocks in one go."""
+        """Append regions ``(name, nbytes)`` to the layout and allocate their blocks in one go.
+
+        All or nothing: if any spec is invalid or the disk is short, the layout is left as it was."""
+        self._check_usable()
         start = self.layout.end
-        regions = [self.layout.add(n, b) for n, b in specs]
-        if self.layout.end > start:
-            try:
+        regions: list[Region] = []
+        try:
+            for n, b in specs:
+                regions.append(self.layout.add(n, b))
+            if self.layout.end > start:
                 self._allocate(start, self.layout.end - start)
-            except BaseException:
-                for r in regions:
-                    del self.layout.regions[r.name]
-                self.layout.end = start
-                raise
-        self._write_header()
+        except BaseException:
+            for r in regions:
+                del self.layout.regions[r.name]
+            self.layout.end = start
+            raise
+        self._persist_layout(sync=False)  # made durable by the next fence(durable=True) or close()
         return regions
 
     def add_region(self, name: str, nbytes: int) -> Region:
@@ -220,8 +261,10 @@ class FlatStore:
             try:
                 n = os.pwrite(self.fd, mv[done:], offset + done)
             except OSError as e:
+                hint = (" The disk is full: free space on it, or move store_dir to a larger disk."
+                        if e.errno == errno_mod.ENOSPC else "")
                 raise StoreIOError(f"write to {self.path} failed at offset {offset + done} (region {region!r}): "
-                                   f"{e.strerror}", path=self.path, region=region, offset=offset + done,
+                                   f"{e.strerror}.{hint}", path=self.path, region=region, offset=offset + done,
                                    errno=e.errno) from e
             if n <= 0:
                 raise StoreIOError(f"short write to {self.path} at offset {offset + done} (region {region!r}): "
@@ -257,7 +300,7 @@ class FlatStore:
             else:
                 buf = self._pool.acquire()
                 try:
-                    buf[:n].copy_(src[a:a + n])
+                    copy_bytes(buf, 0, src, a, n)
                     self._pwrite_full(memview(buf.data_ptr(), align_up(n) if self.direct else n), file_off, region)
                 finally:
                     self._pool.release(buf)
@@ -273,7 +316,7 @@ class FlatStore:
                 buf = self._pool.acquire()
                 try:
                     self._pread_full(memview(buf.data_ptr(), align_up(n) if self.direct else n), file_off, region)
-                    dst[a:a + n].copy_(buf[:n])
+                    copy_bytes(dst, a, buf, 0, n)
                 finally:
                     self._pool.release(buf)
             self._drop_cache(file_off, n)
@@ -281,7 +324,7 @@ class FlatStore:
 
     # ---- public async API ---------------------------------------------------------------------
     def _check_usable(self) -> None:
-        if self._closed:
+        if self._closed or self._closing:
             raise StoreIOError(f"store {self.path} is closed", path=self.path)
         if self._first_error is not None:
             raise self._first_error
@@ -314,18 +357,23 @@ class FlatStore:
             zero_copy = not self.direct or is_direct_capable(t, nbytes, for_read=kind == "read")
         start = region.offset + offset
         data = _as_bytes(t)
-        deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
         spans = [(a, min(self.chunk_bytes, nbytes - a)) for a in range(0, nbytes, self.chunk_bytes)]
-        handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done)
         make = self._write_job if kind == "write" else self._read_job
         jobs = [make(data if not zero_copy else t, a, n, start + a, name, zero_copy) for a, n in spans]
-        self._engine.track(handle)
-        self._engine.submit(handle, jobs)
+        # Finding the dependencies, registering the request and queueing its chunks is one step, so two
+        # threads submitting at once cannot both miss each other (or queue out of dependency order).
+        with self._submit_lock:
+            deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
+            handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done,
+                              default_timeout=self.io_timeout_s)
+            self._engine.track(handle)
+            self._engine.submit(handle, jobs)
         return handle
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
         """Asynchronously write ``tensor``'s bytes into region ``name`` at byte ``offset``. The tensor must
-        not be modified until the handle completes (the store keeps a reference to it)."""
+        not be modified until the handle completes (the store keeps a reference to it, not a copy; a
+        non-contiguous tensor is made contiguous once and that copy is held until then)."""
         return self._submit("write", name, tensor, offset)
 
     def read(self, name: str, out: torch.Tensor, offset: int = 0) -> IOHandle:
@@ -343,14 +391,22 @@ class FlatStore:
             for name in regions:
                 r = self.layout[name]
                 pending += self._engine.pending(r.offset, r.end)
+        limit = self.io_timeout_s if timeout is None else timeout
         t0 = time.perf_counter()
         try:
-            wait_all(pending, self.io_timeout_s if timeout is None else timeout)
+            wait_all(pending, limit)
+        except StoreTimeoutError:
+            stuck = [h.describe() for h in pending if not h.done()]
+            shown = "; ".join(stuck[:20]) + (f"; ... {len(stuck) - 20} more" if len(stuck) > 20 else "")
+            raise StoreTimeoutError(
+                f"fence on {self.path} timed out after {limit:g}s with {len(stuck)} request(s) pending: {shown}. "
+                f"The disk may be stalled or failing; raise io_timeout_s only if it is just slow.") from None
         finally:
             self._stats.add(wait_seconds=time.perf_counter() - t0)
         if self._first_error is not None:
             raise self._first_error
         if durable:
+            self._sync_layout()
             try:
                 os.fdatasync(self.fd)
             except OSError as e:
@@ -363,8 +419,28 @@ class FlatStore:
         t0 = time.perf_counter()
         try:
             handle.wait(self.io_timeout_s)
+        except StoreTimeoutError as e:
+            raise StoreTimeoutError(f"store {self.path}: {e}") from None
         finally:
             self._stats.add(wait_seconds=time.perf_counter() - t0)
+
+    def digest(self, regions: list[str] | None = None) -> dict[str, str]:
+        """BLAKE2b of each region's bytes as they are on disk, read through one chunk-sized buffer.
+
+        Why: reopen checks version, layout hash, header and size, but cannot see changed data bytes
+        (a torn write-back from a killed run, bit rot, tampering). Record digests when committing a
+        checkpoint and compare them before trusting a reused store. Costs one full read."""
+        self.fence()
+        buf = self.aligned_empty(self.chunk_bytes)
+        out = {}
+        for name in (list(self.layout.regions) if regions is None else regions):
+            region, h = self.layout[name], hashlib.blake2b(digest_size=16)
+            for off in range(0, region.nbytes, self.chunk_bytes):
+                view = buf[:min(self.chunk_bytes, region.nbytes - off)]
+                self.wait(self.read(name, view, off))
+                h.update(view.numpy())
+            out[name] = h.hexdigest()
+        return out
 
     def aligned_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A page-aligned tensor the store moves without a staging copy."""
@@ -379,26 +455,53 @@ class FlatStore:
         return self._pool.total_bytes
 
     def close(self, *, delete: bool = False) -> None:
-        """Drain pending I/O, stop the workers, release the lock. Errors still pending are raised."""
+        """Drain pending I/O, stop the workers, release the lock; then raise any error still pending.
+
+        If a worker stays blocked in the kernel (a stalled disk), the file and its lock are kept, since
+        that thread may still write to the file, and ``StoreTimeoutError`` says so; call ``close``
+        again once the disk answers, or exit the process (the kernel then drops the lock)."""
         if self._closed:
             return
+        self._closing = True
+        error: BaseException | None = None
         try:
+            if not delete:
+                self._sync_layout()
             self.fence(timeout=self.io_timeout_s)
-        finally:
-            self._closed = True
-            self._engine.shutdown()
-            os.close(self.fd)
-            if delete:
-                for p in (self.path, self.manifest_path):
-                    if os.path.exists(p):
-                        os.remove(p)
-            self._lock.release()
+        except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
+            error = e
+        busy = self._engine.shutdown(timeout=min(self.io_timeout_s, 30.0))
+        if busy:
+            # A worker is stuck in a read/write on this fd. Closing it would let the number be reused by
+            # another file, which that worker would then write into; releasing the lock would let another
+            # store truncate the file under it.
+            log.error("FlatStore %s: %d I/O thread(s) still blocked at close; the file and its lock stay held",
+                      self.path, busy)
+            pending = f" Pending: {error}" if error is not None else ""
+            raise StoreTimeoutError(f"store {self.path}: {busy} I/O thread(s) are still blocked in the kernel; the "
+                                    f"file and its lock stay held until they return (call close() again) or this "
+                                    f"process exits.{pending}") from error
+        self._closed = True
+        os.close(self.fd)
+        if delete:
+            for p in (self.path, self.manifest_path):
+                if os.path.exists(p):
+                    os.remove(p)
+        self._lock.release()
+        if error is not None:
+            raise error
 
     def __enter__(self) -> "FlatStore":
         return self
 
-    def __exit__(self, *exc) -> None:
-        self.close()
+    def __exit__(self, exc_type, exc, tb) -> None:
+        if exc_type is None:
+            self.close()
+            return
+        try:  # an exception is already propagating: clean up, but do not mask it with a store error
+            self.close()
+        except StoreError as e:
+            log.error("FlatStore %s: error while closing after %s: %s", self.path, exc_type.__name__, e)
 
     def __repr__(self) -> str:
         return f"FlatStore({self.path!r}, mode={self.mode}, regions={len(self.layout.regions)}, bytes={self.size_bytes})"

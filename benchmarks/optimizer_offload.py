@@ -1,0 +1,222 @@
+"""Optimizer-state offload: step time vs the disk's I/O lower bound, training-step overhead, memory.
+
+One run alternates, pair by pair (the disk drifts up to 3x over minutes):
+  raw    O_DIRECT sequential write (timed through fsync) + read of the state's size on the same disk
+  inmem  AdamW in memory: optimizer.step alone, then full training steps       (own process: peak RSS)
+  step   NVMeOffload overlap="step": optimizer.step alone, then training steps  (own process)
+  bwd    NVMeOffload overlap="backward": training steps                         (own process)
+and reports medians of the per-pair ratios. The offloaded step is timed through its write-back and
+fdatasync (writes are acknowledged before they are durable on this disk).
+
+    python benchmarks/optimizer_offload.py                 # ~150M params, 3 pairs
+    python benchmarks/optimizer_offload.py --params-m 300  # a second size: resident memory stays flat
+
+Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import resource
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+MiB = 1 << 20
+
+
+def build(params_m: float, width: int):
+    import torch
+
+    depth = max(1, round(params_m * 1e6 / (width * width + width)))
+    torch.manual_seed(0)
+    layers = []
+    for _ in range(depth):
+        layers += [torch.nn.Linear(width, width), torch.nn.GELU()]
+    return torch.nn.Sequential(*layers)
+
+
+def child(args) -> dict:
+    """One configuration in its own process, so its peak RSS is its own."""
+    import torch
+
+    from lightning_nvme.optim import OffloadedOptimizer
+    from lightning_nvme.store import FlatStore
+
+    torch.manual_seed(0)
+    model = build(args.params_m, args.width)
+    x = torch.randn(args.tokens, args.width)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    store = off = None
+    if args.child != "inmem":
+        store = FlatStore(args.dir, chunk_bytes=args.io_chunk_mib * MiB, num_workers=args.workers)
+        off = OffloadedOptimizer(opt, store, chunk_bytes=args.chunk_mib * MiB, prefetch_depth=args.prefetch,
+                                 overlap="backward" if args.child == "bwd" else "step")
+    out: dict = {}
+
+    def closure():
+        opt.zero_grad(set_to_none=False)
+        t0 = time.perf_counter()
+        loss = model(x).square().mean()
+        t1 = time.perf_counter()
+        loss.backward()
+        out.setdefault("fwd", []).append(t1 - t0)
+        out.setdefault("bwd", []).append(time.perf_counter() - t1)
+        return loss
+
+    def sync():
+        if store is not None:
+            store.fence(durable=True)
+
+    opt.step(closure)  # warm-up: creates the state (and its regions' first write)
+    sync()
+
+    def per_step(fn) -> float:
+        """Steady state: N steps back to back (writes of step k drain during step k+1), then one
+        durable fence, all divided by N."""
+        t0 = time.perf_counter()
+        for _ in range(args.steps):
+            fn()
+        sync()
+        return (time.perf_counter() - t0) / args.steps
+
+    if args.child != "bwd":
+        out["opt_step"] = per_step(lambda: opt.step())  # grads of the last backward; the update alone
+    out["fwd"], out["bwd"] = [], []
+    out["train_step"] = per_step(lambda: opt.step(closure))
+    out["bwd"] = statistics.median(out["bwd"])
+    out["fwd"] = statistics.median(out["fwd"])
+    out["state_bytes"] = off.state_bytes if off else sum(
+        t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0)
+    out["params"] = sum(p.numel() for p in model.parameters())
+    out["rss_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["resident_buffers_MiB"] = off.ring.total_bytes / MiB if off else 0.0
+    if store is not None:
+        store.close(delete=True)
+    return out
+
+
+def raw_disk(directory: str, nbytes: int, block: int = 8 * MiB, threads: int = 4) -> tuple[float, float]:
+    """Sequential O_DIRECT write (through fsync) and cold read of ``nbytes`` with a few threads."""
+    import mmap
+    from concurrent.futures import ThreadPoolExecutor
+
+    path = os.path.join(directory, "raw-baseline.bin")
+    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
+    bufs = [mmap.mmap(-1, block) for _ in range(threads)]
+    for b in bufs:
+        b.write(os.urandom(4096) * (block // 4096))
+    offsets = list(range(0, nbytes, block))
+    try:
+        os.posix_fallocate(fd, 0, nbytes)
+
+        def run(op):
+            def work(i):
+                buf = bufs[i % threads]
+                for off in offsets[i::threads]:
+                    n = op(buf, off)
+                    if n != block:
+                        raise OSError(f"short {op.__name__}: {n} of {block} bytes at {off}")
+            with ThreadPoolExecutor(threads) as ex:
+                list(ex.map(work, range(threads)))
+
+        def pwrite(buf, off):
+            return os.pwrite(fd, buf, off)
+
+        def pread(buf, off):
+            return os.preadv(fd, [buf], off)
+
+        t0 = time.perf_counter()
+        run(pwrite)
+        os.fdatasync(fd)
+        w = nbytes / (time.perf_counter() - t0) / 1e9
+        t0 = time.perf_counter()
+        run(pread)
+        r = nbytes / (time.perf_counter() - t0) / 1e9
+    finally:
+        os.close(fd)
+        os.remove(path)
+    return w, r
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--params-m", type=float, default=150.0, help="model size in millions of fp32 params")
+    p.add_argument("--width", type=int, default=2048)
+    p.add_argument("--tokens", type=int, default=384, help="rows per batch: sets backward time vs I/O")
+    p.add_argument("--steps", type=int, default=3)
+    p.add_argument("--pairs", type=int, default=3)
+    p.add_argument("--chunk-mib", type=int, default=32)
+    p.add_argument("--io-chunk-mib", type=int, default=8)
+    p.add_argument("--workers", type=int, default=4)
+    p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--dir", default=None, help="store directory (default: a temp dir beside the checkout)")
+    p.add_argument("--child", choices=["inmem", "step", "bwd"], help=argparse.SUPPRESS)
+    args = p.parse_args()
+    if args.child:
+        print(json.dumps(child(args)))
+        return
+    tmp = tempfile.TemporaryDirectory(dir=args.dir or ROOT, prefix=".bench-opt-")
+    args.dir = tmp.name
+
+    def run_child(kind: str) -> dict:
+        cmd = [sys.executable, __file__, "--child", kind] + [
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "pairs")]
+        res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+        return json.loads(res.stdout.strip().splitlines()[-1])
+
+    rows = []
+    for i in range(args.pairs):
+        inmem = run_child("inmem")
+        state = inmem["state_bytes"]
+        w, r = raw_disk(args.dir, max(state, 256 * MiB))
+        step = run_child("step")
+        bwd = run_child("bwd")
+        io_bound = state / (r * 1e9) + state / (w * 1e9)
+        rows.append(dict(raw_write_GBps=w, raw_read_GBps=r, io_bound_s=io_bound, inmem=inmem, step=step, bwd=bwd))
+        print(f"pair {i}: raw w/r {w:.2f}/{r:.2f} GB/s io_bound {io_bound:.2f}s | opt.step inmem "
+              f"{inmem['opt_step']:.2f}s offload {step['opt_step']:.2f}s | train inmem {inmem['train_step']:.2f}s "
+              f"step-mode {step['train_step']:.2f}s bwd-mode {bwd['train_step']:.2f}s (backward {inmem['bwd']:.2f}s)",
+              file=sys.stderr, flush=True)
+
+    med = lambda xs: statistics.median(xs)  # noqa: E731
+    state = rows[0]["inmem"]["state_bytes"]
+    rss_in = med([r["inmem"]["rss_MiB"] for r in rows])
+    rss_off = med([r["step"]["rss_MiB"] for r in rows])
+    result = {
+        "params": rows[0]["inmem"]["params"],
+        "state_bytes": state,
+        "raw_write_GBps": med([r["raw_write_GBps"] for r in rows]),
+        "raw_read_GBps": med([r["raw_read_GBps"] for r in rows]),
+        "step_inmem_s": med([r["inmem"]["opt_step"] for r in rows]),
+        "step_offload_s": med([r["step"]["opt_step"] for r in rows]),
+        "io_bound_s": med([r["io_bound_s"] for r in rows]),
+        "step_vs_io_bound": med([r["step"]["opt_step"] / r["io_bound_s"] for r in rows]),
+        "backward_s": med([r["inmem"]["bwd"] for r in rows]),
+        "io_bound_vs_backward": med([r["io_bound_s"] / r["inmem"]["bwd"] for r in rows]),
+        "train_step_inmem_s": med([r["inmem"]["train_step"] for r in rows]),
+        "train_step_offload_bwd_s": med([r["bwd"]["train_step"] for r in rows]),
+        "train_step_offload_step_s": med([r["step"]["train_step"] for r in rows]),
+        "train_step_ratio": med([r["bwd"]["train_step"] / r["inmem"]["train_step"] for r in rows]),
+        "train_step_ratio_step_mode": med([r["step"]["train_step"] / r["inmem"]["train_step"] for r in rows]),
+        "rss_inmem_MiB": rss_in,
+        "rss_offload_MiB": rss_off,
+        "rss_offload_bwd_MiB": med([r["bwd"]["rss_MiB"] for r in rows]),
+        "rss_saved_fraction": (rss_in - rss_off) * MiB / state,
+        "resident_buffers_MiB": rows[0]["step"]["resident_buffers_MiB"],
+        "pairs": args.pairs,
+        "tokens": args.tokens,
+        "chunk_MiB": args.chunk_mib,
+    }
+    tmp.cleanup()
+    print(json.dumps(result))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,116 @@
+"""Write and read a standard safetensors file piece by piece, with positioned I/O.
+
+Why not ``safetensors.torch.save_file``: it needs every tensor in memory at once, which is exactly
+what offloading avoids. The header (names, dtypes, shapes, offsets) is known up front from the plan,
+so each piece of state is written at its final offset as it streams out of the store. The result is
+an ordinary safetensors file (``safetensors.torch.load_file`` reads it).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+
+import torch
+
+from lightning_nvme.store.buffers import memview
+
+DTYPES = {torch.float64: "F64", torch.float32: "F32", torch.float16: "F16", torch.bfloat16: "BF16",
+          torch.int64: "I64", torch.int32: "I32", torch.int16: "I16", torch.int8: "I8", torch.uint8: "U8",
+          torch.bool: "BOOL"}
+CODES = {v: k for k, v in DTYPES.items()}
+
+
+def _itemsize(dtype: torch.dtype) -> int:
+    return torch.empty((), dtype=dtype).element_size()
+
+
+class SafetensorsWriter:
+    def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                 metadata: dict[str, str] | None = None) -> None:
+        self.path = path
+        header: dict = {"__metadata__": dict(metadata or {})}
+        self.offsets: dict[str, tuple[int, torch.dtype]] = {}
+        pos = 0
+        for name, dtype, shape in entries:
+            n = 1
+            for s in shape:
+                n *= s
+            nbytes = n * _itemsize(dtype)
+            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+            self.offsets[name] = (pos, dtype)
+            pos += nbytes
+        blob = json.dumps(header, separators=(",", ":")).encode()
+        blob += b" " * (-len(blob) % 8)
+        self.data_start = 8 + len(blob)
+        self.total = self.data_start + pos
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        self._pwrite(struct.pack("<Q", len(blob)) + blob, 0)
+
+    def _pwrite(self, data, offset: int) -> None:
+        mv = memoryview(data).cast("B")
+        done = 0
+        while done < len(mv):
+            n = os.pwrite(self.fd, mv[done:], offset + done)
+            if n <= 0:
+                raise OSError(f"short write to {self.path} at offset {offset + done}")
+            done += n
+
+    def write(self, name: str, elem_offset: int, values: torch.Tensor) -> None:
+        start, dtype = self.offsets[name]
+        values = values.contiguous()
+        if values.dtype != dtype:
+            raise TypeError(f"{name}: expected {dtype}, got {values.dtype}")
+        nbytes = values.numel() * values.element_size()
+        if nbytes:
+            self._pwrite(memview(values.data_ptr(), nbytes), self.data_start + start + elem_offset * _itemsize(dtype))
+
+    def close(self) -> None:
+        """fsync, then drop the file from the page cache: a checkpoint must not spend the RAM we saved."""
+        os.ftruncate(self.fd, self.total)
+        os.fsync(self.fd)
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(self.fd)
+
+
+class SafetensorsReader:
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.fd = os.open(path, os.O_RDONLY)
+        size = os.fstat(self.fd).st_size
+        (hlen,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        if hlen > size - 8:
+            raise ValueError(f"{path}: truncated or not a safetensors file (header length {hlen}, size {size})")
+        header = json.loads(os.pread(self.fd, hlen, 8))
+        self.metadata = header.pop("__metadata__", {})
+        self.data_start = 8 + hlen
+        self.entries = {k: (CODES[v["dtype"]], tuple(v["shape"]), v["data_offsets"][0]) for k, v in header.items()}
+        end = max((v["data_offsets"][1] for v in header.values()), default=0)
+        if self.data_start + end > size:
+            raise ValueError(f"{path} is truncated: {size} bytes, its header describes {self.data_start + end}")
+
+    def __contains__(self, name: str) -> bool:
+        return name in self.entries
+
+    def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+        dtype, shape, off = self.entries[name]
+        numel = 1
+        for s in shape:
+            numel *= s
+        stop = numel if stop is None else stop
+        out = torch.empty(stop - start, dtype=dtype)
+        nbytes = out.numel() * out.element_size()
+        mv = memview(out.data_ptr(), nbytes) if nbytes else memoryview(b"")
+        pos = self.data_start + off + start * out.element_size()
+        done = 0
+        while done < nbytes:
+            n = os.preadv(self.fd, [mv[done:]], pos + done)
+            if n <= 0:
+                raise OSError(f"short read from {self.path} ({name}) at offset {pos + done}")
+            done += n
+        return out
+
+    def close(self) -> None:
+        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        os.close(self.fd)

@@ -1,0 +1,89 @@
+"""``IOProfile``: the store's I/O knobs (chunk size, worker count) tuned on one disk by ``doctor``.
+
+Why a file: the best chunk size and queue depth depend on the SSD, its filesystem and its driver;
+``lightning-nvme doctor PATH --write-profile FILE`` measures them once, and the strategy loads the
+result with ``io_profile=FILE`` instead of guessing.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from dataclasses import asdict, dataclass, field, fields
+from datetime import datetime, timezone
+from typing import Any
+
+from lightning_nvme.preflight import ConfigError, validate_sizes
+
+PROFILE_VERSION = 1
+
+
+def _now() -> str:
+    return datetime.now(timezone.utc).isoformat(timespec="seconds")
+
+
+@dataclass
+class IOProfile:
+    """Tuned store settings and the figures they were chosen on.
+
+    ``chunk_bytes``/``num_workers`` map to ``FlatStore(chunk_bytes=, num_workers=)`` and to the
+    strategy's ``io_chunk_bytes``/``io_workers``. Bandwidths are MiB/s measured on ``path``.
+    """
+
+    chunk_bytes: int
+    num_workers: int
+    write_mib_s: float | None = None  # of the chosen setting, writes timed through fsync
+    read_mib_s: float | None = None
+    speedup_vs_default: float | None = None  # re-measured against the default in alternating pairs
+    default: dict[str, int] | None = None  # the setting that ratio compares with
+    path: str | None = None  # directory the figures were measured in
+    fs_type: str | None = None
+    direct_io: bool | None = None
+    created_at: str = field(default_factory=_now)
+    trials: list[dict[str, Any]] = field(default_factory=list)  # every measured candidate
+    version: int = PROFILE_VERSION
+
+    def __post_init__(self) -> None:
+        validate_sizes(chunk_bytes=self.chunk_bytes, num_workers=self.num_workers)
+
+    def store_kwargs(self) -> dict[str, int]:
+        """Keyword arguments for ``FlatStore``."""
+        return {"chunk_bytes": self.chunk_bytes, "num_workers": self.num_workers}
+
+    def strategy_kwargs(self) -> dict[str, int]:
+        """Keyword arguments for ``NVMeOffloadStrategy``."""
+        return {"io_chunk_bytes": self.chunk_bytes, "io_workers": self.num_workers}
+
+    def save(self, file: str | os.PathLike) -> None:
+        """Write atomically (temp file + rename), so a reader never sees half a profile."""
+        file = os.fspath(file)
+        tmp = f"{file}.tmp{os.getpid()}"
+        with open(tmp, "w") as f:
+            json.dump(asdict(self), f, indent=2)
+            f.write("\n")
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, file)
+
+    @classmethod
+    def load(cls, file: str | os.PathLike, *, key: str = "io_profile") -> "IOProfile":
+        """Read a profile, raising ``ConfigError`` naming ``key`` and the file when it is unusable.
+        Unknown fields (from a newer version) are ignored."""
+        file = os.fspath(file)
+        try:
+            with open(file) as f:
+                data = json.load(f)
+        except OSError as e:
+            raise ConfigError(key, f"cannot read I/O profile {file}: {e.strerror}. Fix: create it with "
+                                   f"`lightning-nvme doctor STORE_DIR --write-profile {file}`, or unset {key}.") from e
+        except ValueError as e:
+            raise ConfigError(key, f"I/O profile {file} is not valid JSON ({e}). Fix: regenerate it with "
+                                   f"`lightning-nvme doctor STORE_DIR --write-profile {file}`.") from e
+        if not isinstance(data, dict) or "chunk_bytes" not in data or "num_workers" not in data:
+            raise ConfigError(key, f"I/O profile {file} lacks chunk_bytes/num_workers. Fix: regenerate it with "
+                                   f"`lightning-nvme doctor STORE_DIR --write-profile {file}`.")
+        known = {f.name for f in fields(cls)}
+        try:
+            return cls(**{k: v for k, v in data.items() if k in known})
+        except ConfigError as e:
+            raise ConfigError(key, f"I/O profile {file}: {e}") from e

@@ -1,0 +1,52 @@
+"""``ChunkRing``: the bounded set of page-aligned buffers an offloaded optimizer works in.
+
+Why a ring: one buffer is being updated while the next ``prefetch_depth`` are being read and the
+previous ones are being written back. A buffer is handed out again only after its write-back has
+completed, so memory is ``count x chunk`` whatever the model size, and no buffer is overwritten
+while the disk still reads from it.
+"""
+
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+import torch
+
+from lightning_nvme.store import FlatStore, IOHandle
+
+
+@dataclass
+class ChunkBuffer:
+    data: torch.Tensor  # uint8, page-aligned, capacity bytes
+    pending_write: IOHandle | None = None
+
+
+class ChunkRing:
+    def __init__(self, store: FlatStore, count: int, nbytes: int) -> None:
+        if count < 2:
+            raise ValueError(f"the chunk ring needs at least 2 buffers, got {count}")
+        self.store = store
+        self.nbytes = nbytes
+        self._free: deque[ChunkBuffer] = deque(ChunkBuffer(store.aligned_empty(nbytes)) for _ in range(count))
+        self.count = count
+
+    @property
+    def total_bytes(self) -> int:
+        return self.count * self.nbytes
+
+    def acquire(self) -> ChunkBuffer:
+        if not self._free:
+            raise RuntimeError("chunk ring exhausted: more buffers held than prefetch_depth + 2 (a bug)")
+        buf = self._free.popleft()
+        if buf.pending_write is not None:
+            self.store.wait(buf.pending_write)
+            buf.pending_write = None
+        return buf
+
+    def release(self, buf: ChunkBuffer, pending_write: IOHandle | None = None) -> None:
+        buf.pending_write = pending_write
+        self._free.append(buf)
+
+    def in_flight_writes(self) -> list[IOHandle]:
+        return [b.pending_write for b in self._free if b.pending_write is not None]

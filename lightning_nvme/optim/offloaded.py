@@ -1,0 +1,423 @@
+"""``OffloadedOptimizer``: a user's torch optimizer whose per-parameter state lives in a FlatStore.
+
+The user's optimizer object stays the one Lightning, LR schedulers and callbacks see; its ``state``
+stays empty. Its ``step`` is replaced on the instance by a pipelined step that, chunk by chunk,
+reads the chunk's state into a ring buffer, runs the optimizer's *own* update code on it, and
+issues the write-back, while the next chunks are being read. Reads for the first chunks start on
+entry to ``step``, i.e. while the closure still runs forward and backward; writes issued at step N
+may still be in flight during step N+1's forward. The store orders a read after the last write to
+the same bytes, so a chunk is never updated from stale state.
+
+``overlap="backward"`` updates a chunk as soon as every parameter in it has its final gradient
+(``register_post_accumulate_grad_hook``), so most optimizer I/O hides behind backward compute.
+"""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+
+import torch
+from torch.optim import Optimizer
+
+from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing
+from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, plan_chunks
+from lightning_nvme.store import FlatStore, IOHandle
+
+OVERLAP_MODES = ("step", "backward")
+
+
+class StateSource(Protocol):
+    """Where ``import_state`` reads per-parameter state from (a dict, a checkpoint file...)."""
+
+    def tensor(self, index: int, key: str, start: int, stop: int) -> torch.Tensor | None: ...
+
+    def scalars(self, index: int, tensor_keys: set[str]) -> dict[str, Any]: ...
+
+
+class StateSink(Protocol):
+    """Where ``export_state`` writes per-parameter state to, one piece at a time."""
+
+    def put(self, piece: Piece, key: str, values: torch.Tensor) -> None: ...
+
+
+def _view(buf: ChunkBuffer, piece: Piece, key: str, dtype: torch.dtype, shape: torch.Size | tuple) -> torch.Tensor:
+    size = torch.empty((), dtype=dtype).element_size()
+    off = piece.slots[key]
+    return buf.data[off:off + piece.numel * size].view(dtype).view(shape)
+
+
+def _flat(t: torch.Tensor) -> torch.Tensor:
+    return t.view(-1) if t.is_contiguous() else t.reshape(-1)
+
+
+class OffloadedOptimizer:
+    """Drives one user optimizer with its per-element state in ``store``.
+
+    Args:
+        optimizer: the user's optimizer (AdamW, Adam, SGD, RMSprop, Adagrad, ... any optimizer whose
+            state is per-parameter tensors updated element-wise).
+        store: the flat store the state lives in.
+        name: region prefix in the store (one per optimizer).
+        chunk_bytes: state bytes moved per request; memory is ``(prefetch_depth + 2) x chunk_bytes``.
+        prefetch_depth: chunks read ahead of the one being updated.
+        overlap: ``"step"`` (pipeline inside the step, reads start on entry) or ``"backward"``.
+        clip_value: with ``overlap="backward"``, element-wise gradient value clipping applied before
+            each chunk's update (what Lightning would apply after the closure).
+        owned: param index -> element ranges: offload and update only these (a data-parallel rank's
+            partition, see ``partition_by_bytes``); ``None`` = every trainable parameter.
+        grad_hooks: with ``overlap="backward"``, learn that a parameter's gradient is final from its
+            post-accumulate-grad hook. ``False``: the caller says so with ``grad_ready`` (data parallel:
+            a gradient is final only once its all-reduce has completed).
+    """
+
+    def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0", chunk_bytes: int = 64 << 20,
+                 prefetch_depth: int = 2, overlap: str = "step", clip_value: float | None = None,
+                 owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, grad_hooks: bool = True) -> None:
+        if overlap not in OVERLAP_MODES:
+            raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
+        if prefetch_depth < 1:
+            raise ValueError(f"prefetch_depth must be >= 1, got {prefetch_depth}")
+        self.optimizer = optimizer
+        self.store = store
+        self.name = name
+        self.overlap = overlap
+        self.prefetch_depth = prefetch_depth
+        self.clip_value = clip_value
+        self.owned = owned
+        self.chunks, self.specs = plan_chunks(optimizer, chunk_bytes, name, owned=owned)
+        self.pieces_of: dict[int, list[tuple[Chunk, Piece]]] = defaultdict(list)
+        for c in self.chunks:
+            for piece in c.pieces:
+                self.pieces_of[piece.index].append((c, piece))
+        store.add_regions([(c.region, c.nbytes) for c in self.chunks])
+        self.capacity = {c.index: store.region(c.region).capacity for c in self.chunks}
+        self.ring = ChunkRing(store, prefetch_depth + 2, max(self.capacity.values(), default=4096))
+        self.scalars: dict[tuple[int, int], dict[str, Any]] = {}  # (param index, start) -> scalar state
+        self._inner_step = type(optimizer).step
+        self._empty_state: defaultdict = defaultdict(dict)
+        self._inflight: dict[int, tuple[ChunkBuffer, IOHandle | None]] = {}
+        self._done: set[int] = set()
+        self._armed = False
+        self._waiting: dict[int, set[int]] = {}
+        self._hooks: list[Any] = []
+        self._order = list(range(len(self.chunks)))
+        if overlap == "backward":
+            self._order.reverse()
+            if grad_hooks:
+                self._install_grad_hooks()
+        existing = {i: dict(s) for i, s in self._indexed_state().items() if s}
+        optimizer.state = self._empty_state
+        self.import_state(_DictSource(existing))
+        optimizer.step = self._bound_step()  # instance attribute: Lightning, schedulers and users all call it
+        optimizer.state_dict = self.state_dict
+        optimizer.load_state_dict = self.load_state_dict
+
+    # ---- bookkeeping ----------------------------------------------------------------------------
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _indexed_state(self) -> dict[int, dict]:
+        return {i: self.optimizer.state.get(p, {}) for i, p in enumerate(self.params)}
+
+    @property
+    def state_bytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
+
+    def _initialized(self, piece: Piece) -> bool:
+        return (piece.index, piece.start) in self.scalars
+
+    # ---- reads ahead ------------------------------------------------------------------------------
+    def _issue_read(self, c: int) -> None:
+        buf = self.ring.acquire()
+        chunk = self.chunks[c]
+        handle = None
+        if any(self._initialized(p) for p in chunk.pieces):
+            handle = self.store.read(chunk.region, buf.data[:self.capacity[c]])
+        self._inflight[c] = (buf, handle)
+
+    def prefetch(self) -> None:
+        """Keep up to ``prefetch_depth`` reads in flight, in update order. Called on entry to the step."""
+        for c in self._order:
+            if len(self._inflight) >= self.prefetch_depth:
+                break
+            if c not in self._done and c not in self._inflight:
+                self._issue_read(c)
+
+    def _take(self, c: int) -> ChunkBuffer:
+        if c not in self._inflight:
+            self._issue_read(c)
+        buf, handle = self._inflight.pop(c)
+        if handle is not None:
+            self.store.wait(handle)
+        return buf
+
+    # ---- the update -------------------------------------------------------------------------------
+    def _update_chunk(self, c: int) -> None:
+        buf = self._take(c)
+        self._done.add(c)
+        self.prefetch()
+        changed = self._run_inner_step(self.chunks[c], buf)
+        handle = self.store.write(self.chunks[c].region, buf.data[:self.capacity[c]]) if changed else None
+        self.ring.release(buf, handle)
+        self.prefetch()
+
+    def _run_inner_step(self, chunk: Chunk, buf: ChunkBuffer) -> bool:
+        """Run the optimizer's own ``step`` on this chunk's pieces, with state views into ``buf``.
+
+        On an accelerator the chunk's state is copied to the parameters' device for the update and
+        back into ``buf`` afterwards (device memory: one chunk)."""
+        opt = self.optimizer
+        groups = opt.param_groups
+        saved_params = [g["params"] for g in groups]
+        chunk_params: list[list[torch.Tensor]] = [[] for _ in groups]
+        state: defaultdict = defaultdict(dict)
+        work = [w for w in (self._prepare_piece(piece, buf, state) for piece in chunk.pieces) if w is not None]
+        if not work:
+            return False
+        for piece, target, _, _ in work:
+            chunk_params[piece.group].append(target)
+        try:
+            for g, params in zip(groups, chunk_params):
+                g["params"] = params
+            opt.state = state
+            with torch.no_grad():
+                self._inner_step(opt)
+        finally:
+            for g, params in zip(groups, saved_params):
+                g["params"] = params
+            opt.state = self._empty_state
+        for piece, target, host, working in work:
+            self._finish_piece(piece, target, host, working, state[target])
+        return True
+
+    def _prepare_piece(self, piece: Piece, buf: ChunkBuffer, state: defaultdict):
+        """The tensor the optimizer will update for ``piece`` (the param, a range of it, or its fp32
+        master), with its grad set and its state (if any yet) in ``state``."""
+        p = piece.param
+        if p.grad is None:
+            return None
+        shape = p.shape if piece.whole else (piece.numel,)
+        host = {k: _view(buf, piece, k, d, shape) for k, d in piece.keys}
+        working = host if p.device.type == "cpu" else {
+            k: v.to(p.device, non_blocking=True) for k, v in host.items()}
+        working = dict(working)
+        grad = p.grad if piece.whole else _flat(p.grad)[piece.start:piece.stop]
+        if self.clip_value is not None:
+            grad.clamp_(min=-self.clip_value, max=self.clip_value)
+        master = working.pop(MASTER_KEY, None)
+        if master is not None:
+            if not self._initialized(piece):
+                master.copy_(p.detach() if piece.whole else _flat(p.detach())[piece.start:piece.stop])
+            target = master
+            target.grad = grad.float()
+        elif piece.whole:
+            target = p
+        else:
+            target = _flat(p.detach())[piece.start:piece.stop]
+            target.grad = grad
+        if self._initialized(piece):
+            state[target] = {**working, **self.scalars[(piece.index, piece.start)]}
+        if master is not None:
+            working[MASTER_KEY] = master
+        return piece, target, host, working
+
+    def _finish_piece(self, piece: Piece, target: torch.Tensor, host: dict[str, torch.Tensor],
+                      working: dict[str, torch.Tensor], new: dict[str, Any]) -> None:
+        """Bring the updated state back into the chunk buffer and keep the scalar state in memory."""
+        scalars = {}
+        for key, value in new.items():
+            if key in host:
+                if value is not host[key]:
+                    host[key].copy_(value)
+            else:
+                scalars[key] = value
+        self.scalars[(piece.index, piece.start)] = scalars
+        if MASTER_KEY in piece.slots:
+            if working[MASTER_KEY] is not host[MASTER_KEY]:
+                host[MASTER_KEY].copy_(working[MASTER_KEY])
+            dst = piece.param.detach() if piece.whole else _flat(piece.param.detach())[piece.start:piece.stop]
+            dst.copy_(target)
+            target.grad = None
+        elif not piece.whole:
+            target.grad = None
+
+    def _bound_step(self) -> Callable[..., Any]:
+        def step(closure: Callable[[], Any] | None = None) -> Any:
+            return self.step(closure)
+
+        step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]  # LR schedulers track calls through this
+        return step
+
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """Pipelined step: reads start now, the closure runs forward/backward, then every chunk is
+        updated in order (in backward mode, those not already updated during backward)."""
+        self.optimizer._opt_called = True  # what an LR scheduler's step-tracking wrapper would set
+        self._done = set()
+        self.prefetch()
+        loss = None
+        if closure is not None:
+            self._armed = self.overlap == "backward"
+            self._waiting = {c.index: {p.index for p in c.pieces} for c in self.chunks}
+            try:
+                with torch.enable_grad():
+                    loss = closure()
+            finally:
+                self._armed = False
+        for c in self._order:
+            if c not in self._done:
+                self._update_chunk(c)
+        return loss
+
+    # ---- overlap="backward" -------------------------------------------------------------------------
+    def _install_grad_hooks(self) -> None:
+        for index, p in enumerate(self.params):
+            if p.requires_grad:
+                self._hooks.append(p.register_post_accumulate_grad_hook(self._make_hook(index)))
+
+    def _make_hook(self, index: int) -> Callable[[torch.Tensor], None]:
+        def hook(_: torch.Tensor) -> None:
+            self.grad_ready(index)
+        return hook
+
+    def grad_ready(self, index: int) -> None:
+        """Parameter ``index``'s gradient is final for this step: update every chunk now complete."""
+        if not self._armed:
+            return
+        for chunk, _piece in self.pieces_of.get(index, []):
+            waiting = self._waiting.get(chunk.index)
+            if waiting is None:
+                continue
+            waiting.discard(index)
+            if not waiting and chunk.index not in self._done:
+                self._update_chunk(chunk.index)
+
+    # ---- moving state in and out ----------------------------------------------------------------------
+    def fence(self, durable: bool = False) -> None:
+        self.store.fence([c.region for c in self.chunks], durable=durable)
+
+    def export_state(self, sink: StateSink) -> None:
+        """Stream every initialized piece's state to ``sink``, one chunk buffer at a time, reading the
+        next chunks while the sink consumes this one."""
+        self.fence()
+        order = [c for c, chunk in enumerate(self.chunks) if any(self._initialized(p) for p in chunk.pieces)]
+        for i, c in enumerate(order):
+            for ahead in order[i + 1:i + 1 + self.prefetch_depth - len(self._inflight)]:
+                if ahead not in self._inflight:
+                    self._issue_read(ahead)
+            buf = self._take(c)
+            try:
+                for piece in self.chunks[c].pieces:
+                    if self._initialized(piece):
+                        for key, dtype in piece.keys:
+                            sink.put(piece, key, _view(buf, piece, key, dtype, (piece.numel,)))
+            finally:
+                self.ring.release(buf)
+
+    def import_state(self, source: StateSource) -> None:
+        """Replace the stored state with ``source``'s, one chunk at a time (pieces absent from the
+        source become uninitialized, as in a fresh optimizer)."""
+        self.fence()
+        for c, chunk in enumerate(self.chunks):
+            buf = self.ring.acquire()
+            wrote = False
+            for piece in chunk.pieces:
+                self.scalars.pop((piece.index, piece.start), None)
+                tensors = {k: source.tensor(piece.index, k, piece.start, piece.stop) for k, _ in piece.keys}
+                if MASTER_KEY in tensors and tensors[MASTER_KEY] is None and any(
+                        v is not None for k, v in tensors.items() if k != MASTER_KEY):
+                    p = piece.param.detach()
+                    tensors[MASTER_KEY] = _flat(p)[piece.start:piece.stop]  # plain checkpoint: params are the master
+                if any(v is None for v in tensors.values()):
+                    continue
+                for key, dtype in piece.keys:
+                    _view(buf, piece, key, dtype, (piece.numel,)).copy_(_flat(tensors[key]))
+                self.scalars[(piece.index, piece.start)] = dict(source.scalars(piece.index, set(tensors)))
+                wrote = True
+            handle = self.store.write(chunk.region, buf.data[:self.capacity[c]]) if wrote else None
+            self.ring.release(buf, handle)
+        self.fence()
+
+    def state_dict(self) -> dict[str, Any]:
+        """The optimizer's state dict in torch's own format, materialized in memory (for users who call
+        ``optimizer.state_dict()`` or convert to a plain checkpoint; Lightning checkpoints stream instead)."""
+        sink = _DictSink()
+        self.export_state(sink)
+        params = self.params
+        opt = self.optimizer
+        try:
+            opt.state = defaultdict(dict)
+            for index, tensors in sink.full(params).items():
+                first = self.pieces_of[index][0][1]
+                opt.state[params[index]] = {**tensors, **self.scalars[(index, first.start)]}
+            return type(opt).state_dict(opt)
+        finally:
+            opt.state = self._empty_state
+
+    def set_param_groups(self, saved: list[dict[str, Any]]) -> dict[Any, int]:
+        """Take hyperparameters from saved torch-format param groups; return saved param id -> position."""
+        groups = self.optimizer.param_groups
+        if len(groups) != len(saved) or any(len(g["params"]) != len(s["params"]) for g, s in zip(groups, saved)):
+            raise ValueError("loaded optimizer state has a different number of param groups or parameters "
+                             "than the optimizer it is loaded into")
+        for g, s in zip(groups, saved):
+            g.update({k: v for k, v in s.items() if k != "params"})
+        return {pid: i for i, pid in enumerate(pid for s in saved for pid in s["params"])}
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Load torch-format optimizer state (hyperparameters into the param groups, state into the store)."""
+        position = self.set_param_groups(state_dict["param_groups"])
+        self.import_state(_DictSource({position[k]: v for k, v in state_dict["state"].items()}))
+
+    def attach(self, store: FlatStore) -> None:
+        """Continue on ``store`` (the same file reopened after the previous handle was closed)."""
+        self.store = store
+        self.ring.store = store
+
+    def close(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks = []
+        for c in list(self._inflight):
+            buf, handle = self._inflight.pop(c)
+            if handle is not None:
+                handle.wait(self.store.io_timeout_s)
+            self.ring.release(buf)
+
+
+class _DictSource:
+    """State from a ``{param index: {key: tensor or scalar}}`` dict (torch's format, indexed by position)."""
+
+    def __init__(self, state: dict[int, dict[str, Any]]) -> None:
+        self.state = state
+
+    def tensor(self, index: int, key: str, start: int, stop: int) -> torch.Tensor | None:
+        value = self.state.get(index, {}).get(key)
+        return _flat(value)[start:stop] if torch.is_tensor(value) else None
+
+    def scalars(self, index: int, tensor_keys: set[str]) -> dict[str, Any]:
+        return {k: (v.clone() if torch.is_tensor(v) else v) for k, v in self.state.get(index, {}).items()
+                if k not in tensor_keys}
+
+
+class _DictSink:
+    """Collects exported pieces into full tensors shaped like their parameters."""
+
+    def __init__(self) -> None:
+        self.parts: dict[int, dict[str, list[tuple[int, torch.Tensor]]]] = defaultdict(lambda: defaultdict(list))
+
+    def put(self, piece: Piece, key: str, values: torch.Tensor) -> None:
+        self.parts[piece.index][key].append((piece.start, values.clone()))
+
+    def full(self, params: list[torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for index, keys in self.parts.items():
+            shape = params[index].shape
+            out[index] = {k: torch.cat([v for _, v in sorted(parts, key=lambda x: x[0])]).view(shape)
+                          for k, parts in keys.items()}
+        return out
+
+
+def offload_all(optimizers: Iterable[Optimizer], store: FlatStore, **kwargs: Any) -> list[OffloadedOptimizer]:
+    return [OffloadedOptimizer(opt, store, name=f"opt{i}", **kwargs) for i, opt in enumerate(optimizers)]

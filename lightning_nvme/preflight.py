@@ -1,0 +1,264 @@
+"""Checks that run before training starts, so a bad path or a too-small disk fails in the first
+second with one message naming the config key and the fix, not hours later in a background thread.
+
+``check_store_dir`` validates the store directory (exists or can be created under an existing
+parent, writable, enough free space for the planned store plus the safety margin, O_DIRECT,
+not memory-backed, not remote, not shared by two ranks of one host). ``validate_sizes`` checks the
+numeric knobs (sizes positive and 4 KiB-aligned, staging holds an I/O chunk, worker counts >= 1).
+"""
+
+from __future__ import annotations
+
+import fcntl
+import glob
+import json
+import os
+import socket
+import tempfile
+import warnings
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_nvme import fsinfo
+from lightning_nvme.store.flat_store import MAGIC as STORE_MAGIC
+
+ALIGN = 4096
+GiB = 1 << 30
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work. ``key`` names the setting; the message says the fix."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+
+
+class PreflightWarning(UserWarning):
+    """A store directory that works but defeats the purpose (RAM-backed) or risks speed/safety (remote)."""
+
+
+@dataclass
+class PreflightReport:
+    """What preflight found about the store directory."""
+
+    path: str
+    fs_type: str | None
+    mount_point: str | None
+    mount_options: tuple[str, ...]
+    free_bytes: int
+    needed_bytes: int
+    min_free_bytes: int
+    direct_io: bool
+    direct_io_detail: str
+    reclaimable_bytes: int = 0  # held by stale stores in the dir that a new store replaces
+    warnings: list[str] = field(default_factory=list)
+
+    @property
+    def spare_bytes(self) -> int:
+        """Free bytes left after the store and the safety margin (negative never gets past preflight)."""
+        return self.free_bytes + self.reclaimable_bytes - self.needed_bytes - self.min_free_bytes
+
+
+def _gib(n: int) -> str:
+    return f"{n / GiB:.2f} GiB"
+
+
+# Directories whose children are usually mount points: a missing /mnt/nvme0 means an unmounted disk.
+MOUNT_ROOTS = ("/", "/mnt", "/media", "/run/media", "/Volumes")
+
+
+def ensure_dir(path: str, key: str) -> None:
+    """Create the store dir (and missing parents), except when the first missing directory would sit
+    directly in a mount root such as ``/mnt``: ``/mnt/nvme0`` missing usually means the disk is not
+    mounted, and creating it would silently put the store on the root disk."""
+    if os.path.exists(path):
+        if not os.path.isdir(path):
+            raise ConfigError(key, f"{path} exists and is not a directory. Fix: point {key} at a directory.")
+        return
+    missing = path.rstrip("/")
+    while not os.path.isdir(os.path.dirname(missing) or "/"):
+        missing = os.path.dirname(missing)
+    parent = os.path.dirname(missing) or "/"
+    if parent in MOUNT_ROOTS:
+        raise ConfigError(key, f"{missing} does not exist (is the disk mounted?), so {path} cannot be created "
+                               f"there. Fix: mount the disk or create it (mkdir -p {missing}), or set {key} to an "
+                               f"existing directory on a local SSD.")
+    try:
+        os.makedirs(path, exist_ok=True)  # ranks sharing a dir create it concurrently
+    except OSError as e:
+        raise ConfigError(key, f"cannot create {path}: {e.strerror}. Fix: create it with write permission for this "
+                               f"user, or set {key} to a writable directory.") from e
+
+
+def check_writable(path: str, key: str) -> None:
+    try:
+        fd, probe = tempfile.mkstemp(prefix=".lightning-nvme-preflight-", dir=path)
+        try:
+            os.write(fd, b"\0" * ALIGN)
+        finally:
+            os.close(fd)
+            os.remove(probe)
+    except OSError as e:
+        raise ConfigError(key, f"{path} is not writable ({e.strerror}). Fix: make it writable for this user "
+                               f"(or remount it read-write), or set {key} to a writable directory.") from e
+
+
+def stale_store_bytes(path: str) -> int:
+    """Disk bytes held by lightning-nvme store files in ``path`` whose lock no live process holds,
+    e.g. left by a crashed run. A new store of the same name truncates and replaces such a file, so
+    on a nearly full disk a restart must count them as free, not refuse."""
+    total = 0
+    for manifest in glob.glob(os.path.join(glob.escape(path), "*.json")):
+        data_file = manifest[:-5] + ".bin"
+        try:
+            with open(manifest) as f:
+                if json.load(f).get("magic") != STORE_MAGIC:
+                    continue
+            size = os.stat(data_file).st_blocks * 512
+        except (OSError, ValueError, AttributeError):
+            continue
+        try:
+            fd = os.open(data_file + ".lock", os.O_RDWR)
+        except FileNotFoundError:  # no lock file: no live holder
+            total += size
+            continue
+        try:
+            fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+            fcntl.flock(fd, fcntl.LOCK_UN)
+            total += size
+        except OSError:  # locked by a live run: not ours to reclaim
+            pass
+        finally:
+            os.close(fd)
+    return total
+
+
+def _host_and_dir(value: str | tuple[str, str]) -> tuple[str, str]:
+    host, d = (socket.gethostname(), value) if isinstance(value, (str, os.PathLike)) else value
+    return host, os.path.realpath(os.fspath(d))
+
+
+def check_rank_dirs(rank_dirs: Mapping[int, str | tuple[str, str]] | Sequence[str | tuple[str, str]],
+                    key: str = "store_dir") -> None:
+    """Refuse two ranks on one host using the same store directory. Values are a directory (taken to
+    be on this host) or ``(hostname, directory)``, e.g. gathered from every rank."""
+    items = rank_dirs.items() if isinstance(rank_dirs, Mapping) else enumerate(rank_dirs)
+    seen: dict[tuple[str, str], int] = {}
+    for rank, value in items:
+        where = _host_and_dir(value)
+        if where in seen:
+            raise ConfigError(key, f"ranks {seen[where]} and {rank} on host {where[0]} both use {where[1]}. Two "
+                                   f"ranks must not share one store directory. Fix: give each rank its own "
+                                   f"directory, e.g. {key}=/mnt/nvme/run/rank{{rank}} (one per process).")
+        seen[where] = rank
+
+
+def check_store_dir(path: str | os.PathLike | None, needed_bytes: int, *, min_free_bytes: int = 0,
+                    key: str = "store_dir",
+                    rank_dirs: Mapping[int, str | tuple[str, str]] | Sequence[str | tuple[str, str]] | None = None,
+                    ) -> PreflightReport:
+    """Validate ``path`` as the home of a store of ``needed_bytes`` plus a free-space margin.
+
+    Raises ``ConfigError`` naming ``key`` and the fix; warns (``PreflightWarning``) for RAM-backed or
+    network filesystems. Creates ``path`` if its parent exists.
+    """
+    if path is None or not os.fspath(path):
+        raise ConfigError(key, f"no store directory given. Fix: set {key} to a directory on a local SSD.")
+    if needed_bytes < 0:
+        raise ConfigError(key, f"planned store size must be >= 0 bytes, got {needed_bytes}")
+    if min_free_bytes < 0:
+        raise ConfigError("min_free_bytes", f"must be >= 0, got {min_free_bytes}. Fix: use 0 to disable the margin.")
+    path = os.path.abspath(os.fspath(path))
+    if rank_dirs is not None:
+        check_rank_dirs(rank_dirs, key)
+    ensure_dir(path, key)
+    check_writable(path, key)
+    info = fsinfo.inspect(path)
+    mount = info.mount
+    where = f"{mount.mount_point} ({mount.fs_type})" if mount else "its filesystem"
+    reclaimable = stale_store_bytes(path)
+    available = info.free_bytes + reclaimable
+    if needed_bytes + min_free_bytes > available:
+        short = needed_bytes + min_free_bytes - available
+        stale = f" (plus {reclaimable} bytes of stale stores it would replace)" if reclaimable else ""
+        raise ConfigError(key, f"{path} cannot hold the planned store: it needs {needed_bytes} bytes "
+                               f"({_gib(needed_bytes)}) plus the safety margin min_free_bytes={min_free_bytes} "
+                               f"({_gib(min_free_bytes)}), but only {info.free_bytes} bytes ({_gib(info.free_bytes)}) "
+                               f"are free on {where}{stale}. Fix: free at least {short} bytes ({_gib(short)}), set "
+                               f"{key} to a larger local SSD, or lower min_free_bytes.")
+    report = PreflightReport(path, mount.fs_type if mount else None, mount.mount_point if mount else None,
+                             mount.options if mount else (), info.free_bytes, needed_bytes, min_free_bytes,
+                             info.direct_io, info.direct_io_detail, reclaimable)
+    if mount is not None and mount.is_memory:
+        report.warnings.append(f"{key}={path} is on {mount.fs_type} ({mount.mount_point}), which lives in RAM: "
+                               f"offloading there saves no memory. Fix: point {key} at a local SSD.")
+    if mount is not None and mount.is_network:
+        report.warnings.append(f"{key}={path} is on a network/FUSE filesystem ({mount.fs_type} at "
+                               f"{mount.mount_point}): expect low bandwidth, high latency and weaker durability. "
+                               f"Fix: point {key} at a local SSD.")
+    for w in report.warnings:
+        warnings.warn(w, PreflightWarning, stacklevel=2)
+    return report
+
+
+# ---- numeric settings ---------------------------------------------------------------------------
+def _as_int(key: str, value: object) -> int:
+    if isinstance(value, bool) or not isinstance(value, int):
+        raise ConfigError(key, f"must be an integer, got {value!r} ({type(value).__name__})")
+    return value
+
+
+def parse_dtype(value: object, key: str = "dtype") -> torch.dtype:
+    """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float32"``)."""
+    if isinstance(value, torch.dtype):
+        return value
+    if isinstance(value, str):
+        dt = getattr(torch, value.removeprefix("torch."), None)
+        if isinstance(dt, torch.dtype):
+            return dt
+    raise ConfigError(key, f"unknown dtype {value!r}. Fix: use a torch dtype name such as 'float32', 'bfloat16' "
+                           f"or 'float16'.")
+
+
+def validate_sizes(**settings: object) -> None:
+    """Check numeric settings by the kind their name says, raising ``ConfigError`` for the first bad one.
+
+    ``*_bytes``: positive multiple of 4096 (``min_*_bytes``: any integer >= 0). ``*workers``: >= 1.
+    ``*depth``: >= 1. ``*dtype``: a known torch dtype. ``*_s``: a positive number. ``staging_bytes``
+    and ``pool_bytes`` must hold one I/O chunk (``io_chunk_bytes`` if given, else ``chunk_bytes``).
+    Unknown names raise ``TypeError`` (a programming error).
+    """
+    for key, value in settings.items():
+        if key.endswith("_bytes") and key.startswith("min_"):
+            if _as_int(key, value) < 0:
+                raise ConfigError(key, f"must be >= 0, got {value}. Fix: use 0 to disable the margin.")
+        elif key.endswith("_bytes"):
+            n = _as_int(key, value)
+            if n <= 0:
+                raise ConfigError(key, f"must be a positive number of bytes, got {n}.")
+            if n % ALIGN:
+                up = (n + ALIGN - 1) // ALIGN * ALIGN
+                raise ConfigError(key, f"must be a multiple of {ALIGN} (O_DIRECT alignment), got {n}. Fix: use {up}.")
+        elif key.endswith("workers"):
+            if _as_int(key, value) < 1:
+                raise ConfigError(key, f"must be >= 1 I/O worker, got {value}. Fix: use 1-8 (4 is a good default).")
+        elif key.endswith("depth"):
+            if _as_int(key, value) < 1:
+                raise ConfigError(key, f"must be >= 1, got {value}. Fix: use 2 (prefetch the next chunk while "
+                                       f"one is in use).")
+        elif key.endswith("dtype"):
+            parse_dtype(value, key)
+        elif key.endswith("_s"):
+            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
+                raise ConfigError(key, f"must be a positive number of seconds, got {value!r}.")
+        else:
+            raise TypeError(f"validate_sizes does not know how to check setting {key!r}")
+    # the buffer pool holds I/O chunks: io_chunk_bytes in strategy settings, chunk_bytes in store settings
+    io_chunk = "io_chunk_bytes" if "io_chunk_bytes" in settings else "chunk_bytes"
+    for holder, chunk in (("staging_bytes", io_chunk), ("pool_bytes", io_chunk)):
+        if holder in settings and chunk in settings and settings[holder] < settings[chunk]:  # type: ignore[operator]
+            raise ConfigError(holder, f"{holder}={settings[holder]} cannot hold one {chunk}={settings[chunk]}. "
+                                      f"Fix: set {holder} >= {chunk} (e.g. {holder}={settings[chunk]}).")

@@ -1,0 +1,270 @@
+"""``NVMeOffloadDDPStrategy`` (``Trainer(strategy="nvme_offload_ddp")``): data parallel, each rank keeping
+1/N of the optimizer state on its own local disk (ZeRO stage 1 with an NVMe store).
+
+One step on every rank::
+
+    forward + backward; DDP all-reduces the gradients    (every rank holds the full averaged gradient, so
+                                                           Lightning's norm clipping is already global)
+    the rank's OffloadedOptimizer updates the element ranges it owns, streaming their state through
+    its store file ``<store_dir>/store-rank<r>.bin`` (``store_dir`` is node-local)
+    every rank broadcasts the ranges it owns, in buckets of at most ``broadcast_bucket_bytes``,
+    so all replicas hold the same parameters again
+
+Ownership is a ``Partition`` balanced by state bytes (``partition_by_bytes``). Checkpoints are sharded
+directories (``lightning_nvme.checkpoint.sharded``), and resume at any world size.
+
+``overlap="backward"``: a gradient is final only once its all-reduce has completed, not when autograd
+accumulates it, so the strategy installs a DDP communication hook (the same averaging all-reduce, with
+``gradient_as_bucket_view=True`` so a parameter's ``.grad`` *is* its slice of the reduced bucket). When
+bucket k is ready, its all-reduce is launched, then the previous bucket's is awaited (it ran while bucket
+k's gradients were computed) and the chunks whose gradients are now all final are updated, while bucket
+k's all-reduce and the rest of backward proceed. The last bucket's chunks are updated after backward.
+"""
+
+from __future__ import annotations
+
+import os
+from datetime import timedelta
+from typing import Any, Callable, Literal, Mapping, Sequence
+
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from torch.optim import Optimizer
+from typing_extensions import override
+
+import lightning.pytorch as pl
+from lightning_nvme import checkpoint as ckpt
+from lightning_nvme.checkpoint import sharded
+from lightning_nvme.checkpoint.atomic import recover
+from lightning_nvme.checkpoint.streamed import MARKER
+from lightning_nvme.config import GiB, MiB, OffloadConfig
+from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
+from lightning_nvme.strategies.offload_mixin import OffloadMixin
+
+
+class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
+    """Data-parallel training, each rank keeping the optimizer state of 1/N of the parameters on local disk.
+
+    Takes the arguments of ``NVMeOffloadStrategy`` (see ``OffloadConfig``), ``broadcast_bucket_bytes`` (the
+    buffer updated parameters are shared through) and those of Lightning's ``DDPStrategy``."""
+
+    strategy_name = "nvme_offload_ddp"
+    _local_grad_hooks = False
+
+    def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
+                 staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
+                 io_profile: str | None = None, min_free_bytes: int = 1 * GiB, broadcast_bucket_bytes: int = 16 * MiB,
+                 accelerator: pl.accelerators.Accelerator | None = None,
+                 parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision_plugin: Precision | None = None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout,
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **ddp_kwargs: Any) -> None:
+        if not isinstance(broadcast_bucket_bytes, int) or broadcast_bucket_bytes < 4096:
+            raise ValueError(f"nvme_offload_ddp: invalid broadcast_bucket_bytes={broadcast_bucket_bytes!r}: must be an "
+                             f"integer >= 4096; {16 * MiB} is typical")
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method, **ddp_kwargs)
+        self._init_offload(OffloadConfig(store_dir, chunk_bytes, io_chunk_bytes, staging_bytes, prefetch_depth,
+                                         io_workers, overlap, io_profile, min_free_bytes))
+        self.broadcast_bucket_bytes = broadcast_bucket_bytes
+        self.partitions: list[Partition] = []
+        self._grad_owner: dict[int, list[tuple[OffloadedOptimizer, int]]] = {}  # id(param) -> (optimizer, index)
+        self._reducing: list[tuple[torch.futures.Future, list[torch.Tensor]]] = []  # launched bucket all-reduces
+        self._broadcasts: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
+
+    # ---- ownership ----------------------------------------------------------------------------------------
+    @override
+    def _offload_optimizers(self, trainer: pl.Trainer) -> None:
+        self.partitions = []
+        super()._offload_optimizers(trainer)
+        # per optimizer: (source rank, ranges) of every broadcast that follows its step, in a fixed order
+        self._broadcasts = [[(src, bucket) for src, pieces in enumerate(part.owner_pieces())
+                             for bucket in _buckets(pieces, off.params, self.broadcast_bucket_bytes)]
+                            for off, part in zip(self.offloaded, self.partitions)]
+        self._grad_owner = {}
+        for off in self.offloaded:
+            for index, p in enumerate(off.params):
+                self._grad_owner.setdefault(id(p), []).append((off, index))
+
+    @override
+    def _owned_ranges(self, index: int, optimizer: Optimizer) -> Mapping[int, Sequence[tuple[int, int]]]:
+        partition = partition_by_bytes(optimizer, self.world_size)
+        for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
+            if p.requires_grad and not p.is_contiguous():
+                raise ValueError(f"nvme_offload_ddp: parameter {i} of optimizer {index} ({tuple(p.shape)}) is not "
+                                 "contiguous, so its owner cannot broadcast it in place; make it contiguous")
+        agreed = self.broadcast(partition.to_dict())
+        if agreed != partition.to_dict():
+            raise RuntimeError(f"nvme_offload_ddp: rank {self.global_rank} partitions optimizer {index} differently "
+                               "from rank 0: every rank must build the same model and optimizer (same parameter "
+                               "shapes, order, dtypes and requires_grad)")
+        self.partitions.append(partition)
+        return partition.owned(self.global_rank)
+
+    def partition_of(self, off: OffloadedOptimizer) -> Partition:
+        return self.partitions[self.offloaded.index(off)]
+
+    # ---- overlap="backward": updates start as buckets finish their all-reduce ---------------------------------
+    @override
+    def configure_ddp(self) -> None:
+        if self.config.overlap != "backward":
+            return super().configure_ddp()
+        if self._ddp_comm_hook is not None:
+            raise ValueError("nvme_offload_ddp: overlap='backward' installs its own DDP communication hook, so "
+                             "ddp_comm_hook cannot be given too; use overlap='step' with a custom hook")
+        self._ddp_kwargs["gradient_as_bucket_view"] = True
+        super().configure_ddp()
+        # (unannotated: DDP checks the hook's annotations by identity, which postponed annotations fail)
+        self.model.register_comm_hook(None, lambda state, bucket: self._reduce_bucket(bucket))
+
+    def _reduce_bucket(self, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+        """DDP's averaging all-reduce of one bucket; then update what the previous bucket completed."""
+        buffer = bucket.buffer()
+        buffer.mul_(1.0 / self.world_size)  # averages as DDP's built-in reducer does: multiply by 1/N, then sum
+        work = dist.all_reduce(buffer, async_op=True).get_future()
+        self._reducing.append((work, bucket.parameters()))
+        self._update_reduced(keep_last=1)
+        return work.then(lambda fut: fut.value()[0])
+
+    def _update_reduced(self, keep_last: int = 0) -> None:
+        while len(self._reducing) > keep_last:
+            work, params = self._reducing.pop(0)
+            work.wait()
+            for p in params:
+                for off, index in self._grad_owner.get(id(p), ()):
+                    off.grad_ready(index)
+
+    # ---- sharing the update ----------------------------------------------------------------------------------
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        self._reducing = []  # reductions of a backward outside this step (manual optimization) are not ours
+        return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+    @override
+    def _after_update(self, off: OffloadedOptimizer) -> None:
+        """Every rank broadcasts the element ranges it updated; afterwards all replicas are identical."""
+        self._reducing = []  # all complete: the step updated whatever backward did not
+        if self.world_size == 1:
+            return
+        params = off.params
+        with torch.no_grad():
+            for src, bucket in self._broadcasts[self.offloaded.index(off)]:
+                self._broadcast_bucket(bucket, params, src)
+
+    def _broadcast_bucket(self, bucket: list[tuple[int, int, int]], params: list[torch.Tensor], src: int) -> None:
+        views = [params[i].detach().view(-1)[lo:hi] for i, lo, hi in bucket]
+        if len(views) == 1:
+            dist.broadcast(views[0], src)  # a view of the parameter itself: no copy
+            return
+        flat = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device)
+        if self.global_rank == src:
+            torch.cat(views, out=flat)
+        dist.broadcast(flat, src)
+        if self.global_rank != src:
+            pos = 0
+            for v in views:
+                v.copy_(flat[pos:pos + v.numel()])
+                pos += v.numel()
+
+    # ---- checkpoints -----------------------------------------------------------------------------------------
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        if not ckpt.is_streamed(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        path = os.path.abspath(os.fspath(checkpoint_path))
+        if self.is_global_zero:
+            recover(path)  # finish or undo an interrupted commit, once, before any rank reads
+        self.barrier("nvme_offload_ddp.load_checkpoint")
+        return ckpt.load_streamed(path, recover_first=False)
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Any | None = None) -> None:
+        """Every rank streams its shard into one temp directory named by rank 0; rank 0 adds the metadata and
+        commits atomically once every rank reports its shard written (or removes it if any failed)."""
+        if not self.offloaded or "optimizer_states" not in checkpoint:  # weights_only: one plain file
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        path = os.path.abspath(os.fspath(filepath))
+        error: BaseException | None = None
+        begun: tuple[str | None, str | None] = (None, None)
+        if self.is_global_zero:
+            try:
+                begun = (sharded.begin(path), None)
+            except OSError as e:  # e.g. the checkpoint directory is not writable: every rank must hear of it
+                error, begun = e, (None, repr(e))
+        tmp, begin_error = self.broadcast(begun)
+        if begin_error is not None:
+            raise error or RuntimeError(f"nvme_offload_ddp: rank 0 could not create {path}: {begin_error}")
+        scalars: list[dict[int, dict[str, Any]]] = []
+        try:
+            with self._open_store() as store:
+                store.fence(durable=True)
+                for i, off in enumerate(self.offloaded):
+                    sharded.write_shard(off, tmp, i, self.global_rank)
+                    scalars.append(ckpt.optimizer_placeholder(off, i)["state"])
+        except BaseException as e:  # reported to every rank below, then re-raised
+            error = e
+        gathered = self._all_gather((repr(error) if error else None, scalars))
+        failed = [(r, msg) for r, (msg, _) in enumerate(gathered) if msg is not None]
+        if not failed and self.is_global_zero:
+            try:
+                self._complete_metadata(checkpoint, [s for _, s in gathered])
+                sharded.commit(checkpoint, tmp, path)
+            except BaseException as e:
+                error, failed = e, [(0, repr(e))]
+        if failed and self.is_global_zero:
+            sharded.abort(tmp)
+        failed = self.broadcast(failed)  # after the abort: no rank returns while the temp dir still exists
+        if failed:
+            if error is not None:
+                raise error
+            raise RuntimeError(f"nvme_offload_ddp: checkpoint {path} was not written: " +
+                               "; ".join(f"rank {r}: {msg}" for r, msg in failed))
+
+    def _complete_metadata(self, checkpoint: dict[str, Any], scalars_by_rank: list[list[dict]]) -> None:
+        for i, (off, state) in enumerate(zip(self.offloaded, checkpoint["optimizer_states"])):
+            merged: dict[int, dict[str, Any]] = {}
+            for per_rank in scalars_by_rank:
+                merged.update(per_rank[i])
+            state["state"] = dict(sorted(merged.items()))
+            state[MARKER] = sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params])
+
+    def _all_gather(self, obj: Any) -> list[Any]:
+        if not dist.is_available() or not dist.is_initialized():
+            return [obj]
+        out: list[Any] = [None] * self.world_size
+        dist.all_gather_object(out, obj)
+        return out
+
+
+def _buckets(pieces: list[tuple[int, int, int]], params: list[torch.Tensor],
+             bucket_bytes: int) -> list[list[tuple[int, int, int]]]:
+    """Group ``(param, start, stop)`` ranges into broadcasts of at most ``bucket_bytes`` each (one dtype and
+    device per bucket); a range larger than a bucket is cut."""
+    buckets: list[list[tuple[int, int, int]]] = [[]]
+    used, kind = 0, None
+    for index, lo, hi in pieces:
+        p = params[index]
+        size = p.element_size()
+        if kind != (p.dtype, p.device):
+            buckets.append([])
+            used, kind = 0, (p.dtype, p.device)
+        while lo < hi:
+            room = (bucket_bytes - used) // size
+            if room <= 0:
+                buckets.append([])
+                used, room = 0, max(1, bucket_bytes // size)
+            n = min(hi - lo, room)
+            buckets[-1].append((index, lo, lo + n))
+            used += n * size
+            lo += n
+    return [b for b in buckets if b]

@@ -1,0 +1,347 @@
+"""NVMeOffloadDDPStrategy on 2 processes (Gloo, CPU): bitwise equal to plain DDP (norm clipping included,
+which is global because every rank holds the all-reduced gradient), identical replicas, and each rank's
+store holding only its share of the state.
+
+Lightning's own launcher starts the processes: each test runs this file as a script in a subprocess
+(``python tests/test_ddp.py SPEC.json``), which runs ``Trainer(devices=N)`` for each run of the spec and
+saves every rank's parameters; pytest itself is never forked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+
+
+# ---- the launcher side (pytest) ---------------------------------------------------------------------------
+def launch(tmp_path, runs: list[dict], world: int = 2, expect_kill: bool = False) -> None:
+    """Run ``runs`` one after another in one ``Trainer(devices=world)`` job; results land in each run's ``out``."""
+    spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
+    spec.write_text(json.dumps({"world": world, "runs": runs}))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "test_ddp.py"), str(spec)], env=env, timeout=240,
+                          capture_output=True, text=True)
+    if expect_kill:
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-5000:]
+
+
+def results(out: str, world: int = 2) -> list[dict]:
+    return [torch.load(f"{out}.rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def assert_bitwise(a: dict, b: dict, what: str) -> None:
+    for name, p in a["params"].items():
+        assert torch.equal(p, b["params"][name]), f"{what}: parameter {name} differs"
+
+
+def run_spec(tmp_path, name: str, strategy: str, **kw) -> dict:
+    return {"name": name, "strategy": strategy, "root": str(tmp_path / name), "out": str(tmp_path / name / "result"),
+            "store": str(tmp_path / name / "store"), **kw}
+
+
+# ---- the tests ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def trained(tmp_path_factory):
+    """One 2-process job, each pair a reference and its nvme_offload_ddp twin: AdamW with two param groups,
+    LR scheduler, accumulation and norm clipping; overlap='backward' with value clipping; bf16-true with fp32
+    master weights; manual optimization with two optimizers. Plus a failing save and ModelCheckpoint."""
+    tmp = tmp_path_factory.mktemp("ddp")
+    common = {"steps": 20, "accumulate": 2, "clip": 0.05, "clip_algo": "norm"}
+    # small DDP buckets, so several all-reduces finish while backward still runs
+    backward = {"steps": 20, "accumulate": 2, "clip": 0.01, "clip_algo": "value", "ddp_kwargs": {"bucket_cap_mb": 0.01}}
+    runs = [run_spec(tmp, "ddp", "ddp", **common),
+            run_spec(tmp, "offload", "offload", chunk_bytes=16 << 10, **common),
+            run_spec(tmp, "ddp_value", "ddp", **backward),
+            run_spec(tmp, "offload_backward", "offload", overlap="backward", chunk_bytes=8 << 10, **backward),
+            run_spec(tmp, "ddp_master", "ddp", model="master_weights_reference", precision="bf16-true", steps=20),
+            run_spec(tmp, "offload_bf16", "offload", precision="bf16-true", steps=20),
+            run_spec(tmp, "save_failure", "offload", steps=4, failing_save=str(tmp / "f.ckpt")),
+            run_spec(tmp, "model_checkpoint", "offload", steps=12, model_checkpoint=str(tmp / "ckpts")),
+            run_spec(tmp, "ddp_manual", "ddp", model="two_optimizers", steps=20),
+            run_spec(tmp, "offload_manual", "offload", model="two_optimizers", steps=20, chunk_bytes=8 << 10)]
+    launch(tmp, runs)
+    return {r["name"]: results(r["out"]) for r in runs}
+
+
+def test_bitwise_equal_to_plain_ddp_with_global_norm_clipping(trained):
+    ref, off = trained["ddp"], trained["offload"]
+    for rank in range(2):
+        assert off[rank]["global_step"] == 20
+        assert_bitwise(ref[rank], off[rank], f"rank {rank}")
+    assert_bitwise(off[0], off[1], "replicas")
+    # Clipping was active (pre-clip norms above the threshold) and saw the same global norm on every rank.
+    norms = [r["grad_norms"] for r in off]
+    assert norms[0] == norms[1] == ref[0]["grad_norms"]
+    assert max(norms[0]) > 0.05
+
+
+def test_backward_overlap_with_value_clipping_equals_plain_ddp(trained):
+    ref, off = trained["ddp_value"], trained["offload_backward"]
+    for rank in range(2):
+        assert_bitwise(ref[rank], off[rank], f"rank {rank}")
+    assert off[0]["updated_in_backward"] > 0, "no chunk was updated during backward"
+
+
+def test_bf16_master_weights_equal_in_memory_master_weight_reference(trained):
+    """bf16 params, fp32 master weights in each rank's store: equal to plain DDP driving an in-memory
+    fp32-master AdamW (the same gradients, all-reduced in bf16)."""
+    ref, off = trained["ddp_master"], trained["offload_bf16"]
+    for rank in range(2):
+        assert all(p.dtype == torch.bfloat16 for n, p in off[rank]["params"].items())
+        assert_bitwise(ref[rank], off[rank], f"rank {rank}")
+    assert off[0]["state_bytes"] + off[1]["state_bytes"] >= 12 * sum(  # exp_avg, exp_avg_sq, master: 3 x fp32
+        p.numel() for n, p in off[0]["params"].items() if not n.startswith("frozen"))
+
+
+def test_failed_save_on_one_rank_fails_every_rank_and_keeps_the_previous_checkpoint(trained):
+    for rank, r in enumerate(trained["save_failure"]):
+        assert "disk went away" in r["save_error"], (rank, r["save_error"])
+        assert r["unchanged"], f"rank {rank}: the previous checkpoint was modified"
+        assert r["leftovers"] == []
+
+
+def test_model_checkpoint_callback_keeps_sharded_last_and_top_k(trained):
+    """ModelCheckpoint every 4 steps, save_last, top-1: old directories are removed by rank 0, last.ckpt is
+    replaced atomically, every kept checkpoint holds both ranks' shards, no temp directory is left."""
+    listing = trained["model_checkpoint"][0]["checkpoints"]
+    assert sorted(listing) == ["epoch=0-step=12.ckpt", "last.ckpt"], listing
+    for name, files in listing.items():
+        assert files == ["checkpoint.pt", "optimizer-0-rank0.safetensors", "optimizer-0-rank1.safetensors"], name
+    assert trained["model_checkpoint"][0]["leftovers"] == []
+
+
+def test_manual_optimization_with_two_optimizers_equals_plain_ddp(trained):
+    ref, off = trained["ddp_manual"], trained["offload_manual"]
+    for rank in range(2):
+        assert_bitwise(ref[rank], off[rank], f"rank {rank}")
+
+
+def test_each_rank_stores_only_its_share(trained):
+    """Each rank's store holds <= total / N + one chunk of state (total = what one process would store)."""
+    off = trained["offload"]
+    total = off[0]["single_process_state_bytes"]
+    chunk = off[0]["chunk_bytes"]
+    per_rank = [r["state_bytes"] for r in off]
+    assert total <= sum(per_rank) <= total * 1.01  # every element's state is on one rank (+ slot padding of cuts)
+    for rank, r in enumerate(off):
+        assert r["state_bytes"] <= total / 2 + chunk, (rank, per_rank, total)
+        assert r["store_path"].endswith(f"store-rank{rank}.bin")
+        assert r["store_regions_bytes"] <= total / 2 + chunk + 4096 * r["store_regions"], (rank, r, total)
+
+
+def test_registered_and_constructed_from_a_string(tmp_path):
+    from lightning.pytorch import Trainer
+
+    import lightning_nvme  # noqa: F401
+    from lightning_nvme import NVMeOffloadDDPStrategy
+
+    trainer = Trainer(default_root_dir=tmp_path, strategy="nvme_offload_ddp", accelerator="cpu", devices=2,
+                      logger=False)
+    assert isinstance(trainer.strategy, NVMeOffloadDDPStrategy)
+    assert trainer.strategy.num_processes == 2 and trainer.strategy.config.overlap == "step"
+
+
+@pytest.mark.parametrize("kwargs, key", [
+    ({"broadcast_bucket_bytes": 0}, "broadcast_bucket_bytes"),
+    ({"chunk_bytes": -1}, "chunk_bytes"),
+    ({"overlap": "sometimes"}, "overlap"),
+])
+def test_invalid_arguments_are_named(kwargs, key):
+    from lightning_nvme import NVMeOffloadDDPStrategy
+
+    with pytest.raises(ValueError, match=key):
+        NVMeOffloadDDPStrategy(**kwargs)
+
+
+def test_partition_balances_bytes_and_cuts_large_params():
+    from lightning_nvme.optim import partition_by_bytes
+
+    big, small = torch.nn.Parameter(torch.zeros(1000)), [torch.nn.Parameter(torch.zeros(10)) for _ in range(7)]
+    half = torch.nn.Parameter(torch.zeros(300, dtype=torch.bfloat16))
+    opt = torch.optim.AdamW([big, *small, half])
+    for world in (1, 2, 3, 4):
+        part = partition_by_bytes(opt, world)
+        assert part.balance <= 1.01, (world, part.state_bytes)
+        covered: dict[int, list] = {}
+        for r in range(world):
+            for i, rs in part.owned(r).items():
+                covered.setdefault(i, []).extend(rs)
+        for i, p in enumerate([big, *small, half]):
+            spans = sorted(covered[i])
+            assert spans[0][0] == 0 and spans[-1][1] == p.numel()
+            assert all(a[1] == b[0] for a, b in zip(spans, spans[1:])), spans  # no gap, no overlap
+    assert partition_by_bytes(opt, 2).state_bytes[0] == 1000 * 8 // 2 + (70 * 8 + 300 * 12) // 2
+
+
+# ---- the worker side (run by Lightning in every rank) -----------------------------------------------------------
+def _worker(spec_path: str) -> None:
+    sys.path.insert(0, HERE)
+    spec = json.loads(open(spec_path).read())
+    for run in spec["runs"]:
+        _train(run, spec["world"])
+
+
+def _train(run: dict, world: int) -> None:
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import lightning_nvme  # noqa: F401
+    from lightning_nvme import NVMeOffloadDDPStrategy
+    from lightning_nvme.optim import plan_chunks
+    from models import MLP, TwoOptimizers
+
+    batch = run.get("global_batch", 16) // world
+    if run.get("model") == "two_optimizers":
+        model = TwoOptimizers()
+    elif run.get("model") == "master_weights_reference":
+        model = _MasterWeightsMLP(batch_size=batch)
+    else:
+        model = MLP(run.get("optimizer", "adamw"), batch_size=batch)
+    if run["strategy"] == "ddp":
+        strategy = DDPStrategy(find_unused_parameters=True, **run.get("ddp_kwargs", {}))
+    else:
+        strategy = NVMeOffloadDDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
+                                          overlap=run.get("overlap", "step"), find_unused_parameters=True,
+                                          **run.get("ddp_kwargs", {}))
+    norms: list[float] = []
+
+    class Record(Callback):
+        def on_before_optimizer_step(self, trainer, pl_module, optimizer):
+            grads = [p.grad for p in pl_module.parameters() if p.grad is not None]
+            norms.append(float(torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g) for g in grads]))))
+
+    class SaveAndKill(Callback):
+        def on_train_epoch_end(self, trainer, pl_module):
+            if trainer.current_epoch == run["save_epoch"]:
+                trainer.save_checkpoint(run["save"])
+                if run.get("kill"):
+                    trainer.strategy.barrier()
+                    os.kill(os.getpid(), signal.SIGKILL)
+
+    callbacks = [Record()] + ([SaveAndKill()] if run.get("save") else [])
+    if run.get("model_checkpoint"):
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        callbacks.append(ModelCheckpoint(dirpath=run["model_checkpoint"], every_n_train_steps=4, save_last=True))
+    trainer = Trainer(default_root_dir=run["root"], strategy=strategy, accelerator="cpu", devices=world,
+                      max_steps=run.get("steps", -1), max_epochs=run.get("epochs"),
+                      accumulate_grad_batches=run.get("accumulate", 1), gradient_clip_val=run.get("clip"),
+                      gradient_clip_algorithm=run.get("clip_algo", "norm"), precision=run.get("precision", "32-true"),
+                      logger=False, enable_checkpointing=bool(run.get("model_checkpoint")), enable_progress_bar=False,
+                      enable_model_summary=False, callbacks=callbacks)
+    updated_in_backward = 0
+    if run["strategy"] != "ddp" and run.get("overlap") == "backward":
+        from lightning_nvme.optim import OffloadedOptimizer
+
+        original = OffloadedOptimizer._update_chunk
+
+        def counting(self, c):
+            nonlocal updated_in_backward
+            updated_in_backward += bool(self._armed)
+            return original(self, c)
+
+        OffloadedOptimizer._update_chunk = counting
+    trainer.fit(model, ckpt_path=run.get("resume"))
+    out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "global_step": trainer.global_step,
+           "grad_norms": norms, "updated_in_backward": updated_in_backward}
+    if run["strategy"] != "ddp":
+        off = trainer.strategy.offloaded[0]
+        store = off.store
+        out.update(state_bytes=off.state_bytes, chunk_bytes=run.get("chunk_bytes", 16 << 10), store_path=store.path,
+                   store_regions=len(off.chunks),
+                   store_regions_bytes=sum(off.capacity.values()),
+                   single_process_state_bytes=sum(c.nbytes for c in plan_chunks(
+                       off.optimizer, run.get("chunk_bytes", 16 << 10), "probe")[0]))
+    if run.get("failing_save"):
+        out.update(_save_failure(trainer, run["failing_save"]))
+    if run.get("model_checkpoint"):
+        d = run["model_checkpoint"]
+        out.update(checkpoints={n: sorted(os.listdir(os.path.join(d, n))) for n in os.listdir(d) if ".tmp-" not in n},
+                   leftovers=[n for n in os.listdir(d) if ".tmp-" in n or n.endswith(".old")])
+    os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
+    torch.save(out, f"{run['out']}.rank{trainer.global_rank}.pt")
+
+
+def _save_failure(trainer, path: str) -> dict:
+    """Save once, then save again with rank 1's shard writer failing: every rank must raise, and the
+    first checkpoint must stay as it was."""
+    from lightning_nvme.checkpoint import sharded
+
+    trainer.save_checkpoint(path)
+    before = {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+    original = sharded.SafetensorsWriter.write
+
+    def failing(self, *args, **kwargs):
+        raise OSError("disk went away mid-checkpoint")
+
+    if trainer.global_rank == 1:
+        sharded.SafetensorsWriter.write = failing
+    error = ""
+    try:
+        trainer.save_checkpoint(path)
+    except Exception as e:  # noqa: BLE001  (the test inspects the message)
+        error = str(e)
+    finally:
+        sharded.SafetensorsWriter.write = original
+    after = {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+    parent = os.path.dirname(os.path.abspath(path))
+    return {"save_error": error, "unchanged": before == after,
+            "leftovers": [f for f in os.listdir(parent) if ".tmp-" in f]}
+
+
+def _master_weights_reference_optimizer():
+    class MasterWeightsAdamW(torch.optim.Optimizer):
+        """Reference: fp32 master copies in memory, AdamW on them, cast back to the bf16 params."""
+
+        def __init__(self, groups, **defaults):
+            super().__init__(groups, defaults)
+            self.masters = {p: p.detach().float().clone() for g in self.param_groups for p in g["params"]}
+            self.inner = torch.optim.AdamW([{**{k: v for k, v in g.items() if k != "params"},
+                                             "params": [self.masters[p] for p in g["params"]]}
+                                            for g in self.param_groups])
+
+        def step(self, closure=None):
+            loss = closure() if closure is not None else None
+            for g, inner in zip(self.param_groups, self.inner.param_groups):
+                inner.update({k: v for k, v in g.items() if k != "params"})  # the LR scheduler's lr
+                for p, m in zip(g["params"], inner["params"]):
+                    m.grad = p.grad.float() if p.grad is not None else None
+            self.inner.step()
+            with torch.no_grad():
+                for p, m in self.masters.items():
+                    p.copy_(m)
+            return loss
+
+    return MasterWeightsAdamW
+
+
+class _MasterWeightsMLPBase:
+    def configure_optimizers(self):
+        decay = [p for n, p in self.named_parameters() if n.endswith("weight")]
+        no_decay = [p for n, p in self.named_parameters() if not n.endswith("weight")]
+        opt = _master_weights_reference_optimizer()([{"params": decay}, {"params": no_decay, "lr": 5e-3,
+                                                                            "weight_decay": 0.0}],
+                                                     lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))
+        return {"optimizer": opt, "lr_scheduler": {"scheduler": sched, "interval": "step"}}
+
+
+def _MasterWeightsMLP(**kwargs):
+    from models import MLP
+
+    return type("MasterWeightsMLP", (_MasterWeightsMLPBase, MLP), {})(**kwargs)
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

@@ -1,0 +1,104 @@
+"""OffloadedOptimizer without Lightning: the fence (a chunk is never updated from stale state even when
+its write-back is slow), memory bounded by the ring, and params larger than a chunk."""
+
+from __future__ import annotations
+
+import threading
+import time
+
+import torch
+
+from lightning_nvme.optim import OffloadedOptimizer
+from lightning_nvme.store import FlatStore
+from lightning_nvme.store import flat_store as flat_store_mod
+
+
+def _model():
+    torch.manual_seed(0)
+    return torch.nn.Sequential(torch.nn.Linear(48, 200), torch.nn.Tanh(), torch.nn.Linear(200, 3))
+
+
+def _train(model, opt, steps=8, closure_style=True):
+    torch.manual_seed(1)
+    data = [(torch.randn(16, 48), torch.randint(0, 3, (16,))) for _ in range(steps)]
+    for x, y in data:
+        def closure():
+            opt.zero_grad()
+            loss = torch.nn.functional.cross_entropy(model(x), y)
+            loss.backward()
+            return loss
+        if closure_style:
+            opt.step(closure)
+        else:
+            closure()
+            opt.step()
+
+
+def test_slow_writes_are_fenced(tmp_path, monkeypatch):
+    """Writes are delayed so that step N+1's prefetch is issued while step N's writes are still in
+    flight; the result must still equal in-memory training (the read waits for the write)."""
+    original = flat_store_mod.FlatStore._pwrite_full
+    in_flight_at_prefetch = []
+
+    def slow_write(self, mv, offset, region):
+        time.sleep(0.01)
+        return original(self, mv, offset, region)
+
+    monkeypatch.setattr(flat_store_mod.FlatStore, "_pwrite_full", slow_write)
+    ref_model, model = _model(), _model()
+    ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
+    _train(ref_model, ref)
+    store = FlatStore(tmp_path, chunk_bytes=4096)
+    off = OffloadedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), store, chunk_bytes=8 << 10,
+                             prefetch_depth=3)
+    original_prefetch = off.prefetch
+
+    def spy():
+        in_flight_at_prefetch.append(len([h for h in off.ring.in_flight_writes() if not h.done()]))
+        original_prefetch()
+
+    off.prefetch = spy
+    _train(model, off.optimizer)
+    assert max(in_flight_at_prefetch) > 0  # the overlap really happened
+    for p, q in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    store.close()
+
+
+def test_resident_memory_is_the_ring_not_the_model(tmp_path):
+    store = FlatStore(tmp_path, chunk_bytes=4096)
+    model = _model()
+    off = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store, chunk_bytes=8 << 10, prefetch_depth=2)
+    _train(model, off.optimizer, steps=2, closure_style=False)
+    assert off.ring.count == 4
+    assert off.ring.total_bytes <= 4 * (8 << 10) + 4 * 4096
+    assert off.state_bytes > 5 * off.ring.total_bytes // 4
+    assert len(off.optimizer.state) == 0
+    big = [c for c in off.chunks for p in c.pieces if not p.whole]
+    assert big, "the 48x200 weight must have been cut into pieces"
+    store.close()
+
+
+def test_io_error_in_write_back_reaches_the_next_step(tmp_path, monkeypatch):
+    import errno
+
+    import pytest
+
+    from lightning_nvme.store import StoreError
+
+    store = FlatStore(tmp_path, chunk_bytes=4096)
+    model = _model()
+    off = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store, chunk_bytes=8 << 10)
+    _train(model, off.optimizer, steps=1)
+
+    def failing(*args):
+        raise OSError(errno.EIO, "Input/output error")
+
+    monkeypatch.setattr(flat_store_mod.os, "pwrite", failing)
+    with pytest.raises(StoreError) as info:
+        _train(model, off.optimizer, steps=2)
+    assert store.path in str(info.value)
+    monkeypatch.undo()
+    with pytest.raises(StoreError):
+        store.close()
+    assert not [t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io")]

@@ -193,7 +193,8 @@ def main() -> None:
         args.layers, args.batch, args.pairs = 12, 512, 1
     torch.manual_seed(0)
     ckpt_bytes = (args.layers + 1) * args.batch * args.seq * args.d_model * 4
-    store_dir = args.store_dir or tempfile.mkdtemp(prefix="nvme-act-bench-", dir=os.getcwd())
+    scratch = None if args.store_dir else tempfile.TemporaryDirectory(prefix="nvme-act-bench-", dir=os.getcwd())
+    store_dir = args.store_dir or scratch.name
     offload = NVMeActivationOffload(store_dir=store_dir, prefetch_depth=args.prefetch_depth, keep_last=args.keep_last)
     alternate = Alternate(offload)
     steps = 2 * (args.pairs + 1)
@@ -233,6 +234,8 @@ def main() -> None:
         "rss_offload_MiB": round(med(r["rss_peak"] for r in off) / MiB, 1),
         "total_s": round(time.perf_counter() - t_start, 1),
     }
+    if scratch is not None:
+        scratch.cleanup()
     print(json.dumps(result))
 
 

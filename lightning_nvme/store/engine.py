@@ -62,10 +62,14 @@ class IOEngine:
             if item is None:
                 return
             handle, job = item
+            del item
             if self._stopping:  # close() gave up waiting: never touch the file after it is released
+                del job
                 handle.chunk_finished(StoreError(f"{handle.kind} of region {handle.region!r} was cancelled: the "
                                                  f"store was closed before it ran"))
+                del handle
                 continue
+            error: BaseException | None = None
             try:
                 for dep in handle.deps:
                     dep._event.wait()
@@ -74,9 +78,12 @@ class IOEngine:
                                          f"{dep.kind} of region {dep.region!r} it depends on failed: {dep.error}")
                 job()
             except BaseException as e:  # noqa: BLE001 - every error goes to the waiter
-                handle.chunk_finished(e)
-            else:
-                handle.chunk_finished(None)
+                error = e
+            # The job holds the tensor it moved: drop it before the waiter is woken, not at the next job,
+            # so a caller that frees its tensor once the handle is done really frees the memory.
+            del job
+            handle.chunk_finished(error)
+            del handle, error
 
     def shutdown(self, timeout: float = 30.0) -> int:
         """Stop the workers within ``timeout`` (one deadline for all); jobs not yet started are

@@ -52,9 +52,12 @@ def child(args) -> dict:
     torch.manual_seed(0)
     model = build(args.params_m, args.width)
     x = torch.randn(args.tokens, args.width)
-    opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
+    opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused or None)
     store = off = None
     if args.child != "inmem":
+        from lightning_nvme.memory import release_freed_memory
+
+        release_freed_memory()  # what NVMeOffloadStrategy does at setup (malloc_mmap_threshold)
         store = FlatStore(args.dir, chunk_bytes=args.io_chunk_mib * MiB, num_workers=args.workers)
         off = OffloadedOptimizer(opt, store, chunk_bytes=args.chunk_mib * MiB, prefetch_depth=args.prefetch,
                                  overlap="backward" if args.child == "bwd" else "step")
@@ -156,6 +159,7 @@ def main() -> None:
     p.add_argument("--io-chunk-mib", type=int, default=8)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--prefetch", type=int, default=2)
+    p.add_argument("--fused", action="store_true", help="AdamW(fused=True) in every configuration")
     p.add_argument("--dir", default=None, help="store directory (default: a temp dir beside the checkout)")
     p.add_argument("--child", choices=["inmem", "step", "bwd"], help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -167,7 +171,8 @@ def main() -> None:
 
     def run_child(kind: str) -> dict:
         cmd = [sys.executable, __file__, "--child", kind] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "pairs")]
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "pairs", "fused")] + (
+            ["--fused"] if args.fused else [])
         res = subprocess.run(cmd, check=True, capture_output=True, text=True)
         return json.loads(res.stdout.strip().splitlines()[-1])
 
@@ -213,6 +218,8 @@ def main() -> None:
         "pairs": args.pairs,
         "tokens": args.tokens,
         "chunk_MiB": args.chunk_mib,
+        "fused": args.fused,
+        "step_vs_max_io_compute": med([r["step"]["opt_step"] / max(r["io_bound_s"], r["inmem"]["opt_step"]) for r in rows]),
     }
     tmp.cleanup()
     print(json.dumps(result))

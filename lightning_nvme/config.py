@@ -30,6 +30,7 @@ class OffloadConfig:
     overlap: str = "step"
     io_profile: str | None = None
     min_free_bytes: int = 1 * GiB
+    malloc_mmap_threshold: int | None = 1 * MiB
 
     def __post_init__(self) -> None:
         def fail(key: str, why: str) -> None:
@@ -51,6 +52,9 @@ class OffloadConfig:
             fail("io_workers", "must be an integer >= 1")
         if self.overlap not in OVERLAP_MODES:
             fail("overlap", f"must be one of {OVERLAP_MODES}")
+        if self.malloc_mmap_threshold is not None and (not isinstance(self.malloc_mmap_threshold, int)
+                                                       or self.malloc_mmap_threshold < 4096):
+            fail("malloc_mmap_threshold", "must be None (leave the allocator alone) or >= 4096 bytes")
         if not isinstance(self.min_free_bytes, int) or self.min_free_bytes < 0:
             fail("min_free_bytes", "must be a non-negative integer number of bytes")
         if self.io_profile is not None and not os.path.isfile(self.io_profile):

@@ -185,3 +185,25 @@ def test_preflight_refuses_missing_parent(tmp_path, monkeypatch):
     strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "not-mounted" / "store"))
     with pytest.raises(ConfigError, match="store_dir"):
         fit(tmp_path, strategy, steps=1)
+
+
+@pytest.mark.parametrize("threshold", [1 << 20, None])
+def test_malloc_threshold_is_applied_at_setup(tmp_path, monkeypatch, threshold):
+    """Freed chunk temporaries must go back to the OS (see lightning_nvme.memory); None leaves malloc alone."""
+    from lightning_nvme.strategies import offload_mixin
+
+    calls = []
+    monkeypatch.setattr(offload_mixin, "release_freed_memory", lambda t: calls.append(t) or True)
+    strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "s"), malloc_mmap_threshold=threshold)
+    fit(tmp_path, strategy, steps=1)
+    assert calls == ([threshold] if threshold else [])
+
+
+def test_release_freed_memory_on_glibc():
+    import platform
+
+    from lightning_nvme.memory import release_freed_memory
+
+    if platform.libc_ver()[0] != "glibc":
+        pytest.skip("mallopt is glibc's")
+    assert release_freed_memory(1 << 20)

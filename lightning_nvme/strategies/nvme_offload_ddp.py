@@ -58,7 +58,8 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
 
     def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
                  staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
-                 io_profile: str | None = None, min_free_bytes: int = 1 * GiB, broadcast_bucket_bytes: int = 16 * MiB,
+                 io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
+                 malloc_mmap_threshold: int | None = 1 * MiB, broadcast_bucket_bytes: int = 16 * MiB,
                  accelerator: pl.accelerators.Accelerator | None = None,
                  parallel_devices: list[torch.device] | None = None,
                  cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
@@ -73,7 +74,8 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method, **ddp_kwargs)
         self._init_offload(OffloadConfig(store_dir, chunk_bytes, io_chunk_bytes, staging_bytes, prefetch_depth,
-                                         io_workers, overlap, io_profile, min_free_bytes))
+                                         io_workers, overlap, io_profile, min_free_bytes,
+                                         malloc_mmap_threshold))
         self.broadcast_bucket_bytes = broadcast_bucket_bytes
         self.partitions: list[Partition] = []
         self._grad_owner: dict[int, list[tuple[OffloadedOptimizer, int]]] = {}  # id(param) -> (optimizer, index)

@@ -25,6 +25,7 @@ from typing_extensions import override
 import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.config import GiB, MiB, OffloadConfig
+from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, plan_chunks
 from lightning_nvme.preflight import check_store_dir
 from lightning_nvme.store import FlatStore
@@ -90,6 +91,8 @@ class OffloadMixin:
                                      for c in plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])[0])
         # Before anything is allocated: writable, enough free space (+ margin), warn on tmpfs/NFS.
         check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
+        if self.config.malloc_mmap_threshold is not None:
+            release_freed_memory(self.config.malloc_mmap_threshold)  # see lightning_nvme.memory: bounded RSS
         self.nvme_store = FlatStore(store_dir, rank=self.global_rank, chunk_bytes=io.chunk_bytes,
                                     num_workers=io.num_workers,
                                     pool_bytes=max(self.config.staging_bytes, io.chunk_bytes),

@@ -104,7 +104,10 @@ def test_main_plan_that_does_not_fit_fails(tmp_path, capsys):
     assert str(free * 2) in out["problems"][0] and "free" in out["problems"][0]
 
 
-def test_main_missing_parent_fails(tmp_path, capsys):
+def test_main_missing_mount_point_fails(tmp_path, monkeypatch, capsys):
+    from lightning_nvme import preflight
+
+    monkeypatch.setattr(preflight, "MOUNT_ROOTS", preflight.MOUNT_ROOTS + (str(tmp_path),))
     rc = doctor.main([str(tmp_path / "no" / "such"), "--json"])
     assert rc == 1 and "does not exist" in _json_out(capsys)["problems"][0]
 

@@ -60,6 +60,15 @@ def recover(path: str) -> None:
             shutil.rmtree(tmp, ignore_errors=True)
 
 
+def begin_dir(path: str, tmp: str) -> str:
+    """Recover an interrupted commit of ``path`` and create ``tmp``, the empty directory to write into."""
+    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
+    recover(path)
+    shutil.rmtree(tmp, ignore_errors=True)
+    os.makedirs(tmp)
+    return tmp
+
+
 def commit_dir(tmp: str, path: str) -> None:
     """Move the fully written, fsynced directory ``tmp`` to ``path`` atomically."""
     fsync_path(tmp)

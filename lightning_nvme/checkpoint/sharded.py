@@ -26,7 +26,7 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint.atomic import commit_dir, fsync_path, recover
+from lightning_nvme.checkpoint.atomic import begin_dir, commit_dir, fsync_path
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsWriter
 from lightning_nvme.checkpoint.streamed import FORMAT_VERSION, MARKER, META_FILE, tensor_name
 from lightning_nvme.optim import OffloadedOptimizer, Partition, Piece
@@ -50,13 +50,7 @@ def temp_dir(path: str) -> str:
 
 def begin(path: str) -> str:
     """Rank 0: recover an interrupted commit of ``path`` and create the empty temp directory all ranks write to."""
-    path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    recover(path)
-    tmp = temp_dir(path)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    return tmp
+    return begin_dir(path, temp_dir(path))
 
 
 def _runs(off: OffloadedOptimizer) -> dict[tuple[int, int], tuple[int, int]]:

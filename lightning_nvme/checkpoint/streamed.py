@@ -21,7 +21,7 @@ from typing import Any, Mapping, Sequence
 
 import torch
 
-from lightning_nvme.checkpoint.atomic import commit_dir, fsync_path, recover, temp_name
+from lightning_nvme.checkpoint.atomic import begin_dir, commit_dir, fsync_path, recover, temp_name
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
 from lightning_nvme.optim import OffloadedOptimizer, Piece
 
@@ -93,11 +93,7 @@ def _write_optimizer(off: OffloadedOptimizer, path: str) -> None:
 def save_streamed(checkpoint: dict[str, Any], path: str, offloaded: list[OffloadedOptimizer]) -> None:
     """Write ``checkpoint`` and the offloaded state under a temp name, fsync, then commit atomically."""
     path = os.path.abspath(path)
-    os.makedirs(os.path.dirname(path), exist_ok=True)
-    recover(path)
-    tmp = temp_name(path)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
+    tmp = begin_dir(path, temp_name(path))
     try:
         for i, off in enumerate(offloaded):
             _write_optimizer(off, os.path.join(tmp, optimizer_file(i)))

@@ -1,0 +1,61 @@
+"""Faults seen from a Trainer: a background write error stops fit within one step with the path in the
+message (lock released, no I/O threads left), and a truncated checkpoint is refused clearly."""
+
+from __future__ import annotations
+
+import errno
+import os
+import threading
+
+import pytest
+import torch
+from lightning.pytorch import Trainer
+from lightning.pytorch.callbacks import Callback
+
+import lightning_nvme  # noqa: F401
+from lightning_nvme import NVMeOffloadStrategy
+from lightning_nvme.store import FlatStore, StoreError
+from lightning_nvme.store import flat_store as flat_store_mod
+from models import MLP
+
+
+def _trainer(tmp_path, strategy, steps, callbacks=()):
+    return Trainer(default_root_dir=tmp_path, strategy=strategy, accelerator="cpu", max_steps=steps, logger=False,
+                   enable_checkpointing=False, enable_progress_bar=False, callbacks=list(callbacks))
+
+
+def test_background_write_error_stops_training_within_one_step(tmp_path, monkeypatch):
+    steps_done = []
+
+    class BreakDisk(Callback):
+        def on_train_batch_end(self, trainer, *args):
+            steps_done.append(trainer.global_step)
+            if trainer.global_step == 3:
+                def eio(*a, **k):
+                    raise OSError(errno.EIO, "Input/output error")
+                monkeypatch.setattr(flat_store_mod.os, "pwrite", eio)
+
+    store_dir = tmp_path / "store"
+    strategy = NVMeOffloadStrategy(store_dir=str(store_dir), chunk_bytes=8 << 10)
+    with pytest.raises(StoreError) as info:
+        _trainer(tmp_path, strategy, 50, [BreakDisk()]).fit(MLP())
+    assert str(store_dir) in str(info.value)
+    assert max(steps_done) <= 4  # the write of step 4 failed; step 5 never finished
+    monkeypatch.undo()
+    assert not [t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io") and t.is_alive()]
+    FlatStore(store_dir).close(delete=True)  # the lock was released
+
+
+def test_truncated_checkpoint_is_refused(tmp_path):
+    strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), chunk_bytes=8 << 10)
+    trainer = _trainer(tmp_path, strategy, 4)
+    trainer.fit(MLP())
+    ckpt = tmp_path / "c.ckpt"
+    trainer.save_checkpoint(ckpt)
+    shard = ckpt / "optimizer-0.safetensors"
+    with open(shard, "r+b") as f:
+        f.truncate(os.path.getsize(shard) // 2)
+    resumed = _trainer(tmp_path, NVMeOffloadStrategy(store_dir=str(tmp_path / "store2"), chunk_bytes=8 << 10), 8)
+    with pytest.raises(ValueError, match="truncated"):
+        resumed.fit(MLP(), ckpt_path=str(ckpt))
+    assert torch.load(ckpt / "checkpoint.pt", weights_only=False)["global_step"] == 4  # left as it was

@@ -30,7 +30,7 @@ class OffloadConfig:
     overlap: str = "step"
     io_profile: str | None = None
     min_free_bytes: int = 1 * GiB
-    malloc_mmap_threshold: int | None = 1 * MiB
+    malloc_mmap_threshold: int | None = 8 * MiB
 
     def __post_init__(self) -> None:
         def fail(key: str, why: str) -> None:

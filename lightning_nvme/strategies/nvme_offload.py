@@ -39,7 +39,7 @@ class NVMeOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
     def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
                  staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
                  io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
-                 malloc_mmap_threshold: int | None = 1 * MiB,
+                 malloc_mmap_threshold: int | None = 8 * MiB,
                  device: torch.device | str | None = None, accelerator: pl.accelerators.Accelerator | None = None,
                  checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None,
                  parallel_devices: list[torch.device] | None = None) -> None:

@@ -59,7 +59,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
                  staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
                  io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
-                 malloc_mmap_threshold: int | None = 1 * MiB, broadcast_bucket_bytes: int = 16 * MiB,
+                 malloc_mmap_threshold: int | None = 8 * MiB, broadcast_bucket_bytes: int = 16 * MiB,
                  accelerator: pl.accelerators.Accelerator | None = None,
                  parallel_devices: list[torch.device] | None = None,
                  cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,

@@ -28,7 +28,8 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
-MiB = 1 << 20
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _disk import MiB, gbps, preallocate, raw_read, raw_write  # noqa: E402
 
 
 def build(params_m: float, width: int):
@@ -105,47 +106,15 @@ def child(args) -> dict:
     return out
 
 
-def raw_disk(directory: str, nbytes: int, block: int = 8 * MiB, threads: int = 4) -> tuple[float, float]:
-    """Sequential O_DIRECT write (through fsync) and cold read of ``nbytes`` with a few threads."""
-    import mmap
-    from concurrent.futures import ThreadPoolExecutor
-
+def raw_disk(directory: str, nbytes: int) -> tuple[float, float]:
+    """Write (through fdatasync) and cold-read ``nbytes`` sequentially with the raw O_DIRECT loop of
+    benchmarks/_disk.py, on a preallocated file in the store's directory. Returns GB/s."""
     path = os.path.join(directory, "raw-baseline.bin")
-    fd = os.open(path, os.O_RDWR | os.O_CREAT | os.O_TRUNC | os.O_DIRECT)
-    bufs = [mmap.mmap(-1, block) for _ in range(threads)]
-    for b in bufs:
-        b.write(os.urandom(4096) * (block // 4096))
-    offsets = list(range(0, nbytes, block))
+    preallocate(path, nbytes)
     try:
-        os.posix_fallocate(fd, 0, nbytes)
-
-        def run(op):
-            def work(i):
-                buf = bufs[i % threads]
-                for off in offsets[i::threads]:
-                    n = op(buf, off)
-                    if n != block:
-                        raise OSError(f"short {op.__name__}: {n} of {block} bytes at {off}")
-            with ThreadPoolExecutor(threads) as ex:
-                list(ex.map(work, range(threads)))
-
-        def pwrite(buf, off):
-            return os.pwrite(fd, buf, off)
-
-        def pread(buf, off):
-            return os.preadv(fd, [buf], off)
-
-        t0 = time.perf_counter()
-        run(pwrite)
-        os.fdatasync(fd)
-        w = nbytes / (time.perf_counter() - t0) / 1e9
-        t0 = time.perf_counter()
-        run(pread)
-        r = nbytes / (time.perf_counter() - t0) / 1e9
+        return gbps(nbytes, raw_write(path, nbytes)), gbps(nbytes, raw_read(path, nbytes))
     finally:
-        os.close(fd)
         os.remove(path)
-    return w, r
 
 
 def main() -> None:

@@ -93,6 +93,17 @@ def aiofiles_io(path: str, nbytes: int, *, write: bool, direct: bool, tasks: int
     return time.perf_counter() - t0
 
 
+def _vs_raw(name: str, writes: list[float], reads: list[float], raw_w: list[float], raw_r: list[float]) -> dict:
+    """Median GB/s of a subject measured in the same pairs as the raw baseline, and its per-pair ratios."""
+    prefix = "store_staged" if name == "staged" else name
+    return {
+        f"{prefix}_write_GBps": round(statistics.median(writes), 3),
+        f"{prefix}_read_GBps": round(statistics.median(reads), 3),
+        f"{name}_write_ratio": round(statistics.median(a / b for a, b in zip(writes, raw_w)), 3),
+        f"{name}_read_ratio": round(statistics.median(a / b for a, b in zip(reads, raw_r)), 3),
+    }
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     ap.add_argument("--gib", type=float, default=2.0, help="GiB written and read per measurement")
@@ -218,20 +229,9 @@ def main() -> None:
             "fsyncs": stats.fsyncs,
             "seconds": round(elapsed, 1),
         }
-        if sw:
-            result.update({
-                "store_staged_write_GBps": round(statistics.median(sw), 3),
-                "store_staged_read_GBps": round(statistics.median(sr), 3),
-                "staged_write_ratio": round(statistics.median(a / b for a, b in zip(sw, w.baseline)), 3),
-                "staged_read_ratio": round(statistics.median(a / b for a, b in zip(sr, r.baseline)), 3),
-            })
-        if aw:
-            result.update({
-                "aiofiles_write_GBps": round(statistics.median(aw), 3),
-                "aiofiles_read_GBps": round(statistics.median(ar), 3),
-                "aiofiles_write_ratio": round(statistics.median(a / b for a, b in zip(aw, w.baseline)), 3),
-                "aiofiles_read_ratio": round(statistics.median(a / b for a, b in zip(ar, r.baseline)), 3),
-            })
+        for name, subject_w, subject_r in (("staged", sw, sr), ("aiofiles", aw, ar)):
+            if subject_w:
+                result.update(_vs_raw(name, subject_w, subject_r, w.baseline, r.baseline))
         store.close(delete=True)
     finally:
         shutil.rmtree(workdir, ignore_errors=True)

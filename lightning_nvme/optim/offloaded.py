@@ -21,7 +21,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing
-from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, plan_chunks
+from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, StateSpec, plan_chunks
 from lightning_nvme.store import FlatStore, IOHandle
 
 OVERLAP_MODES = ("step", "backward")
@@ -73,7 +73,8 @@ class OffloadedOptimizer:
 
     def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0", chunk_bytes: int = 64 << 20,
                  prefetch_depth: int = 2, overlap: str = "step", clip_value: float | None = None,
-                 owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, grad_hooks: bool = True) -> None:
+                 owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, grad_hooks: bool = True,
+                 plan: tuple[list[Chunk], list[StateSpec]] | None = None) -> None:
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
         if prefetch_depth < 1:
@@ -85,7 +86,9 @@ class OffloadedOptimizer:
         self.prefetch_depth = prefetch_depth
         self.clip_value = clip_value
         self.owned = owned
-        self.chunks, self.specs = plan_chunks(optimizer, chunk_bytes, name, owned=owned)
+        # ``plan``: the result of plan_chunks(optimizer, chunk_bytes, name, owned=owned), when the caller
+        # already made it (e.g. to size the store before allocating it).
+        self.chunks, self.specs = plan or plan_chunks(optimizer, chunk_bytes, name, owned=owned)
         self.pieces_of: dict[int, list[tuple[Chunk, Piece]]] = defaultdict(list)
         for c in self.chunks:
             for piece in c.pieces:

@@ -87,8 +87,9 @@ class OffloadMixin:
         store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
         io = self.config.io_settings()
         owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
-        planned = HEADER_BYTES + sum(align_up(c.nbytes) for i, opt in enumerate(self.optimizers)
-                                     for c in plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])[0])
+        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
+                 for i, opt in enumerate(self.optimizers)]
+        planned = HEADER_BYTES + sum(align_up(c.nbytes) for chunks, _ in plans for c in chunks)
         # Before anything is allocated: writable, enough free space (+ margin), warn on tmpfs/NFS.
         check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
         if self.config.malloc_mmap_threshold is not None:
@@ -103,7 +104,7 @@ class OffloadMixin:
         self.offloaded = [
             OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
                                prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
-                               clip_value=clip_value, owned=owned[i],
+                               clip_value=clip_value, owned=owned[i], plan=plans[i],
                                grad_hooks=self._local_grad_hooks)
             for i, opt in enumerate(self.optimizers)
         ]

@@ -161,6 +161,13 @@ def median_ratio(subject: list[float], baseline: list[float]) -> float:
     return statistics.median(s / b for s, b in zip(subject, baseline, strict=True))
 
 
+def spread(ratios: list[float], digits: int = 3) -> dict[str, float | list[float]]:
+    """Median, min and max of per-pair ratios, and the pairs themselves: what a README figure quotes
+    as "median (min-max)" so a reader sees how far one run can move it."""
+    return {"median": round(statistics.median(ratios), digits), "min": round(min(ratios), digits),
+            "max": round(max(ratios), digits), "pairs": [round(r, digits) for r in ratios]}
+
+
 def peak_rss_mib() -> float:
     """The process's peak resident set size so far (Linux reports ``ru_maxrss`` in KiB)."""
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024

@@ -20,6 +20,7 @@ from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 import torch
 from torch.optim import Optimizer
 
+from lightning_nvme.memory import keep_freed_heap, temporaries_on_heap
 from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, StateSpec, plan_chunks
 from lightning_nvme.store import FlatStore, IOHandle
@@ -185,7 +186,7 @@ class OffloadedOptimizer:
             for g, params in zip(groups, chunk_params):
                 g["params"] = params
             opt.state = state
-            with torch.no_grad():
+            with torch.no_grad(), temporaries_on_heap():  # not fresh mmaps: no page faults per temporary
                 self._inner_step(opt)
         finally:
             for g, params in zip(groups, saved_params):
@@ -268,9 +269,10 @@ class OffloadedOptimizer:
                     loss = closure()
             finally:
                 self._armed = False
-        for c in self._order:
-            if c not in self._done:
-                self._update_chunk(c)
+        with keep_freed_heap():  # one chunk's update temporaries serve the next (returned at the end)
+            for c in self._order:
+                if c not in self._done:
+                    self._update_chunk(c)
         return loss
 
     # ---- overlap="backward" -------------------------------------------------------------------------
@@ -294,7 +296,8 @@ class OffloadedOptimizer:
                 continue
             waiting.discard(index)
             if not waiting and chunk.index not in self._done:
-                self._update_chunk(chunk.index)
+                with keep_freed_heap(trim=False):  # pieces of this chunk share temporaries; backward's heap kept
+                    self._update_chunk(chunk.index)
 
     # ---- moving state in and out ----------------------------------------------------------------------
     def fence(self, durable: bool = False) -> None:

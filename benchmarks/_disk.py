@@ -152,6 +152,17 @@ def raw_read(path: str, nbytes: int, *, block: int = 8 * MiB, threads: int = 4, 
         os.close(fd)
 
 
+def raw_disk(directory: str, nbytes: int) -> tuple[float, float]:
+    """This run's raw disk speed in GB/s: write (through fdatasync), then cold read, ``nbytes`` of a
+    preallocated scratch file in ``directory`` (the store's disk) with the loops above."""
+    path = os.path.join(directory, "raw-baseline.bin")
+    preallocate(path, nbytes)
+    try:
+        return gbps(nbytes, raw_write(path, nbytes)), gbps(nbytes, raw_read(path, nbytes))
+    finally:
+        os.remove(path)
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 

@@ -7,6 +7,7 @@ wait/busy seconds are properties of the code. ``Counters`` reads them around a t
   cpu_main_s / cpu_io_s / cpu_other_s  CPU seconds of the main thread, the store's I/O workers
                                        (threads named lightning-nvme-io-*) and the rest (torch's
                                        intra-op pool, Python helper threads), from /proc/self/task
+                                       (a thread that exits inside the window takes its time with it)
   runq_main_s                          time the main thread was runnable but not running (schedstat):
                                        cores taken by other threads or processes
   minflt / majflt                      page faults (getrusage): fresh mmap'd allocations fault per page

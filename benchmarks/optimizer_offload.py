@@ -29,7 +29,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _disk import MiB, gbps, preallocate, raw_read, raw_write, spread  # noqa: E402
+from _disk import MiB, raw_disk, spread  # noqa: E402
 from _profile import Counters, python_profile, run_profiled, summarize_pyspy, torch_profile  # noqa: E402
 
 
@@ -119,17 +119,6 @@ def child(args) -> dict:
 def last_json(stdout: str) -> dict:
     """The child's result: its last line that is a JSON object (py-spy may print after it)."""
     return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
-
-
-def raw_disk(directory: str, nbytes: int) -> tuple[float, float]:
-    """Write (through fdatasync) and cold-read ``nbytes`` sequentially with the raw O_DIRECT loop of
-    benchmarks/_disk.py, on a preallocated file in the store's directory. Returns GB/s."""
-    path = os.path.join(directory, "raw-baseline.bin")
-    preallocate(path, nbytes)
-    try:
-        return gbps(nbytes, raw_write(path, nbytes)), gbps(nbytes, raw_read(path, nbytes))
-    finally:
-        os.remove(path)
 
 
 def main() -> None:

@@ -95,10 +95,13 @@ def _benchmarks_dir() -> Path | None:
 
 
 def _bench(names: list[str]) -> int:
-    """Run each benchmark script in its own process; its last printed line is a JSON object of figures."""
+    """``bench``: benchmarks/run_all.py (the README's table); ``bench NAME ...``: each script in its own
+    process, whose last printed line is a JSON object of figures."""
     bench_dir = _benchmarks_dir()
     if bench_dir is None:
         return _config_error("no benchmarks/ directory here or next to the package: run from a source checkout")
+    if not names and (bench_dir / "run_all.py").is_file():  # the README's figures table, with spreads
+        return subprocess.run([sys.executable, str(bench_dir / "run_all.py")]).returncode
     scripts = sorted(p for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
     if names:
         wanted = {n.removesuffix(".py") for n in names}

@@ -12,6 +12,7 @@ wait/busy seconds are properties of the code. ``Counters`` reads them around a t
                                        cores taken by other threads or processes
   minflt / majflt                      page faults (getrusage): fresh mmap'd allocations fault per page
   nvcsw_main / ivcsw_main              voluntary (waits: GIL, futex, I/O) / involuntary context switches
+  gc_s / gc_collections                time in and number of Python garbage collections (gc.callbacks)
   store.*                              deltas of ``FlatStore.stats``: wait_seconds is I/O the overlap
                                        failed to hide; read/write_seconds the disk's busy time
 
@@ -24,6 +25,7 @@ where ``py-spy`` is installed, a sampled profile of the whole child process with
 from __future__ import annotations
 
 import cProfile
+import gc
 import io
 import os
 import pstats
@@ -81,11 +83,24 @@ class Counters:
     minflt: int = 0
     majflt: int = 0
     wall_s: float = 0.0
+    gc_s: float = 0.0
+    gc_collections: int = 0
     store: dict[str, float] = field(default_factory=dict)
+
+    def _on_gc(self, phase: str, info: dict) -> None:
+        import time
+
+        if phase == "start":
+            self._gc_t0 = time.perf_counter()
+        elif getattr(self, "_gc_t0", None) is not None:
+            self.gc_s += time.perf_counter() - self._gc_t0
+            self.gc_collections += 1
+            self._gc_t0 = None
 
     def __enter__(self) -> "Counters":
         import time
 
+        gc.callbacks.append(self._on_gc)
         self._t0 = time.perf_counter()
         self._threads = _thread_times()
         self._ru = resource.getrusage(resource.RUSAGE_SELF)
@@ -96,6 +111,7 @@ class Counters:
         import time
 
         self.wall_s += time.perf_counter() - self._t0
+        gc.callbacks.remove(self._on_gc)
         ru = resource.getrusage(resource.RUSAGE_SELF)
         self.minflt += ru.ru_minflt - self._ru.ru_minflt
         self.majflt += ru.ru_majflt - self._ru.ru_majflt
@@ -156,7 +172,13 @@ def summarize_pyspy(raw_path: str, top: int = 12) -> str:
             for line in f:
                 stack, _, count = line.rstrip("\n").rpartition(" ")
                 frames = stack.split(";")
-                thread = frames[0] if frames and frames[0].startswith(("thread", "process")) else "?"
+                heads = []
+                for f in frames:  # [process ...;]* [thread ...]: the innermost process and its thread
+                    if not f.startswith(("process ", "thread ")):
+                        break
+                    heads = [h for h in heads if not h.startswith("process ")] if f.startswith("process ") else heads
+                    heads.append(f.split(":")[0] if f.startswith("process ") else f)
+                thread = " ".join(heads) or "?"
                 leaf = frames[-1]
                 per_thread.setdefault(thread, Counter())[leaf] += int(count)
     except OSError as e:

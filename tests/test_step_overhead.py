@@ -115,3 +115,20 @@ def test_bench_command_runs_run_all_from_a_source_checkout(tmp_path: Path, monke
     assert main(["bench"]) == 0  # run_all only, not every script
     out = capfd.readouterr().out
     assert "| table |" in out and json.loads(out.strip().splitlines()[-1]) == {"results": {}}
+
+
+def test_a_dependency_free_read_is_served_before_queued_writes_and_a_dependent_read_after(tmp_path):
+    from lightning_nvme.store import FlatStore
+
+    with FlatStore(tmp_path, chunk_bytes=1 << 20, pool_bytes=1 << 20, num_workers=1) as store:
+        store.add_regions([(f"w{i}", 4 << 20) for i in range(4)] + [("r", 1 << 20)])
+        src = store.aligned_empty(4 << 20)
+        src.fill_(7)
+        writes = [store.write(f"w{i}", src) for i in range(4)]  # 16 chunk jobs queued on one worker
+        free_read = store.read("r", store.aligned_empty(1 << 20))  # nothing pending on "r": jumps the queue
+        out = store.aligned_empty(4 << 20)
+        dependent = store.read("w3", out)  # must wait for the write it overlaps
+        store.wait(free_read)
+        assert not writes[-1].done()
+        store.wait(dependent)
+        assert writes[-1].done() and bool((out == 7).all())

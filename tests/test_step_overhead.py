@@ -6,49 +6,56 @@ from __future__ import annotations
 import json
 import os
 import platform
-import resource
+import subprocess
 import sys
 import threading
 import time
 from pathlib import Path
 
 import pytest
-import torch
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 
-def _minflt() -> int:
+_FAULTS_SCRIPT = """
+import resource, torch
+from lightning_nvme.memory import keep_freed_heap, release_freed_memory, temporaries_on_heap
+
+def minflt():
     return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
 
-
-def _update_like() -> None:
-    """What AdamW's single-tensor update allocates per 16 MiB piece: a sqrt and a division temporary."""
+def update_like():  # what AdamW's single-tensor update allocates per 16 MiB piece: sqrt and division
     a = torch.ones(4 << 20)
     b = a.sqrt() / 2.0
     del a, b
 
+assert release_freed_memory(8 << 20)
+update_like()
+f0 = minflt()
+for _ in range(3):
+    update_like()  # three 16 MiB temporaries each: fresh mmaps above the fixed 8 MiB threshold
+outside = minflt() - f0
+with keep_freed_heap():
+    with temporaries_on_heap():
+        update_like()  # the first update faults its pages in once
+    f0 = minflt()
+    for _ in range(3):
+        with temporaries_on_heap():
+            update_like()
+    inside = minflt() - f0
+print(outside, inside)
+"""
+
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_update_temporaries_reuse_heap_pages_instead_of_faulting_fresh_mmaps():
-    from lightning_nvme.memory import keep_freed_heap, release_freed_memory, temporaries_on_heap
-
-    assert release_freed_memory(8 << 20)
-    _update_like()
-    f0 = _minflt()
-    for _ in range(3):
-        _update_like()  # three 16 MiB temporaries each: fresh mmaps above the fixed 8 MiB threshold
-    outside = _minflt() - f0
-    with keep_freed_heap():
-        with temporaries_on_heap():
-            _update_like()  # the first update faults its pages in once
-        f0 = _minflt()
-        for _ in range(3):
-            with temporaries_on_heap():
-                _update_like()
-        inside = _minflt() - f0
-    assert outside > 3 * 3 * 4096 // 2  # sanity: outside, (most of) every page is faulted in
+    # In a fresh process: the count must not depend on what earlier tests left in this one's heap.
+    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=120,
+                         env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr
+    outside, inside = map(int, out.stdout.split())
+    assert outside > 3 * 3 * 4096 // 2, (outside, inside)  # outside, (most of) every page is faulted in
     assert inside < outside / 4, (inside, outside)
 
 

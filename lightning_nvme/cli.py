@@ -54,8 +54,8 @@ def _config_error(message: str) -> int:
 
 
 def _train(overrides: list[str], dry_run: bool) -> int:
-    from lightning_nvme.recipes import ConfigError, compose_config, train, validate
-    from lightning_nvme.recipes.builder import to_yaml
+    from lightning_nvme.launch import ConfigError, compose_config, train, validate
+    from lightning_nvme.launch.instantiate import to_yaml
 
     recipe = None
     rest = []
@@ -79,7 +79,7 @@ def _train(overrides: list[str], dry_run: bool) -> int:
 
 
 def _recipes() -> int:
-    from lightning_nvme.recipes.compose import list_recipes, recipe_header
+    from lightning_nvme.launch.compose import list_recipes, recipe_header
 
     for name in list_recipes():
         print(f"{name:24s} {recipe_header(name)}")

@@ -11,7 +11,7 @@ import lightning.pytorch as pl
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_nvme.recipes.validate import ConfigError, validate
+from lightning_nvme.launch.validate import ConfigError, validate
 
 
 def lightning_strategy(name: str = "auto") -> str:

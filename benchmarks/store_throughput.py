@@ -154,7 +154,7 @@ def main() -> None:
 
         same = dict(threads=args.raw_threads, direct=raw_direct, offset=base)
         print(f"# {nbytes / GiB:.2f} GiB x {args.pairs} pairs in {workdir}; mode={store.mode} "
-              f"chunk={store.chunk_bytes // MiB} MiB workers={store._engine.alive_threads} "
+              f"chunk={store.io_chunk_bytes // MiB} MiB workers={store._engine.alive_threads} "
               f"pool={store.pool_bytes // MiB} MiB raw_threads={args.raw_threads}", flush=True)
 
         def check(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -223,7 +223,7 @@ def main() -> None:
             "pool_MiB": store.pool_bytes // MiB,
             "buffers_MiB": 2 * BUFFERS * (REQUEST + 4096) // MiB,
             "data_MiB": nbytes // MiB,
-            "chunk_MiB": store.chunk_bytes // MiB,
+            "chunk_MiB": store.io_chunk_bytes // MiB,
             "workers": store._engine.alive_threads,
             "raw_threads": args.raw_threads,
             "fsyncs": stats.fsyncs,

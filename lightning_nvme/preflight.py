@@ -21,19 +21,11 @@ from dataclasses import dataclass, field
 
 import torch
 
+from lightning_nvme.constants import ALIGN, GiB
+from lightning_nvme.settings import ConfigError
 from lightning_nvme import fsinfo
 from lightning_nvme.store.flat_store import MAGIC as STORE_MAGIC
 
-ALIGN = 4096
-GiB = 1 << 30
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work. ``key`` names the setting; the message says the fix."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
 
 
 class PreflightWarning(UserWarning):

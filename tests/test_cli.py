@@ -21,9 +21,9 @@ def _err(capsys: pytest.CaptureFixture[str]) -> str:
 
 @pytest.mark.parametrize(("argv", "expected"), [
     (["train", "recipe=quickstart", "trainer.max_stepz=3"], "did you mean 'trainer.max_steps'"),
-    (["train", "recipe=quickstart", "trainer.max_steps=many"], "'trainer.max_steps' must be int"),
+    (["train", "recipe=quickstart", "trainer.max_steps=many"], "trainer.max_steps: must be int"),
     (["train", "recipe=quickstrat"], "unknown recipe 'quickstrat'"),
-    (["train", "recipe=hf_local"], "'model.path' is required"),
+    (["train", "recipe=hf_local"], "model.path: required but not set"),
     (["train", "recipe=quickstart", "strategy.store_dir=/nonexistent_mount/run"], "is the disk mounted"),
 ])
 def test_config_errors_exit_2_with_one_message(argv: list[str], expected: str,

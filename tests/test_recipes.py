@@ -155,11 +155,12 @@ def test_bigger_than_memory_recipe_is_sized_to_matter() -> None:
 # ---- validation before training ----------------------------------------------------------------------------
 @pytest.mark.parametrize(("override", "expected"), [
     ("trainer.max_stepz=3", "did you mean 'trainer.max_steps'"),
-    ("+trainer.max_stepz=3", "unknown config key 'trainer.max_stepz'"),
-    ("trainer.max_steps=lots", "'trainer.max_steps' must be int"),
-    ("model.n_layer=2.5", "'model.n_layer' must be int"),
-    ("data.batch_size=true", "'data.batch_size' must be int"),
-    ("optimizer.lr=fast", "'optimizer.lr' must be float"),
+    ("+trainer.max_stepz=3", "trainer.max_stepz: unknown config key"),
+    ("trainer.max_steps=lots", "trainer.max_steps: must be int"),
+    ("model.n_layer=2.5", "model.n_layer: must be int"),
+    ("data.batch_size=true", "data.batch_size: must be int"),
+    ("optimizer.lr=fast", "optimizer.lr: must be float"),
+    ("strategy.io_chunk_bytes=5000", "strategy.io_chunk_bytes: must be a multiple of 4096"),
     ("model=nope", "no option 'nope' in config group 'model'"),
 ])
 def test_bad_overrides_stop_with_a_message_naming_the_key(override: str, expected: str) -> None:
@@ -168,7 +169,7 @@ def test_bad_overrides_stop_with_a_message_naming_the_key(override: str, expecte
 
 
 def test_missing_model_path_for_hf_recipe_names_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"'model.path' is required.*model.path="):
+    with pytest.raises(ConfigError, match=r"model.path: required but not set.*model.path="):
         validate(compose_config("hf_local"))
 
 

@@ -33,6 +33,7 @@ from typing import Any
 import torch
 from torch.autograd.graph import saved_tensors_hooks
 
+from lightning_nvme.constants import MiB
 from lightning_nvme.activations.arena import ActivationArena
 import sys
 
@@ -44,7 +45,6 @@ from lightning_nvme.store import FlatStore, IOHandle
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 SCOPES = ("checkpoint", "all")
 
 

@@ -19,7 +19,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_nvme.launch.validate import ConfigError, import_target, signature_of
+from lightning_nvme.launch.validate import import_target, signature_of
+from lightning_nvme.settings import ConfigError
 
 CONF_MODULE = "lightning_nvme.conf"
 RECIPES_MODULE = "lightning_nvme.recipes"
@@ -68,7 +69,7 @@ def compose_config(recipe: str | None = None, overrides: list[str] | None = None
     """
     overrides = list(overrides or [])
     if recipe is not None and recipe not in list_recipes():
-        raise ConfigError(f"unknown recipe {recipe!r}. Available: {', '.join(list_recipes())}"
+        raise ConfigError("recipe", f"unknown recipe {recipe!r}. Available: {', '.join(list_recipes())}"
                           + _did_you_mean(recipe, list_recipes()))
     full = ([f"{RECIPES_GROUP}={recipe}"] if recipe else []) + overrides
     try:
@@ -84,7 +85,7 @@ def _explain(exc: Exception, recipe: str | None, overrides: list[str]) -> Config
     m = re.search(r"An item is already at '([^']+)'", text)
     if m:
         key = m.group(1)
-        return ConfigError(f"'+{key}' adds a key, but '{key}' already exists: set it with '{key}=...' "
+        return ConfigError(key, f"'+{key}' adds a key, but '{key}' already exists: set it with '{key}=...' "
                            f"(or '++{key}=...' to add-or-set)")
     m = re.search(r"Could not override '([^']+)'", text)
     if m:
@@ -92,21 +93,21 @@ def _explain(exc: Exception, recipe: str | None, overrides: list[str]) -> Config
         parent, _, leaf = key.rpartition(".")
         known, target = _keys_at(recipe, parent)
         if target and leaf in _arguments_of(target):
-            return ConfigError(f"'{key}' is an argument of {target} that this config does not set: "
+            return ConfigError(key, f"an argument of {target} that this config does not set: "
                                f"add it with '+{key}=...'")
         hint = _did_you_mean(leaf, known, prefix=parent + "." if parent else "")
-        return ConfigError(f"unknown config key '{key}'{hint}. Fix the spelling, or add a new key "
+        return ConfigError(key, f"unknown config key{hint}. Fix the spelling, or add a new key "
                            f"deliberately with '+{key}=...'. Keys under '{parent or '<root>'}': {', '.join(known)}")
     if isinstance(exc, MissingConfigException):
         m = re.search(r"Could not find '([^']+)'", text)
         group, _, option = (m.group(1) if m else "").rpartition("/")
         opts = re.findall(r"^\t(\S+)$", text, flags=re.M)
-        return ConfigError(f"no option '{option}' in config group '{group}'. Available: {', '.join(opts)}"
+        return ConfigError(group, f"no option '{option}' in config group '{group}'. Available: {', '.join(opts)}"
                            + _did_you_mean(option, opts))
     if isinstance(exc, OverrideParseException):
-        return ConfigError(f"cannot parse the overrides {overrides}: {text.splitlines()[0]}. "
+        return ConfigError("overrides", f"cannot parse the overrides {overrides}: {text.splitlines()[0]}. "
                            f"Use key=value (e.g. trainer.max_steps=100).")
-    return ConfigError(text.strip().splitlines()[0] if text.strip() else repr(exc))
+    return ConfigError("config", text.strip().splitlines()[0] if text.strip() else repr(exc))
 
 
 def _keys_at(recipe: str | None, parent: str) -> tuple[list[str], str | None]:

@@ -7,11 +7,11 @@ preallocated file; the table is saved as JSON and hashed so a reopened store can
 
 from __future__ import annotations
 
+from lightning_nvme.constants import ALIGN
 import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-ALIGN = 4096
 HEADER_BYTES = ALIGN  # the first block of the file holds the header
 FORMAT_VERSION = 1
 

@@ -88,7 +88,7 @@ def _directory(value: Any) -> str | None:
 
 def setting(default: T, doc: str, check: Check | None = None) -> T:
     """One argument: its default, its one-line doc and its check (``None``: any value of its type)."""
-    return dataclasses.field(default=default, metadata={"doc": doc, "check": check})  # type: ignore[return-value]
+    return dataclasses.field(default=default, metadata={"doc": doc, "check": check})
 
 
 # ---- the arguments -------------------------------------------------------------------------------------
@@ -197,7 +197,7 @@ def with_settings(settings: type[OffloadSettings]) -> Callable[[type[T]], type[T
     ``Args:`` section documents them, both from ``settings``."""
 
     def decorate(cls: type[T]) -> type[T]:
-        init = cls.__init__  # type: ignore[misc]
+        init = cls.__init__
         own = inspect.signature(init)
         params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD and p.name != "store_dir"]
         hints = {f.name: f.type for f in dataclasses.fields(settings)}
@@ -208,12 +208,28 @@ def with_settings(settings: type[OffloadSettings]) -> Callable[[type[T]], type[T
         rest = [p for p in params[1:] if p.kind is not p.KEYWORD_ONLY]
         kw = [p for p in params[1:] if p.kind is p.KEYWORD_ONLY]
         var_kw = [p for p in own.parameters.values() if p.kind is p.VAR_KEYWORD and p.name != "settings"]
-        init.__signature__ = own.replace(parameters=[params[0], store_dir, *rest, *added, *kw, *var_kw])
+        setattr(init, "__signature__", own.replace(parameters=[params[0], store_dir, *rest, *added, *kw, *var_kw]))
         init.__annotations__ = {**hints, **init.__annotations__}  # what typing.get_type_hints reads
         lines = [textwrap.fill(f"{name}: {doc}", 110, initial_indent=" " * 8, subsequent_indent=" " * 12)
                  for name, doc in docs(settings).items()]
         cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + "\n".join(lines) + "\n"
-        cls.settings_class = settings  # type: ignore[attr-defined]  # read by the config validator
+        setattr(cls, "settings_class", settings)  # read by the config validator
         return cls
 
     return decorate
+
+
+def _shown(value: Any) -> str:
+    if _is_int(value) and value >= MiB and value % MiB == 0:
+        return f"`{value}` ({value // GiB} GiB)" if value % GiB == 0 else f"`{value}` ({value // MiB} MiB)"
+    return "`null`" if value is None else f"`{value}`"
+
+
+def markdown_table() -> str:
+    """README's argument table; ``tests/test_settings.py`` checks that README holds exactly this (and prints it)."""
+    rows = ["| argument | default | meaning |", "|---|---|---|"]
+    for settings, where in ((OffloadSettings, ""), (DDPOffloadSettings, " (`nvme_offload_ddp` only)")):
+        parent = settings.__mro__[1]
+        own = [f for f in dataclasses.fields(settings) if f.name not in getattr(parent, "__dataclass_fields__", {})]
+        rows += [f"| `{f.name}`{where} | {_shown(f.default)} | {f.metadata['doc']} |" for f in own]
+    return "\n".join(rows)

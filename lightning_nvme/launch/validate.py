@@ -44,14 +44,14 @@ def _resolve(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
     except MissingMandatoryValue as e:
-        key = e.full_key
+        key = e.full_key or "config"
         raise ConfigError(key, f"required but not set: add {key}=<value> to the command line"
-                          + (" (a directory with config.json + model.safetensors)" if key == "model.path" else ""))
+                          + (" (a directory with config.json + model.safetensors)" if key == "model.path" else "")) from None
     except InterpolationResolutionError as e:
-        raise ConfigError(e.full_key, f"refers to a value that does not exist ({e.msg}). "
-                          f"Set {e.full_key} explicitly, or set the key it refers to.")
+        raise ConfigError(e.full_key or "config", f"refers to a value that does not exist ({e.msg}). "
+                          f"Set {e.full_key} explicitly, or set the key it refers to.") from None
     except OmegaConfBaseException as e:
-        raise ConfigError(str(getattr(e, "full_key", "config")), str(getattr(e, "msg", e)))
+        raise ConfigError(str(getattr(e, "full_key", "config")), str(getattr(e, "msg", e))) from None
 
 
 def _target_nodes(tree: Any, prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:

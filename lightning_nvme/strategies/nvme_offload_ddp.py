@@ -34,6 +34,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -123,6 +124,7 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
                              "ddp_comm_hook cannot be given too; use overlap='step' with a custom hook")
         self._ddp_kwargs["gradient_as_bucket_view"] = True
         super().configure_ddp()
+        assert isinstance(self.model, DistributedDataParallel)
         # (unannotated: DDP checks the hook's annotations by identity, which postponed annotations fail)
         self.model.register_comm_hook(None, lambda state, bucket: self._reduce_bucket(bucket))
 
@@ -203,7 +205,7 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
             except OSError as e:  # e.g. the checkpoint directory is not writable: every rank must hear of it
                 error, begun = e, (None, repr(e))
         tmp, begin_error = self.broadcast(begun)
-        if begin_error is not None:
+        if begin_error is not None or tmp is None:
             raise error or RuntimeError(f"nvme_offload_ddp: rank 0 could not create {path}: {begin_error}")
         scalars: list[dict[int, dict[str, Any]]] = []
         try:

@@ -122,7 +122,7 @@ def main() -> None:
     nbytes = int(args.gib * GiB) // REQUEST * REQUEST
     workdir = tempfile.mkdtemp(prefix=".bench-store-", dir=args.dir or REPO)
     try:
-        kw = {k: v for k, v in [("chunk_bytes", args.chunk_mib and args.chunk_mib * MiB),
+        kw = {k: v for k, v in [("io_chunk_bytes", args.chunk_mib and args.chunk_mib * MiB),
                                 ("num_workers", args.workers), ("pool_bytes", args.pool_mib and args.pool_mib * MiB)]
               if v}
         direct = {"auto": None, "direct": True, "buffered": False}[args.mode]

@@ -4,7 +4,6 @@
 from __future__ import annotations
 
 import os
-import re
 import shutil
 import subprocess
 import sys
@@ -19,8 +18,8 @@ SOURCES = ("pyproject.toml", "README.md", "lightning_nvme", "conf", "recipes")
 
 def test_packaging_lists_every_package() -> None:
     """pyproject's explicit package list (needed for the conf/ and recipes/ mapping) misses no subpackage."""
-    text = (ROOT / "pyproject.toml").read_text()
-    listed = set(re.findall(r'^\s+"(lightning_nvme[\w.]*)",$', text, flags=re.M))
+    tomllib = pytest.importorskip("tomllib")  # Python >= 3.11
+    listed = set(tomllib.loads((ROOT / "pyproject.toml").read_text())["tool"]["setuptools"]["packages"])
     found = {".".join(p.parent.relative_to(ROOT).parts) for p in (ROOT / "lightning_nvme").rglob("__init__.py")}
     assert found | {"lightning_nvme.conf", "lightning_nvme.recipes"} == listed
     assert resources.files("lightning_nvme.conf").joinpath("config.yaml").is_file()

@@ -20,6 +20,7 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
@@ -292,31 +293,24 @@ class FlatStore:
             os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
     # ---- chunk jobs ---------------------------------------------------------------------------
-    def _write_job(self, src: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool):
-        def job() -> None:
-            if zero_copy:
-                length = align_up(n) if self.direct else n
-                self._pwrite_full(memview(src.data_ptr() + a, length), file_off, region)
-            else:
-                buf = self._pool.acquire()
-                try:
-                    copy_bytes(buf, 0, src, a, n)
-                    self._pwrite_full(memview(buf.data_ptr(), align_up(n) if self.direct else n), file_off, region)
-                finally:
-                    self._pool.release(buf)
-            self._drop_cache(file_off, n)
-        return job
+    def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool,
+                   write: bool) -> Callable[[], None]:
+        """One disk request for bytes ``[a, a + n)`` of ``tensor``: in place when the tensor is page-aligned
+        (zero copy), else through a buffer of the bounded staging pool."""
+        transfer = self._pwrite_full if write else self._pread_full
 
-    def _read_job(self, dst: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool):
         def job() -> None:
+            length = align_up(n) if self.direct else n
             if zero_copy:
-                length = align_up(n) if self.direct else n
-                self._pread_full(memview(dst.data_ptr() + a, length), file_off, region)
+                transfer(memview(tensor.data_ptr() + a, length), file_off, region)
             else:
                 buf = self._pool.acquire()
                 try:
-                    self._pread_full(memview(buf.data_ptr(), align_up(n) if self.direct else n), file_off, region)
-                    copy_bytes(dst, a, buf, 0, n)
+                    if write:
+                        copy_bytes(buf, 0, tensor, a, n)
+                    transfer(memview(buf.data_ptr(), length), file_off, region)
+                    if not write:
+                        copy_bytes(tensor, a, buf, 0, n)
                 finally:
                     self._pool.release(buf)
             self._drop_cache(file_off, n)
@@ -358,8 +352,8 @@ class FlatStore:
         start = region.offset + offset
         data = _as_bytes(t)
         spans = [(a, min(self.io_chunk_bytes, nbytes - a)) for a in range(0, nbytes, self.io_chunk_bytes)]
-        make = self._write_job if kind == "write" else self._read_job
-        jobs = [make(data if not zero_copy else t, a, n, start + a, name, zero_copy) for a, n in spans]
+        jobs = [self._chunk_job(data if not zero_copy else t, a, n, start + a, name, zero_copy, kind == "write")
+                for a, n in spans]
         # Finding the dependencies, registering the request and queueing its chunks is one step, so two
         # threads submitting at once cannot both miss each other (or queue out of dependency order).
         with self._submit_lock:

@@ -17,7 +17,7 @@ MiB = 1 << 20
 
 
 def _store(d, **kw) -> FlatStore:
-    kw = {"chunk_bytes": 1 * MiB, "num_workers": 2, "pool_bytes": 4 * MiB, "io_timeout_s": 20.0} | kw
+    kw = {"io_chunk_bytes": 1 * MiB, "num_workers": 2, "pool_bytes": 4 * MiB, "io_timeout_s": 20.0} | kw
     store = FlatStore(d, **kw)
     store.add_regions([("alpha", 4 * MiB), ("beta", 4 * MiB)])
     return store

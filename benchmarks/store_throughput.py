@@ -30,8 +30,7 @@ import aiofiles
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _disk import (GiB, MiB, Pairs, current_rss_mib, direct_supported, drop_file_cache, gbps,  # noqa: E402
-                   Memory, peak_rss_mib, raw_read, raw_write)
+from _disk import GiB, Memory, MiB, Pairs, current_rss_mib, direct_supported, drop_file_cache, gbps, peak_rss_mib, raw_read, raw_write  # noqa: E402
 
 from lightning_nvme.store import FlatStore  # noqa: E402
 

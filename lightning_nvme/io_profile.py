@@ -59,7 +59,7 @@ class IOProfile:
         os.replace(tmp, file)
 
     @classmethod
-    def load(cls, file: str | os.PathLike, *, key: str = "io_profile") -> "IOProfile":
+    def load(cls, file: str | os.PathLike, *, key: str = "io_profile") -> IOProfile:
         """Read a profile, raising ``ConfigError`` naming ``key`` and the file when it is unusable.
         Unknown fields (from a newer version) are ignored."""
         file = os.fspath(file)

@@ -21,7 +21,7 @@ import textwrap
 from collections.abc import Callable
 from typing import Any, TypeVar
 
-from lightning_nvme.constants import ALIGN, GiB, MiB, STORE_DIR_ENV
+from lightning_nvme.constants import ALIGN, STORE_DIR_ENV, GiB, MiB
 
 T = TypeVar("T")
 Check = Callable[[Any], "str | None"]  # returns why the value is invalid (and the fix), None when it is valid

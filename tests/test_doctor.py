@@ -11,9 +11,8 @@ import sys
 
 import pytest
 
-from lightning_nvme import doctor, fsinfo
+from lightning_nvme import NVMeOffloadStrategy, doctor, fsinfo
 from lightning_nvme.io_profile import IOProfile
-from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.settings import ConfigError
 
 MiB = 1 << 20

@@ -11,10 +11,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_nvme.models import GPT, GPTConfig
 from lightning_nvme.launch import ConfigError, build, compose_config, list_recipes, train, validate
-from lightning_nvme.launch.instantiate import _instantiate_group
 from lightning_nvme.launch.compose import CONF_MODULE, recipe_text
+from lightning_nvme.launch.instantiate import _instantiate_group
+from lightning_nvme.models import GPT, GPTConfig
 
 
 def _has(module: str) -> bool:

@@ -13,8 +13,15 @@ from collections import namedtuple
 import pytest
 import torch
 
-from lightning_nvme.store import (FlatStore, StoreError, StoreIOError, StoreLockedError, StoreSpaceError,
-                                  StoreTimeoutError, aligned_empty)
+from lightning_nvme.store import (
+    FlatStore,
+    StoreError,
+    StoreIOError,
+    StoreLockedError,
+    StoreSpaceError,
+    StoreTimeoutError,
+    aligned_empty,
+)
 
 KiB = 1024
 CHUNK = 64 * KiB

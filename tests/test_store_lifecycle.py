@@ -14,8 +14,7 @@ import threading
 import pytest
 import torch
 
-from lightning_nvme.store import (FlatStore, StagingPool, StoreError, StoreFormatError, StoreLockedError,
-                                  aligned_empty)
+from lightning_nvme.store import FlatStore, StagingPool, StoreError, StoreFormatError, StoreLockedError, aligned_empty
 
 KiB = 1024
 MiB = 1 << 20

@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from models import MLP
 
 import lightning_nvme  # noqa: F401  (registers the strategy)
 from lightning_nvme import NVMeOffloadStrategy
-from models import MLP
 
 
 def fit(tmp_path, strategy, *, optimizer="adamw", steps=32, accumulate=2, clip=0.5, clip_algo="norm",

@@ -17,7 +17,6 @@ from lightning_nvme.data import EmbeddedTextDataModule
 from lightning_nvme.models import GPTLightningModule
 from lightning_nvme.store import FlatStore
 
-
 STEPS = 4
 WRITE_BYTES = 1 << 20  # per step
 

@@ -19,10 +19,9 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_nvme.constants import MiB, STORE_DIR_ENV
 from lightning_nvme.activations import ActivationOffloader, OffloadStats, ResidencyMeter
+from lightning_nvme.constants import STORE_DIR_ENV, MiB
 from lightning_nvme.store import FlatStore
-
 
 
 class NVMeActivationOffload(Callback):

@@ -15,16 +15,16 @@ the same bytes, so a chunk is never updated from stale state.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.optim import Optimizer
 
-from lightning_nvme.settings import OVERLAP_MODES, OffloadSettings
 from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, StateSpec, plan_chunks
+from lightning_nvme.settings import OVERLAP_MODES, OffloadSettings
 from lightning_nvme.store import FlatStore, IOHandle
-
 
 
 class StateSource(Protocol):

@@ -485,7 +485,7 @@ class FlatStore:
         if error is not None:
             raise error
 
-    def __enter__(self) -> "FlatStore":
+    def __enter__(self) -> FlatStore:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

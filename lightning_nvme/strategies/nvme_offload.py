@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
@@ -24,7 +25,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.settings import OffloadSettings, with_settings
 from lightning_nvme.strategies.offload import OffloadStrategy

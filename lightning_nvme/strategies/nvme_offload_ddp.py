@@ -24,9 +24,11 @@ k's all-reduce and the rest of backward proceed. The last bucket's chunks are up
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -38,7 +40,6 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import sharded
 from lightning_nvme.checkpoint.atomic import recover

@@ -12,9 +12,11 @@ owns (``_owned_ranges``) and what follows an update (``_after_update``); checkpo
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
@@ -25,7 +27,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.memory import release_freed_memory

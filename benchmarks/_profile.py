@@ -34,8 +34,9 @@ import shutil
 import subprocess
 import threading
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass, field, fields
-from typing import Any, Callable
+from typing import Any
 
 _TICK = os.sysconf("SC_CLK_TCK")
 IO_THREAD_PREFIX = "lightning-nvme-io"
@@ -97,7 +98,7 @@ class Counters:
             self.gc_collections += 1
             self._gc_t0 = None
 
-    def __enter__(self) -> "Counters":
+    def __enter__(self) -> Counters:
         import time
 
         gc.callbacks.append(self._on_gc)

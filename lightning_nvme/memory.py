@@ -16,8 +16,8 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 log = logging.getLogger(__name__)
 
@@ -25,7 +25,6 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
 
-DEFAULT_MMAP_THRESHOLD = 8 << 20
 HEAP_MMAP_THRESHOLD_MAX = 32 << 20  # the largest M_MMAP_THRESHOLD glibc accepts on 64-bit
 
 _fixed_threshold: int | None = None  # what release_freed_memory set in this process, if anything
@@ -45,7 +44,7 @@ def _set(libc, option: int, value: int) -> bool:
     return bool(libc.mallopt(option, int(value)))
 
 
-def release_freed_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
+def release_freed_memory(mmap_threshold: int) -> bool:
     """Fix glibc's mmap threshold (and trim threshold) at ``mmap_threshold`` bytes for this process.
     Returns False where the C library is not glibc (nothing is changed there)."""
     global _fixed_threshold
@@ -66,7 +65,8 @@ def keep_freed_heap(*, trim: bool = True) -> Iterator[None]:
     heap's top, at the next ``free`` there). Wraps an optimizer step's update loop, so the pages of one
     chunk's update temporaries (see ``temporaries_on_heap``) serve the next chunk instead of being
     faulted in again, and nothing is kept across steps. Inside backward (``overlap="backward"``) use
-    ``trim=False`` around one chunk: a full trim there would also return backward's own free heap. A no-op unless ``release_freed_memory`` fixed
+    ``trim=False`` around one chunk: a full trim there would also return backward's own free heap.
+    A no-op unless ``release_freed_memory`` fixed
     the thresholds (glibc's dynamic threshold already keeps such blocks)."""
     libc = _libc() if _fixed_threshold is not None else None
     if libc is None:

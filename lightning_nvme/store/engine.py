@@ -19,7 +19,7 @@ import itertools
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from lightning_nvme.store.errors import StoreError
 from lightning_nvme.store.handle import IOHandle

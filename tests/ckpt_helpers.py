@@ -8,8 +8,8 @@ import os
 import torch
 
 from lightning_nvme.checkpoint.legacy import FORMAT_VERSION, META_FILE
-from lightning_nvme.checkpoint.safetensors_stream import SafetensorsWriter
-from lightning_nvme.checkpoint.streamed import MARKER, optimizer_file, tensor_name
+from lightning_nvme.checkpoint.convert import pop_state_tensors, write_tensors
+from lightning_nvme.checkpoint.streamed import MARKER, optimizer_file
 
 
 def parts_dir(path) -> str:
@@ -24,15 +24,7 @@ def write_legacy(plain_file, dst_dir) -> None:
     checkpoint = torch.load(plain_file, map_location="cpu", weights_only=False)
     os.makedirs(dst_dir)
     for i, state in enumerate(checkpoint.get("optimizer_states", [])):
-        tensors = {}
-        for index, entries in state["state"].items():
-            for key in [k for k, v in entries.items() if torch.is_tensor(v) and v.dim() > 0]:
-                tensors[tensor_name(index, key)] = entries.pop(key)
-        writer = SafetensorsWriter(os.path.join(dst_dir, optimizer_file(i)),
-                                   [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
-                                   {"format": MARKER, "format_version": str(FORMAT_VERSION)})
-        for name, t in tensors.items():
-            writer.write(name, 0, t.reshape(-1))
-        writer.close()
+        write_tensors(os.path.join(dst_dir, optimizer_file(i)), pop_state_tensors(state),
+                      {"format": MARKER, "format_version": str(FORMAT_VERSION)})
         state[MARKER] = {"format_version": FORMAT_VERSION, "file": optimizer_file(i)}
     torch.save(checkpoint, os.path.join(dst_dir, META_FILE))

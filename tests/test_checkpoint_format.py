@@ -229,3 +229,15 @@ def test_old_directory_format_still_resumes_bitwise(saved, tmp_path):
     convert.to_lightning(str(legacy_dir), str(back))
     assert torch.load(back)["optimizer_states"][0]["state"].keys() == \
         torch.load(plain)["optimizer_states"][0]["state"].keys()
+
+
+def test_save_last_link_resumes_through_the_link(saved, tmp_path):
+    """ModelCheckpoint(save_last="link"): last.ckpt is a symlink to the newest top-k file; its optimizer state is
+    found beside the link's target, and the resume is bitwise."""
+    ckpts = tmp_path / "ckpts"
+    cb = ModelCheckpoint(dirpath=ckpts, save_last="link", every_n_epochs=1)
+    trainer(tmp_path, offload(tmp_path), 1, callbacks=[cb], enable_checkpointing=True).fit(MLP())
+    assert (ckpts / "last.ckpt").is_symlink() and not (ckpts / "last.ckpt.optim").exists()
+    model = MLP()
+    trainer(tmp_path, offload(tmp_path, "s2"), 2).fit(model, ckpt_path=str(ckpts / "last.ckpt"))
+    assert params_equal(model, saved["reference"])

@@ -66,6 +66,25 @@ def _gather(state: dict, reader: SafetensorsReader, name: str, shapes: list | No
     entries[key].view(-1)[start:stop] = reader.read(name)
 
 
+def pop_state_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Take the per-element tensors out of a torch-format optimizer state dict, named as in the safetensors files;
+    the scalar state (``step``) stays."""
+    tensors = {}
+    for index, entries in state["state"].items():
+        for key in [k for k, v in entries.items() if torch.is_tensor(v) and v.dim() > 0]:
+            tensors[tensor_name(index, key)] = entries.pop(key)
+    return tensors
+
+
+def write_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    writer = SafetensorsWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], metadata)
+    try:
+        for name, t in tensors.items():
+            writer.write(name, 0, t.reshape(-1))
+    finally:
+        writer.close()
+
+
 def from_lightning(src_file: str, dst: str) -> None:
     checkpoint = torch.load(src_file, map_location="cpu", weights_only=False)
     checkpoint.setdefault("optimizer_states", [])
@@ -73,18 +92,7 @@ def from_lightning(src_file: str, dst: str) -> None:
     def write_parts(directory: str, save_id: str) -> list[dict[str, Any]]:
         markers = []
         for i, state in enumerate(checkpoint["optimizer_states"]):
-            tensors = {}
-            for index, entries in state["state"].items():
-                for key in [k for k, v in entries.items() if torch.is_tensor(v) and v.dim() > 0]:
-                    tensors[tensor_name(index, key)] = entries.pop(key)
-            writer = SafetensorsWriter(os.path.join(directory, optimizer_file(i)),
-                                       [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
-                                       file_metadata(save_id))
-            try:
-                for name, t in tensors.items():
-                    writer.write(name, 0, t.reshape(-1))
-            finally:
-                writer.close()
+            write_tensors(os.path.join(directory, optimizer_file(i)), pop_state_tensors(state), file_metadata(save_id))
             markers.append({"file": optimizer_file(i)})
         return markers
 

@@ -241,3 +241,44 @@ def test_save_last_link_resumes_through_the_link(saved, tmp_path):
     model = MLP()
     trainer(tmp_path, offload(tmp_path, "s2"), 2).fit(model, ckpt_path=str(ckpts / "last.ckpt"))
     assert params_equal(model, saved["reference"])
+
+
+def test_callbacks_are_restored_before_on_fit_start(saved, tmp_path):
+    """Lightning's order is kept (unlike restore_checkpoint_after_setup=True, which breaks e.g. BackboneFinetuning's
+    resume): a callback's state is loaded before its on_fit_start, and the optimizer after setup."""
+    from lightning.pytorch import Callback
+
+    class Counter(Callback):
+        def __init__(self) -> None:
+            self.count, self.seen_at_fit_start = 0, None
+
+        def on_fit_start(self, trainer, pl_module):
+            self.seen_at_fit_start = self.count
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            self.count += 1
+
+        def state_dict(self):
+            return {"count": self.count}
+
+        def load_state_dict(self, state_dict):
+            self.count = state_dict["count"]
+
+    first = Counter()
+    t = trainer(tmp_path, offload(tmp_path), 1, callbacks=[first])
+    t.fit(MLP())
+    t.save_checkpoint(tmp_path / "c.ckpt")
+    resumed = Counter()
+    trainer(tmp_path, offload(tmp_path, "s2"), 2, callbacks=[resumed]).fit(MLP(), ckpt_path=str(tmp_path / "c.ckpt"))
+    assert resumed.seen_at_fit_start == 1 and resumed.count == 2
+
+
+def test_state_of_parameters_frozen_at_resume_is_not_dropped(saved, tmp_path):
+    class FrozenBody(MLP):
+        def __init__(self) -> None:
+            super().__init__()
+            self.body[0].requires_grad_(False)
+
+    with pytest.raises(ValueError, match=r"not trainable in this run's optimizer at restore time .* would silently "
+                                         "restart"):
+        trainer(tmp_path, offload(tmp_path), 2).fit(FrozenBody(), ckpt_path=str(saved["path"]))

@@ -163,6 +163,8 @@ def restore_optimizer(off: OffloadedOptimizer, state: Mapping[str, Any], marker:
                       parts: OptimizerParts | None) -> None:
     """Restore one optimizer: from its streamed files (``marker``), or from a plain torch-format state dict."""
     if marker is None:
+        _check_planned(off, {i for i, s in state["state"].items()
+                             if any(torch.is_tensor(v) and v.dim() > 0 for v in s.values())})
         off.load_state_dict(dict(state))
         return
     assert parts is not None
@@ -171,7 +173,24 @@ def restore_optimizer(off: OffloadedOptimizer, state: Mapping[str, Any], marker:
     off.set_param_groups(state["param_groups"])
     readers = open_readers(parts.directory, marker, parts.save_id)
     try:
-        off.import_state(_FileSource(readers, state["state"]))
+        source = _FileSource(readers, state["state"])
+        _check_planned(off, {index for index, _ in source.entries})
+        off.import_state(source)
     finally:
         for reader in readers:
             reader.close()
+
+
+def _check_planned(off: OffloadedOptimizer, with_state: set[int]) -> None:
+    """Refuse to drop saved moments: every parameter the checkpoint holds per-element state for must be one this
+    optimizer updates now (single process; a data-parallel rank plans only the ranges it owns)."""
+    if off.owned is not None:
+        return
+    dropped = sorted(with_state - off.planned_indices())
+    if dropped:
+        raise ValueError(f"the checkpoint holds optimizer state of parameters {dropped} of "
+                         f"{type(off.optimizer).__name__}, but they are not trainable in this run's optimizer at "
+                         "restore time (frozen, e.g. by BackboneFinetuning before it unfreezes them), so their "
+                         "moments would silently restart. Resume with the same parameters trainable as when the "
+                         "checkpoint was saved, or convert it and resume with strategy='auto': "
+                         "python -m lightning_nvme.checkpoint.convert to-lightning")

@@ -378,6 +378,10 @@ class OffloadedOptimizer:
         """Whether ``piece`` has optimizer state yet (a fresh optimizer creates it at the first step)."""
         return self._initialized(piece)
 
+    def planned_indices(self) -> set[int]:
+        """The param indices this optimizer updates (and, with per-element state, stores) in this process."""
+        return set(self.pieces_of)
+
     def initialized_pieces(self) -> list[Piece]:
         """Every stored piece that has state, in chunk order (what ``export_state`` streams out)."""
         return [p for c in self.chunks for p in c.pieces if self._initialized(p)]

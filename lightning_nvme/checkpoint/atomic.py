@@ -32,7 +32,7 @@ def temp_name(path: str) -> str:
     return os.path.join(head, f".{tail}.tmp-{os.getpid()}")
 
 
-def _aside_name(path: str) -> str:
+def aside_name(path: str) -> str:
     head, tail = os.path.split(os.path.abspath(path))
     return os.path.join(head, f".{tail}.old")
 
@@ -46,7 +46,7 @@ def _exchange(a: str, b: str) -> bool:
     return fn(_AT_FDCWD, a.encode(), _AT_FDCWD, b.encode(), _RENAME_EXCHANGE) == 0
 
 
-def _delete(path: str) -> None:
+def delete(path: str) -> None:
     """Delete a file, link or directory tree (already under a hidden name)."""
     if os.path.isdir(path) and not os.path.islink(path):
         shutil.rmtree(path, ignore_errors=True)
@@ -65,15 +65,15 @@ def sweep_dead_temps(directory: str) -> None:
     ones being deleted (of any checkpoint there: a deleted or renamed checkpoint's name may never recur)."""
     for tmp in glob.glob(os.path.join(glob.escape(directory), ".*.tmp-*")):
         if is_dead_temp(tmp):
-            _delete(tmp)
+            delete(tmp)
 
 
 def recover(path: str) -> None:
     """Undo a crash between the two renames of the fallback commit, and sweep dead writers' temp entries."""
-    aside = _aside_name(path)
+    aside = aside_name(path)
     if os.path.lexists(aside):
         if os.path.lexists(path):
-            _delete(aside)
+            delete(aside)
         else:
             os.rename(aside, path)
     sweep_dead_temps(os.path.dirname(os.path.abspath(path)))
@@ -99,14 +99,14 @@ def commit(tmp: str, path: str) -> None:
         return
     if _exchange(tmp, path):
         fsync_path(parent)
-        _delete(tmp)  # now holds the previous checkpoint
+        delete(tmp)  # now holds the previous checkpoint
         return
-    aside = _aside_name(path)
-    _delete(aside)
+    aside = aside_name(path)
+    delete(aside)
     os.rename(path, aside)
     os.rename(tmp, path)
     fsync_path(parent)
-    _delete(aside)
+    delete(aside)
 
 
 def remove(path: str) -> None:
@@ -120,7 +120,7 @@ def remove(path: str) -> None:
     if not os.path.exists(path):
         return
     doomed = temp_name(path)
-    _delete(doomed)
+    delete(doomed)
     os.rename(path, doomed)
     fsync_path(os.path.dirname(path))
-    _delete(doomed)
+    delete(doomed)

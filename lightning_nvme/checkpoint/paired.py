@@ -76,7 +76,7 @@ def sweep_orphans(path: str) -> None:
             continue
         atomic.sweep_dead_temps(root)
         base = root[:-len(PARTS_SUFFIX)]
-        orphan = not os.path.lexists(base) and not os.path.lexists(atomic._aside_name(base))
+        orphan = not os.path.lexists(base) and not os.path.lexists(atomic.aside_name(base))
         if orphan and all(_SAVE_ID.match(e) for e in os.listdir(root)):  # a live writer's temp: not an orphan
             atomic.remove(root)
 
@@ -119,7 +119,7 @@ def write_main(checkpoint: dict[str, Any], path: str) -> None:
         atomic.commit(tmp, path)
     except BaseException:
         if os.path.lexists(tmp):
-            atomic._delete(tmp)
+            atomic.delete(tmp)
         raise
 
 

@@ -273,7 +273,9 @@ def _train(run: dict, world: int) -> None:
         out.update(checkpoints={n: sorted(os.listdir(parts_dir(os.path.join(d, n)))) for n in os.listdir(d)
                                 if n.endswith(".ckpt")},
                    listing=sorted(os.listdir(d)),
-                   leftovers=[n for n in _tree(d) if ".tmp-" in n or n.endswith(".old")])
+                   leftovers=[n for n in os.listdir(d) + [e for n in os.listdir(d) if n.endswith(".optim")
+                                                          for e in os.listdir(os.path.join(d, n))]
+                              if ".tmp-" in n or n.endswith(".old")])
     os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
     torch.save(out, f"{run['out']}.rank{trainer.global_rank}.pt")
 
@@ -284,7 +286,7 @@ def _save_failure(trainer, path: str) -> dict:
     from lightning_nvme.checkpoint import sharded
 
     trainer.save_checkpoint(path)
-    before = _tree(os.path.dirname(os.path.abspath(path)))
+    before = _checkpoint_files(path)
     original = sharded.SafetensorsWriter.write
 
     def failing(self, *args, **kwargs):
@@ -299,18 +301,23 @@ def _save_failure(trainer, path: str) -> dict:
         error = str(e)
     finally:
         sharded.SafetensorsWriter.write = original
-    after = _tree(os.path.dirname(os.path.abspath(path)))
-    return {"save_error": error, "unchanged": before == after, "leftovers": [f for f in after if ".tmp-" in f]}
+    after = _checkpoint_files(path)
+    parent = os.path.dirname(os.path.abspath(path))
+    leftovers = [f for f in os.listdir(parent) + list(after) if ".tmp-" in f]
+    return {"save_error": error, "unchanged": before == after, "leftovers": leftovers}
 
 
-def _tree(directory: str) -> dict[str, bytes]:
-    """Every file under ``directory`` (relative path -> contents): a checkpoint file and its .optim directory."""
-    out = {}
-    for root, _, files in os.walk(directory):
-        for f in files:
-            path = os.path.join(root, f)
-            with open(path, "rb") as fh:
-                out[os.path.relpath(path, directory)] = fh.read()
+def _checkpoint_files(path: str) -> dict[str, bytes]:
+    """A checkpoint's files (relative path -> contents): the file itself and everything in its .optim directory."""
+    def read(file: str) -> bytes:
+        with open(file, "rb") as f:
+            return f.read()
+
+    out = {os.path.basename(path): read(path)}
+    for root, dirs, files in os.walk(path + ".optim"):
+        out.update({os.path.relpath(os.path.join(root, d), os.path.dirname(path)): b"" for d in dirs})
+        out.update({os.path.relpath(os.path.join(root, f), os.path.dirname(path)): read(os.path.join(root, f))
+                    for f in files})
     return out
 
 

@@ -1,6 +1,8 @@
-"""``OffloadMixin``: what every offload strategy does around its Lightning base strategy.
+"""``OffloadStrategy``: what every offload strategy does around its Lightning base strategy.
 
-Shared by ``NVMeOffloadStrategy`` (single device) and ``NVMeOffloadDDPStrategy`` (data parallel): one
+The common base of ``NVMeOffloadStrategy`` (``OffloadStrategy, SingleDeviceStrategy``) and
+``NVMeOffloadDDPStrategy`` (``OffloadStrategy, DDPStrategy``), a ``Strategy`` itself so that each
+override reaches the Lightning strategy next in the method resolution order through ``super()``: one
 ``FlatStore`` per process, each optimizer from ``configure_optimizers`` wrapped in an
 ``OffloadedOptimizer``, reads started on entry to the step, the store drained on teardown and
 reopened for checkpoints saved after ``fit``, checkpoints loaded and routed between the strategy and the
@@ -11,50 +13,52 @@ follows an update (``_after_update``) and how its optimizer state is saved (``_s
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
-from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import atomic, plugin_io
-from lightning_nvme.config import GiB, MiB, OffloadConfig
+from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, plan_chunks
 from lightning_nvme.preflight import check_store_dir
+from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
 
 
-class OffloadMixin:
-    """Mix in before a Lightning strategy class; call ``_init_offload`` from ``__init__``."""
+class OffloadStrategy(Strategy):
+    """List first among the bases, before the Lightning strategy; call ``_init_offload`` from ``__init__``."""
 
     strategy_name: str
     # overlap="backward": a gradient is final when its post-accumulate-grad hook fires (single process);
     # False where the subclass signals it itself (data parallel: after the all-reduce).
     _local_grad_hooks: bool = True
-    config: OffloadConfig
+    config: OffloadSettings
     nvme_store: FlatStore | None
     offloaded: list[OffloadedOptimizer]
-    # provided by the Lightning strategy mixed with
-    global_rank: int
-    is_global_zero: bool
-    optimizers: list[Optimizer]
-    precision_plugin: Any
 
-    def _init_offload(self, config: OffloadConfig) -> None:
+    def _init_offload(self, config: OffloadSettings) -> None:
         self.config = config
         self.nvme_store = None
         self.offloaded = []
+
+    @property
+    def _store_rank(self) -> int:
+        """The rank that names this process's store file."""
+        return 0
 
     # ---- what a subclass decides --------------------------------------------------------------------
     def _owned_ranges(self, index: int, optimizer: Optimizer) -> Mapping[int, Sequence[tuple[int, int]]] | None:
@@ -67,7 +71,7 @@ class OffloadMixin:
     # ---- setup / teardown -----------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)  # type: ignore[misc]
+        super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.optimizers:
             self._check_overlap_supported(trainer)
             self._offload_optimizers(trainer)
@@ -88,7 +92,7 @@ class OffloadMixin:
 
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
-        io = self.config.io_settings()
+        io_chunk_bytes, io_workers = self.config.io_request()
         owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
         plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
                  for i, opt in enumerate(self.optimizers)]
@@ -97,9 +101,8 @@ class OffloadMixin:
         check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
         if self.config.malloc_mmap_threshold is not None:
             release_freed_memory(self.config.malloc_mmap_threshold)  # see lightning_nvme.memory: bounded RSS
-        self.nvme_store = FlatStore(store_dir, rank=self.global_rank, chunk_bytes=io.chunk_bytes,
-                                    num_workers=io.num_workers,
-                                    pool_bytes=max(self.config.staging_bytes, io.chunk_bytes),
+        self.nvme_store = FlatStore(store_dir, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
+                                    num_workers=io_workers, pool_bytes=max(self.config.staging_bytes, io_chunk_bytes),
                                     min_free_bytes=self.config.min_free_bytes)
         clip_value = None
         if self.config.overlap == "backward" and trainer.gradient_clip_val:
@@ -128,7 +131,7 @@ class OffloadMixin:
                 self.nvme_store.close()
         finally:
             self.nvme_store = None
-            super().teardown()  # type: ignore[misc]
+            super().teardown()
 
     @contextmanager
     def _open_store(self) -> Iterator[FlatStore]:
@@ -137,7 +140,7 @@ class OffloadMixin:
             yield self.nvme_store
             return
         first = self.offloaded[0].store
-        store = FlatStore(first.directory, rank=self.global_rank, chunk_bytes=first.chunk_bytes, reopen=True)
+        store = FlatStore(first.directory, rank=self._store_rank, io_chunk_bytes=first.io_chunk_bytes, reopen=True)
         try:
             for off in self.offloaded:
                 off.attach(store)
@@ -157,7 +160,7 @@ class OffloadMixin:
         off = self.offloaded_for(optimizer)
         if off is not None:
             off.prefetch()  # reads overlap the closure's forward and backward
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if off is not None:
             self._after_update(off)
         return out
@@ -168,7 +171,6 @@ class OffloadMixin:
     # hands Lightning its usual dict and keeps where the streamed state is on the strategy, not in the dict;
     # ``load_optimizer_state_dict`` (after setup, when the offloaded optimizers exist) streams it back.
     _optimizer_parts: ckpt.OptimizerParts | None = None
-    checkpoint_io: CheckpointIO
 
     def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
         """Write ``checkpoint`` (with ``optimizer_states``) and the offloaded state to local ``path``."""
@@ -181,7 +183,7 @@ class OffloadMixin:
         if not plugin_io.writes_itself(self.checkpoint_io, filepath, storage_options):
             if streamed:
                 plugin_io.refuse_streamed(self.strategy_name, self.checkpoint_io, filepath, storage_options)
-            return super().save_checkpoint(checkpoint, filepath, storage_options)  # type: ignore[misc]
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
         if streamed:
             return self._save_streamed(checkpoint, os.path.abspath(os.fspath(filepath)))
         if self.is_global_zero:
@@ -191,7 +193,7 @@ class OffloadMixin:
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         off = self.offloaded_for(optimizer)
         if off is None:
-            return super().optimizer_state(optimizer)  # type: ignore[misc]
+            return super().optimizer_state(optimizer)
         return ckpt.optimizer_placeholder(off)
 
     def _recover_before_load(self, path: str) -> None:
@@ -207,7 +209,7 @@ class OffloadMixin:
             if ckpt.is_legacy_dir(path):
                 checkpoint, self._optimizer_parts = ckpt.legacy.load_legacy(path)
                 return checkpoint
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         checkpoint, self._optimizer_parts = ckpt.paired.read(checkpoint, os.fspath(checkpoint_path))
         return checkpoint
 
@@ -215,7 +217,7 @@ class OffloadMixin:
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         parts, self._optimizer_parts = self._optimizer_parts, None
         if not self.offloaded:
-            return super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+            return super().load_optimizer_state_dict(checkpoint)
         for i, (off, state) in enumerate(zip(self.offloaded, checkpoint["optimizer_states"])):
             marker = parts.markers[i] if parts is not None and i < len(parts.markers) else None
             ckpt.restore_optimizer(off, state, marker, parts)
@@ -223,7 +225,7 @@ class OffloadMixin:
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         if not plugin_io.writes_itself(self.checkpoint_io, filepath, None):
-            return super().remove_checkpoint(filepath)  # type: ignore[misc]
+            return super().remove_checkpoint(filepath)
         if self.is_global_zero:
             ckpt.paired.remove(os.fspath(filepath))
 
@@ -231,4 +233,4 @@ class OffloadMixin:
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+            strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0])

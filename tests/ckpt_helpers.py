@@ -7,8 +7,8 @@ import os
 
 import torch
 
-from lightning_nvme.checkpoint.legacy import FORMAT_VERSION, META_FILE
 from lightning_nvme.checkpoint.convert import pop_state_tensors, write_tensors
+from lightning_nvme.checkpoint.legacy import FORMAT_VERSION, META_FILE
 from lightning_nvme.checkpoint.streamed import MARKER, optimizer_file
 
 

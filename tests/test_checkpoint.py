@@ -11,13 +11,13 @@ import textwrap
 
 import pytest
 import torch
+from ckpt_helpers import parts_dir
 from lightning.pytorch import Trainer
+from models import MLP
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.checkpoint import convert
-from ckpt_helpers import parts_dir
-from models import MLP
 
 HERE = os.path.dirname(__file__)
 

@@ -21,11 +21,11 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
+from models import MLP
 from torch.utils.data import DataLoader
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
-from models import MLP
 
 
 def trainer(root, strategy, epochs, **kw):

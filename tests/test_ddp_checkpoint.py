@@ -15,10 +15,10 @@ import os
 
 import pytest
 import torch
-
 from ckpt_helpers import parts_dir
-from lightning_nvme.checkpoint import convert
 from test_ddp import assert_bitwise, launch, results, run_spec
+
+from lightning_nvme.checkpoint import convert
 
 COMMON = {"epochs": 2, "accumulate": 2, "clip": 0.5, "clip_algo": "norm", "chunk_bytes": 16 << 10}
 
@@ -106,10 +106,10 @@ def test_single_device_strategy_resumes_a_sharded_checkpoint(runs, tmp_path):
     Lightning shuffles a DDP job's training data with ``DistributedSampler(shuffle=True, seed=0)``, so
     this single-process run uses the same sampler for the same global batches."""
     from lightning.pytorch import Trainer
+    from models import MLP, dataset
     from torch.utils.data import DataLoader, DistributedSampler
 
     from lightning_nvme import NVMeOffloadStrategy
-    from models import MLP, dataset
 
     class SameOrderMLP(MLP):
         def train_dataloader(self):
@@ -128,9 +128,8 @@ def test_rank0_file_opens_with_lightnings_loaders(runs, tmp_path):
     """The sharded checkpoint's path is rank 0's file: torch.load (weights_only), load_from_checkpoint and a
     plain Trainer's predict open it; a plain Trainer's fit refuses it rather than restart the moments."""
     from lightning.pytorch import Trainer
-    from torch.utils.data import DataLoader
-
     from models import MLP
+    from torch.utils.data import DataLoader
 
     loaded = torch.load(runs["ck2"])
     assert loaded["global_step"] == 8 and "optimizer_states" not in loaded

@@ -23,8 +23,14 @@ import torch
 
 from lightning_nvme.checkpoint import legacy, paired
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
-from lightning_nvme.checkpoint.streamed import (OptimizerParts, file_metadata, open_readers, optimizer_file,
-                                                parse_tensor_name, tensor_name)
+from lightning_nvme.checkpoint.streamed import (
+    OptimizerParts,
+    file_metadata,
+    open_readers,
+    optimizer_file,
+    parse_tensor_name,
+    tensor_name,
+)
 
 
 def load_any(src: str) -> tuple[dict[str, Any], OptimizerParts | None]:

@@ -13,11 +13,11 @@ import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import BackboneFinetuning, EarlyStopping, ModelCheckpoint
+from models import MLP, dataset
 from torch.utils.data import DataLoader
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
-from models import MLP, dataset
 
 STRATEGIES = ("auto", "nvme_offload")
 NEEDS_OPTIMIZER_HALF = pytest.mark.xfail(strict=True, reason="needs #11 optimizer half")

@@ -377,6 +377,39 @@ class OffloadedOptimizer:
         position = self.set_param_groups(state_dict["param_groups"])
         self.import_state(_DictSource({position[k]: v for k, v in state_dict["state"].items()}))
 
+    # ---- read by checkpoints (public: checkpoint code never touches the bookkeeping above) ---------------
+    def initialized(self, piece: Piece) -> bool:
+        """Whether ``piece`` has optimizer state yet (a fresh optimizer creates it at the first step)."""
+        return self._initialized(piece)
+
+    def planned_indices(self) -> set[int]:
+        """The param indices this optimizer updates (and, with per-element state, stores) in this process."""
+        return set(self.pieces_of)
+
+    def initialized_pieces(self) -> list[Piece]:
+        """Every stored piece that has state, in chunk order (what ``export_state`` streams out)."""
+        return [p for c in self.chunks for p in c.pieces if self._initialized(p)]
+
+    def scalar_state(self) -> dict[int, dict[str, Any]]:
+        """Param index -> its scalar state (``step``...), for the params that have state: torch's
+        ``state_dict()["state"]`` without the per-element tensors."""
+        out = {}
+        for index, pieces in sorted(self.pieces_of.items()):
+            key = (index, pieces[0][1].start)
+            if key in self.scalars:
+                out[index] = dict(self.scalars[key])
+        return out
+
+    def stored_state(self) -> list[tuple[int, tuple[int, ...], tuple[tuple[str, torch.dtype], ...]]]:
+        """``(param index, param shape, per-element keys)`` of each param whose state is stored and
+        initialized: the tensors a checkpoint of this optimizer holds."""
+        out = []
+        for index, pieces in sorted(self.pieces_of.items()):
+            first = pieces[0][1]
+            if first.keys and self._initialized(first):
+                out.append((index, tuple(first.param.shape), tuple(first.keys)))
+        return out
+
     def attach(self, store: FlatStore) -> None:
         """Continue on ``store`` (the same file reopened after the previous handle was closed)."""
         self.store = store

@@ -10,36 +10,51 @@ The strategy owns one ``FlatStore`` per process and wraps each optimizer from
 
 Checkpoints are directories streamed chunk by chunk from the store (see ``lightning_nvme.checkpoint``),
 committed atomically; ``trainer.fit(ckpt_path=...)`` streams them back, moments and step counts included.
+
+``offload_params=True`` also moves the parameters of each block (a transformer layer) into the store
+between uses (see ``lightning_nvme.params``); ``overlap="backward"`` then updates each block while it is
+resident in backward and writes it back.
 """
 
 from __future__ import annotations
 
 import os
-from typing import Any
+from typing import Any, Callable, Mapping, Sequence
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from torch.optim import Optimizer
 from typing_extensions import override
 
 import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
+from lightning_nvme.checkpoint.streamed import MARKER
 from lightning_nvme.config import GiB, MiB, OffloadConfig
+from lightning_nvme.optim import UpdateListener
+from lightning_nvme.params import ParamOffload, ParamSettings
+from lightning_nvme.store.layout import align_up
 from lightning_nvme.strategies.offload_mixin import OffloadMixin
 
 
 class NVMeOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
     """Single-device training with optimizer state (and fp32 master weights of half-precision params)
-    on a flat store on local disk. See ``OffloadConfig`` for the arguments."""
+    on a flat store on local disk, and with ``offload_params=True`` the parameters too. See
+    ``OffloadConfig`` and ``ParamSettings`` for the arguments."""
 
     strategy_name = "nvme_offload"
+    _frees_grads = True
 
     def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
                  staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
                  io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
-                 malloc_mmap_threshold: int | None = 8 * MiB,
+                 malloc_mmap_threshold: int | None = 8 * MiB, offload_params: bool = False,
+                 param_prefetch: int = 1, param_block_classes: Sequence[type | str] | None = None,
+                 restore_params: bool = True,
                  device: torch.device | str | None = None, accelerator: pl.accelerators.Accelerator | None = None,
                  checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None,
                  parallel_devices: list[torch.device] | None = None) -> None:
@@ -48,6 +63,10 @@ class NVMeOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
         self._init_offload(OffloadConfig(store_dir, chunk_bytes, io_chunk_bytes, staging_bytes, prefetch_depth,
                                          io_workers, overlap, io_profile, min_free_bytes,
                                          malloc_mmap_threshold))
+        self.param_settings = ParamSettings(offload_params, param_prefetch,
+                                            None if param_block_classes is None else tuple(param_block_classes),
+                                            restore_params)
+        self.param_offload: ParamOffload | None = None
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices
@@ -58,6 +77,63 @@ class NVMeOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
         if not self._device_given and self.parallel_devices:
             return torch.device(self.parallel_devices[0])
         return self._root_device
+
+    # ---- parameter offload -------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.param_offload = None
+        if self.param_settings.offload_params and trainer.state.fn == TrainerFn.FITTING:
+            if self.root_device.type != "cpu":
+                raise ValueError(f"{self.strategy_name}: offload_params=True runs on CPU for now; the accelerator "
+                                 f"path ({self.root_device}) is not implemented. Set offload_params=False.")
+            s = self.param_settings
+            self.param_offload = ParamOffload(trainer.lightning_module, s.param_block_classes, s.param_prefetch)
+        super().setup(trainer)
+        if self.param_offload is not None:
+            if self.nvme_store is None:
+                self.param_offload = None  # no optimizer: nothing trains, nothing to offload
+                return
+            planned = [piece.param for off in self.offloaded for c in off.chunks for piece in c.pieces]
+            self.param_offload.start(self.nvme_store, planned)
+            layout = self.param_offload.layout
+            rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
+                           f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
+                           f"resident ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
+
+    def _update_listener(self) -> UpdateListener | None:
+        return self.param_offload
+
+    def _extra_store_bytes(self) -> int:
+        return sum(align_up(n) for _, n in self.param_offload.regions()) if self.param_offload else 0
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        params = self.param_offload
+        if params is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        params.hold_for_update = self.config.overlap == "backward" and self.offloaded_for(optimizer) is not None
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            params.hold_for_update = False
+            params.finish_step()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        plain = any(MARKER not in state for state in checkpoint.get("optimizer_states", []))
+        if self.param_offload is not None and plain:
+            with self.param_offload.resident():  # fp32 masters of a plain checkpoint come from the parameters
+                return super().load_optimizer_state_dict(checkpoint)
+        return super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def teardown(self) -> None:
+        try:
+            if self.param_offload is not None:
+                self.param_offload.stop(restore=self.param_settings.restore_params)
+        finally:
+            super().teardown()
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,

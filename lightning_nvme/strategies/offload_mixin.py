@@ -26,7 +26,7 @@ import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.config import GiB, MiB, OffloadConfig
 from lightning_nvme.memory import release_freed_memory
-from lightning_nvme.optim import OffloadedOptimizer, plan_chunks
+from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
 from lightning_nvme.preflight import check_store_dir
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
@@ -39,6 +39,9 @@ class OffloadMixin:
     # overlap="backward": a gradient is final when its post-accumulate-grad hook fires (single process);
     # False where the subclass signals it itself (data parallel: after the all-reduce).
     _local_grad_hooks: bool = True
+    # overlap="backward": free each gradient once its chunk is updated (single process; data parallel keeps
+    # them for now), so gradient memory is bounded by the chunks not yet updated.
+    _frees_grads: bool = False
     config: OffloadConfig
     nvme_store: FlatStore | None
     offloaded: list[OffloadedOptimizer]
@@ -61,6 +64,14 @@ class OffloadMixin:
     def _after_update(self, off: OffloadedOptimizer) -> None:
         """Runs after each completed step of ``off`` (data parallel: share the updated parameters)."""
 
+    def _update_listener(self) -> UpdateListener | None:
+        """Told around each chunk update (parameter offload makes the chunk's parameters resident)."""
+        return None
+
+    def _extra_store_bytes(self) -> int:
+        """Store bytes beyond the optimizer state (parameter regions), for the free-space check."""
+        return 0
+
     # ---- setup / teardown -----------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -82,6 +93,18 @@ class OffloadMixin:
             raise ValueError(f"{self.strategy_name}: overlap='backward' cannot be used with a loss scaler "
                              "(precision='16-mixed'): the inf check needs all gradients first. Use overlap='step' "
                              "or precision='bf16-mixed'.")
+        if self._frees_grads:
+            from lightning.pytorch.callbacks import Callback
+
+            hooked = [type(obj).__name__ for obj in (trainer.lightning_module, *trainer.callbacks)
+                      if type(obj).on_before_optimizer_step is not (
+                          pl.LightningModule if isinstance(obj, pl.LightningModule) else Callback
+                      ).on_before_optimizer_step]
+            if hooked:
+                raise ValueError(f"{self.strategy_name}: overlap='backward' consumes each gradient during backward "
+                                 f"(freed once its chunk is updated), so {hooked[0]}.on_before_optimizer_step would "
+                                 "see no gradients (e.g. gradient-norm logging) and already-updated parameters. "
+                                 "Use overlap='step', or remove that hook.")
 
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
@@ -89,7 +112,8 @@ class OffloadMixin:
         owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
         plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
                  for i, opt in enumerate(self.optimizers)]
-        planned = HEADER_BYTES + sum(align_up(c.nbytes) for chunks, _ in plans for c in chunks)
+        planned = HEADER_BYTES + sum(align_up(c.nbytes) for chunks, _ in plans for c in chunks) + \
+            self._extra_store_bytes()
         # Before anything is allocated: writable, enough free space (+ margin), warn on tmpfs/NFS.
         check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
         if self.config.malloc_mmap_threshold is not None:
@@ -105,7 +129,9 @@ class OffloadMixin:
             OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
                                prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
                                clip_value=clip_value, owned=owned[i], plan=plans[i],
-                               grad_hooks=self._local_grad_hooks)
+                               grad_hooks=self._local_grad_hooks,
+                               free_grads=self._frees_grads and self.config.overlap == "backward",
+                               listener=self._update_listener())
             for i, opt in enumerate(self.optimizers)
         ]
         state = sum(o.state_bytes for o in self.offloaded)

@@ -38,11 +38,26 @@ def tokens(n: int = 64, t: int = 16, vocab: int = 64, seed: int = 7) -> TensorDa
 
 class TinyGPT(LightningModule):
     def __init__(self, optimizer: str = "adamw", checkpointing: bool = False, lora: bool = False,
-                 n_layer: int = 4, batch_size: int = 4) -> None:
+                 n_layer: int = 4, batch_size: int = 4, in_configure_model: bool = False,
+                 init_seed: int | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.optimizer_name = optimizer
         self.batch_size = batch_size
+        self.init_seed = init_seed  # seed the RNG in setup(): a meta-device model is initialized right after
+        self.build = lambda: self._build(checkpointing, lora, n_layer)
+        if not in_configure_model:
+            self.build()
+
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):
+            self.build()
+
+    def setup(self, stage: str) -> None:
+        if self.init_seed is not None:
+            torch.manual_seed(self.init_seed)
+
+    def _build(self, checkpointing: bool, lora: bool, n_layer: int) -> None:
         self.model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=n_layer, n_head=4),
                          activation_checkpointing=checkpointing)
         if lora:

@@ -1,5 +1,8 @@
 """Where each offloaded parameter lives: one store region per block, parameters packed in it.
 
+Frozen parameters come first in a block's region and are never written back: an update rewrites
+only the page-aligned tail holding the trainable ones (the LoRA case writes adapters only).
+
 A parameter belongs to a block only if every module that registers it is inside that one block;
 tied or shared parameters (GPT-2's token embedding and LM head, a weight used by two blocks) and
 parameters outside every block stay resident and are counted as such.
@@ -12,6 +15,8 @@ from dataclasses import dataclass, field
 
 import torch
 from torch import nn
+
+from lightning_nvme.store import ALIGN
 
 SLOT_ALIGN = 64  # bytes: every parameter view starts SIMD-aligned inside the block buffer
 
@@ -44,6 +49,7 @@ class BlockLayout:
     region: str
     slots: list[ParamSlot] = field(default_factory=list)
     nbytes: int = 0
+    writable_offset: int = 0  # frozen parameters first; an update writes back only [writable_offset, end)
 
     @property
     def trainable(self) -> bool:
@@ -78,15 +84,28 @@ def plan_layout(model: nn.Module, blocks: list[tuple[str, nn.Module]], region_pr
         owners[id(p)].add(owner)
     layouts = [BlockLayout(i, name, module, f"{region_prefix}/block{i}") for i, (name, module) in enumerate(blocks)]
     resident: list[tuple[str, nn.Parameter]] = []
+    members: dict[int, list[tuple[str, nn.Parameter]]] = defaultdict(list)
     for pid, (name, p) in params.items():
         where = owners[pid]
         if len(where) != 1 or -1 in where:
             resident.append((name, p))
-            continue
-        block = layouts[next(iter(where))]
-        nbytes = p.numel() * p.element_size()
-        block.slots.append(ParamSlot(name, p, p.shape, p.dtype, block.nbytes, nbytes))
-        block.nbytes = _align(block.nbytes + nbytes, SLOT_ALIGN)
+        else:
+            members[next(iter(where))].append((name, p))
+    for index, named in members.items():
+        block = layouts[index]
+        frozen = [(n, p) for n, p in named if not p.requires_grad]
+        trainable = [(n, p) for n, p in named if p.requires_grad]
+        for group in (frozen, trainable):
+            if group is trainable and frozen:
+                block.nbytes = _align(block.nbytes, ALIGN)  # write-backs start on a page: frozen bytes stay put
+            if group is trainable:
+                block.writable_offset = block.nbytes
+            for name, p in group:
+                nbytes = p.numel() * p.element_size()
+                block.slots.append(ParamSlot(name, p, p.shape, p.dtype, block.nbytes, nbytes))
+                block.nbytes = _align(block.nbytes + nbytes, SLOT_ALIGN)
+        if not trainable:
+            block.writable_offset = block.nbytes  # read-only block: never written back
     kept = [b for b in layouts if b.slots]
     for i, b in enumerate(kept):
         b.index = i  # position in forward order; the region name keeps the module's position

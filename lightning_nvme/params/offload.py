@@ -15,6 +15,7 @@ from typing import Any, Iterator
 import torch
 from torch import nn
 
+from lightning_nvme.params.materialize import materialize
 from lightning_nvme.params.layout import BlockLayout, ParamLayout, plan_layout
 from lightning_nvme.params.policy import BlockClasses, find_blocks
 from lightning_nvme.params.residency import BlockResidency, ResidencyStats
@@ -33,17 +34,27 @@ class ParamOffload:
     def __init__(self, model: nn.Module, block_classes: BlockClasses = None, prefetch: int = 1) -> None:
         self.model = model
         self.prefetch = prefetch
-        blocks = find_blocks(model, block_classes)
-        if not blocks:
-            raise ValueError(f"offload_params=True: no blocks found in {type(model).__name__} (no nn.ModuleList or "
-                             "nn.Sequential with parameters). Name the block module classes with "
-                             "param_block_classes=[...], e.g. your transformer layer class.")
-        self.layout: ParamLayout = plan_layout(model, blocks)
-        self._block_of = self.layout.block_of()
+        self.block_classes = block_classes
+        self._layout: ParamLayout | None = None
+        self._block_of: dict[int, BlockLayout] = {}
         self.residency: BlockResidency | None = None
         self.scheduler: BlockScheduler | None = None
         self._state_hooks: list[Any] = []
         self._final_stats = ResidencyStats()
+
+    @property
+    def layout(self) -> ParamLayout:
+        """Planned on first use: after the precision plugin has converted the module (dtypes are final)."""
+        if self._layout is None:
+            blocks = find_blocks(self.model, self.block_classes)
+            if not blocks:
+                raise ValueError(f"offload_params=True: no blocks found in {type(self.model).__name__} (no "
+                                 "nn.ModuleList or nn.Sequential with parameters, or no module of "
+                                 f"param_block_classes={self.block_classes}). Name the block module classes with "
+                                 "param_block_classes=[...], e.g. your transformer layer class.")
+            self._layout = plan_layout(self.model, blocks)
+            self._block_of = self._layout.block_of()
+        return self._layout
 
     @property
     def blocks(self) -> list[BlockLayout]:
@@ -58,13 +69,35 @@ class ParamOffload:
         return [(b.region, b.nbytes) for b in self.blocks]
 
     # ---- lifecycle -----------------------------------------------------------------------------------
+    def attach_store(self, store: FlatStore) -> BlockResidency:
+        """Add the blocks' regions to ``store`` (once)."""
+        if self.residency is None:
+            store.add_regions(self.regions())
+            self.residency = BlockResidency(store, self.blocks, max_pending_writes=self.prefetch + 1)
+        return self.residency
+
+    def materialize(self, store: FlatStore, device: torch.device) -> None:
+        """Initialize a meta-device model module by module; each block goes to the store as soon as its
+        last parameter is initialized, so at most about one block is ever in memory."""
+        residency = self.attach_store(store)
+
+        def place_complete_blocks() -> None:
+            for block in self.blocks:
+                if not residency.placed(block) and not any(s.param.is_meta for s in block.slots):
+                    residency.place(block)
+
+        materialize(self.model, device, place_complete_blocks)
+
     def start(self, store: FlatStore, planned: Iterable[torch.Tensor] = ()) -> None:
-        """Add the blocks' regions, move their values into the store (placeholders left behind), install
-        the hooks. ``planned``: the parameters offloaded optimizers update (held until updated)."""
-        store.add_regions(self.regions())
-        self.residency = BlockResidency(store, self.blocks, max_pending_writes=self.prefetch + 1)
-        self.residency.offload_all()
-        self.scheduler = BlockScheduler(self.residency, self.prefetch)
+        """Move the blocks' values into the store (placeholders left behind; blocks already placed by
+        ``materialize`` stay), install the hooks. ``planned``: the parameters offloaded optimizers update
+        (held until updated)."""
+        residency = self.attach_store(store)
+        for block in self.blocks:
+            if not residency.placed(block):
+                residency.place(block)
+        residency.drain()
+        self.scheduler = BlockScheduler(residency, self.prefetch)
         self.scheduler.planned = {id(p) for p in planned}
         self.scheduler.install()
         for block in self.blocks:

@@ -37,6 +37,7 @@ class _State:
     read: IOHandle | None = None
     bound: bool = False  # parameters point into ``buffer``
     dirty: bool = False
+    placed: bool = False  # its values are in the store
     refs: Counter = field(default_factory=Counter)
 
 
@@ -51,15 +52,17 @@ class BlockResidency:
         self._resident_bytes = 0
 
     # ---- first placement -----------------------------------------------------------------------------
-    def offload_all(self) -> None:
-        """Copy every block's current values into the store and leave placeholders (setup)."""
-        for block in self.blocks:
-            buf = self._new_buffer(block)
-            for slot in block.slots:
-                self._view(buf, slot).copy_(slot.param.detach())
-            self._write(block, buf)
-            self._unbind(block)
-        self.drain()
+    def place(self, block: BlockLayout) -> None:
+        """Copy the block's current values into the store and leave placeholders (setup)."""
+        buf = self._new_buffer(block)
+        for slot in block.slots:
+            self._view(buf, slot).copy_(slot.param.detach())
+        self._write(block, buf)
+        self._unbind(block)
+        self._state[block.index].placed = True
+
+    def placed(self, block: BlockLayout) -> bool:
+        return self._state[block.index].placed
 
     def write_values(self, block: BlockLayout, values: dict[str, torch.Tensor]) -> None:
         """Replace a non-resident block's stored values (checkpoint restore, initialization)."""
@@ -127,7 +130,7 @@ class BlockResidency:
             return
         self._wait_read(block)
         if st.dirty:
-            self._write(block, st.buffer)
+            self._write(block, st.buffer, block.writable_offset)
         self._unbind(block)
         st.buffer, st.read, st.bound, st.dirty = None, None, False, False
         st.refs.clear()
@@ -164,10 +167,13 @@ class BlockResidency:
             self.store.wait(st.read)
             st.read = None
 
-    def _write(self, block: BlockLayout, buf: torch.Tensor) -> None:
-        self._writes.append((self.store.write(block.region, buf), buf))
+    def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0) -> None:
+        """Write ``buf[start:]`` (``start`` page-aligned) to the block's region at ``start``."""
+        if start >= buf.numel():
+            return
+        self._writes.append((self.store.write(block.region, buf[start:], offset=start), buf))
         self.stats.writebacks += 1
-        self.stats.bytes_written += block.nbytes
+        self.stats.bytes_written += buf.numel() - start
         while len(self._writes) > self.max_pending_writes:
             handle, _ = self._writes.popleft()
             self.store.wait(handle)

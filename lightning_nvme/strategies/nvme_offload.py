@@ -19,7 +19,8 @@ resident in backward and writes it back.
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any, Callable, Generator, Mapping, Sequence
 
 import torch
 from lightning.fabric.plugins import CheckpointIO
@@ -37,7 +38,8 @@ from lightning_nvme.checkpoint.streamed import MARKER
 from lightning_nvme.config import GiB, MiB, OffloadConfig
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload, ParamSettings
-from lightning_nvme.store.layout import align_up
+from lightning_nvme.params.materialize import has_meta_tensors, materialize
+from lightning_nvme.store.layout import HEADER_BYTES, align_up
 from lightning_nvme.strategies.offload_mixin import OffloadMixin
 
 
@@ -99,6 +101,38 @@ class NVMeOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
             rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
                            f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
                            f"resident ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """With ``offload_params``, ``trainer.init_module()`` and ``configure_model`` create parameters on the
+        meta device (no memory); setup initializes them block by block straight into the store.
+        ``empty_init=False`` asks for a model in memory."""
+        if not self.param_settings.offload_params or empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if has_meta_tensors(self.model):
+            if self.param_offload is None:  # not fitting: the model is needed in memory anyway
+                materialize(self.model, self.root_device)
+            else:
+                trainer = self.lightning_module.trainer
+                store = self._open_new_store(trainer, HEADER_BYTES + self._extra_store_bytes())
+                self.param_offload.materialize(store, self.root_device)
+        super().model_to_device()
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """With ``offload_params`` the weights are loaded after setup, into the store: a model built on the
+        meta device has nothing to load into before."""
+        return self.param_settings.offload_params
 
     def _update_listener(self) -> UpdateListener | None:
         return self.param_offload

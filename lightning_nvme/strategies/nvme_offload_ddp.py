@@ -66,6 +66,10 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
                  precision_plugin: Precision | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **ddp_kwargs: Any) -> None:
+        if any(ddp_kwargs.pop(k, None) not in (None, False) for k in ("offload_params", "param_prefetch",
+                                                                      "param_block_classes")):
+            raise ValueError("nvme_offload_ddp: offload_params is not supported with data parallel yet; use "
+                             "strategy='nvme_offload' (one device) for parameter offload, or offload_params=False")
         if not isinstance(broadcast_bucket_bytes, int) or broadcast_bucket_bytes < 4096:
             raise ValueError(f"nvme_offload_ddp: invalid broadcast_bucket_bytes={broadcast_bucket_bytes!r}: must be an "
                              f"integer >= 4096; {16 * MiB} is typical")

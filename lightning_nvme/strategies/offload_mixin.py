@@ -106,22 +106,30 @@ class OffloadMixin:
                                  "see no gradients (e.g. gradient-norm logging) and already-updated parameters. "
                                  "Use overlap='step', or remove that hook.")
 
-    def _offload_optimizers(self, trainer: pl.Trainer) -> None:
+    def _open_new_store(self, trainer: pl.Trainer, planned: int) -> FlatStore:
+        """This process's store, created once; ``planned`` bytes (beyond what it already holds) are
+        checked against the free space first: writable, enough free space (+ margin), warn on tmpfs/NFS."""
         store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
-        io = self.config.io_settings()
-        owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
-        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
-                 for i, opt in enumerate(self.optimizers)]
-        planned = HEADER_BYTES + sum(align_up(c.nbytes) for chunks, _ in plans for c in chunks) + \
-            self._extra_store_bytes()
-        # Before anything is allocated: writable, enough free space (+ margin), warn on tmpfs/NFS.
         check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
+        if self.nvme_store is not None:
+            return self.nvme_store
+        io = self.config.io_settings()
         if self.config.malloc_mmap_threshold is not None:
             release_freed_memory(self.config.malloc_mmap_threshold)  # see lightning_nvme.memory: bounded RSS
         self.nvme_store = FlatStore(store_dir, rank=self.global_rank, chunk_bytes=io.chunk_bytes,
                                     num_workers=io.num_workers,
                                     pool_bytes=max(self.config.staging_bytes, io.chunk_bytes),
                                     min_free_bytes=self.config.min_free_bytes)
+        return self.nvme_store
+
+    def _offload_optimizers(self, trainer: pl.Trainer) -> None:
+        owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
+        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
+                 for i, opt in enumerate(self.optimizers)]
+        planned = HEADER_BYTES + sum(align_up(c.nbytes) for chunks, _ in plans for c in chunks) + \
+            self._extra_store_bytes()
+        self._open_new_store(trainer, planned)
+        assert self.nvme_store is not None
         clip_value = None
         if self.config.overlap == "backward" and trainer.gradient_clip_val:
             clip_value = float(trainer.gradient_clip_val)

@@ -25,7 +25,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_nvme.params.layout import BlockLayout
 from lightning_nvme.params.residency import BlockResidency
 
-FWD, BWD, KEEP, PENDING, UPDATE, USER = "forward", "backward", "keep", "pending", "update", "user"
+FWD, BWD, KEEP, PENDING, UPDATE, USER, RECOMPUTE = ("forward", "backward", "keep", "pending", "update", "user",
+                                                    "recompute")
 
 
 def in_backward() -> bool:
@@ -64,6 +65,7 @@ class BlockScheduler:
         self.pending: dict[int, set[int]] = {}  # block index -> id(param) still to be updated this step
         self.planned: set[int] = set()  # id(param) of every parameter an offloaded optimizer updates
         self._open: list[_Call] = []
+        self._recomputed: list[BlockLayout] = []
         self._stack: dict[int, list[_Call]] = {b.index: [] for b in self.blocks}
         self._handles: list[Any] = []
         self._callback_queued_for = -1
@@ -81,9 +83,15 @@ class BlockScheduler:
     # ---- forward ---------------------------------------------------------------------------------------
     def _pre_forward(self, block: BlockLayout) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
-            self.residency.acquire(block, FWD)
-            if in_backward():  # recomputation under activation checkpointing: the block is already held
+            if in_backward():
+                # Recomputation under activation checkpointing: the block's backward holds it already. The
+                # recomputation may stop early (checkpoint early stop) and never reach the post-forward hook,
+                # so nothing is acquired per call; a block not held is held until the end of backward.
+                if not +self.residency.holders(block):
+                    self.residency.acquire(block, RECOMPUTE)
+                    self._recomputed.append(block)
                 return None
+            self.residency.acquire(block, FWD)
             for ahead in self.blocks[block.index + 1:block.index + 1 + self.prefetch]:
                 self.residency.prefetch(ahead)
             call = _Call(block)
@@ -102,15 +110,16 @@ class BlockScheduler:
 
     def _post_forward(self, block: BlockLayout) -> Callable[..., Any]:
         def hook(module: torch.nn.Module, args: tuple, output: Any) -> None:
-            if not in_backward():
-                call = self._stack[block.index].pop()
-                outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
-                if outputs and torch.is_grad_enabled():
-                    self._open.append(call)
-                    register_multi_grad_hook(outputs, lambda _grad: self._pre_backward(call), mode="any")
-                    # The last blocks of the forward are the first of the backward: keep them resident.
-                    if block.index >= len(self.blocks) - self.prefetch and not self.residency.holders(block)[KEEP]:
-                        self.residency.acquire(block, KEEP)
+            if in_backward():
+                return
+            call = self._stack[block.index].pop()
+            outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            if outputs and torch.is_grad_enabled():
+                self._open.append(call)
+                register_multi_grad_hook(outputs, lambda _grad: self._pre_backward(call), mode="any")
+                # The last blocks of the forward are the first of the backward: keep them resident.
+                if block.index >= len(self.blocks) - self.prefetch and not self.residency.holders(block)[KEEP]:
+                    self.residency.acquire(block, KEEP)
             self.residency.release(block, FWD)
         return hook
 
@@ -146,12 +155,18 @@ class BlockScheduler:
         for call in self._open:
             self._post_backward(call)
         self._open = [c for c in self._open if not c.pre]
+        self._release_recomputed()
         self._callback_queued_for = -1
         for block in self.blocks:
             todo = self.pending.get(block.index)
             if todo is not None:
                 todo.difference_update(id(s.param) for s in block.slots if s.param.grad is None)
                 self._maybe_done(block)
+
+    def _release_recomputed(self) -> None:
+        for block in self._recomputed:
+            self.residency.release(block, RECOMPUTE)
+        self._recomputed = []
 
     # ---- optimizer updates ---------------------------------------------------------------------------
     def updated(self, block: BlockLayout, finished: list[torch.Tensor]) -> None:
@@ -173,6 +188,7 @@ class BlockScheduler:
         for call in self._open:
             self._post_backward(call)
         self._open = []
+        self._release_recomputed()
         for block in self.blocks:
             held = self.residency.holders(block)
             if held[KEEP]:

@@ -121,6 +121,7 @@ def test_bf16_true_matches_fp32_master_reference(tmp_path):
     """bf16 params in the store, fp32 masters + moments in the optimizer store: equal to an in-memory loop
     that keeps fp32 masters, steps AdamW on them and casts back."""
     from lightning.pytorch.plugins.precision import HalfPrecision
+    from models import fp32_master_step
 
     strategy = offload(tmp_path)
     off, _ = fit(tmp_path / "off", strategy, precision="bf16-true")
@@ -136,13 +137,7 @@ def test_bf16_true_matches_fp32_master_reference(tmp_path):
         with context():
             loss = ref.training_step(batch, 0)
         loss.backward()
-        for p in trainable:
-            masters[p].grad = p.grad.float()
-            p.grad = None
-        opt.step()
-        with torch.no_grad():
-            for p in trainable:
-                p.copy_(masters[p])
+        fp32_master_step(trainable, masters, opt)
     for (name, p), q in zip(off.named_parameters(), ref.parameters()):
         assert p.dtype == torch.bfloat16
         assert torch.equal(p, q), f"parameter {name} differs"

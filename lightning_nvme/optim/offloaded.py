@@ -15,16 +15,16 @@ the same bytes, so a chunk is never updated from stale state.
 from __future__ import annotations
 
 from collections import defaultdict
-from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
+from collections.abc import Callable, Mapping, Sequence
+from typing import Any, Protocol
 
 import torch
 from torch.optim import Optimizer
 
 from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, StateSpec, plan_chunks
+from lightning_nvme.settings import OVERLAP_MODES, OffloadSettings
 from lightning_nvme.store import FlatStore, IOHandle
-
-OVERLAP_MODES = ("step", "backward")
 
 
 class StateSource(Protocol):
@@ -84,8 +84,9 @@ class OffloadedOptimizer:
         listener: told before and after each chunk update (see ``UpdateListener``).
     """
 
-    def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0", chunk_bytes: int = 64 << 20,
-                 prefetch_depth: int = 2, overlap: str = "step", clip_value: float | None = None,
+    def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0",
+                 chunk_bytes: int = OffloadSettings.chunk_bytes, prefetch_depth: int = OffloadSettings.prefetch_depth,
+                 overlap: str = OffloadSettings.overlap, clip_value: float | None = None,
                  owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, grad_hooks: bool = True,
                  plan: tuple[list[Chunk], list[StateSpec]] | None = None, free_grads: bool = False,
                  listener: UpdateListener | None = None) -> None:
@@ -451,7 +452,3 @@ class _DictSink:
             out[index] = {k: torch.cat([v for _, v in sorted(parts, key=lambda x: x[0])]).view(shape)
                           for k, parts in keys.items()}
         return out
-
-
-def offload_all(optimizers: Iterable[Optimizer], store: FlatStore, **kwargs: Any) -> list[OffloadedOptimizer]:
-    return [OffloadedOptimizer(opt, store, name=f"opt{i}", **kwargs) for i, opt in enumerate(optimizers)]

@@ -15,8 +15,8 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 from torch.optim import Optimizer

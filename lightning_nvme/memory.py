@@ -68,15 +68,16 @@ def keep_freed_heap(*, trim: bool = True) -> Iterator[None]:
     ``trim=False`` around one chunk: a full trim there would also return backward's own free heap.
     A no-op unless ``release_freed_memory`` fixed
     the thresholds (glibc's dynamic threshold already keeps such blocks)."""
-    libc = _libc() if _fixed_threshold is not None else None
-    if libc is None:
+    threshold = _fixed_threshold
+    libc = _libc() if threshold is not None else None
+    if libc is None or threshold is None:
         yield
         return
     _set(libc, M_TRIM_THRESHOLD, (1 << 31) - 1)  # mallopt takes a C int
     try:
         yield
     finally:
-        _set(libc, M_TRIM_THRESHOLD, _fixed_threshold)
+        _set(libc, M_TRIM_THRESHOLD, threshold)
         if trim:
             libc.malloc_trim(0)
 
@@ -90,12 +91,13 @@ def temporaries_on_heap() -> Iterator[None]:
     and unmapped again: ~100 K page faults per step for 50 M params (``benchmarks/optimizer_offload.py
     --profile``). Wrap only the update (not forward/backward, whose blocks the fixed threshold keeps
     releasing), inside ``keep_freed_heap`` so the next update reuses the pages."""
-    libc = _libc() if _fixed_threshold is not None else None
-    if libc is None:
+    threshold = _fixed_threshold
+    libc = _libc() if threshold is not None else None
+    if libc is None or threshold is None:
         yield
         return
     _set(libc, M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD_MAX)
     try:
         yield
     finally:
-        _set(libc, M_MMAP_THRESHOLD, _fixed_threshold)
+        _set(libc, M_MMAP_THRESHOLD, threshold)

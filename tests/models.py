@@ -15,6 +15,18 @@ OPTIMIZERS = {
 }
 
 
+def fp32_master_step(trainable, masters, opt) -> None:
+    """The in-memory reference of half-precision training with fp32 master weights: move the gradients
+    to the masters, step the optimizer on them, cast back into the parameters."""
+    for p in trainable:
+        masters[p].grad = p.grad.float() if p.grad is not None else None
+        p.grad = None
+    opt.step()
+    with torch.no_grad():
+        for p in trainable:
+            p.copy_(masters[p])
+
+
 def dataset(n: int = 256, dim: int = 32, seed: int = 1234) -> TensorDataset:
     g = torch.Generator().manual_seed(seed)
     x = torch.randn(n, dim, generator=g)

@@ -36,6 +36,16 @@ class StateSource(Protocol):
     def scalars(self, index: int, tensor_keys: set[str]) -> dict[str, Any]: ...
 
 
+class UpdateListener(Protocol):
+    """Told around each chunk update (parameter offload: make the chunk's parameters resident first,
+    write them back after). ``touched``: the chunk's parameters that have a gradient; ``finished``: those
+    whose every piece is now updated in this step."""
+
+    def before_update(self, touched: Sequence[torch.Tensor]) -> None: ...
+
+    def after_update(self, touched: Sequence[torch.Tensor], finished: Sequence[torch.Tensor]) -> None: ...
+
+
 class StateSink(Protocol):
     """Where ``export_state`` writes per-parameter state to, one piece at a time."""
 
@@ -70,13 +80,17 @@ class OffloadedOptimizer:
         grad_hooks: with ``overlap="backward"``, learn that a parameter's gradient is final from its
             post-accumulate-grad hook. ``False``: the caller says so with ``grad_ready`` (data parallel:
             a gradient is final only once its all-reduce has completed).
+        free_grads: set each parameter's ``.grad`` to ``None`` as soon as every piece of it is updated,
+            so with ``overlap="backward"`` the whole model's gradients never coexist.
+        listener: told before and after each chunk update (see ``UpdateListener``).
     """
 
     def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0",
                  chunk_bytes: int = OffloadSettings.chunk_bytes, prefetch_depth: int = OffloadSettings.prefetch_depth,
                  overlap: str = OffloadSettings.overlap, clip_value: float | None = None,
                  owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, grad_hooks: bool = True,
-                 plan: tuple[list[Chunk], list[StateSpec]] | None = None) -> None:
+                 plan: tuple[list[Chunk], list[StateSpec]] | None = None, free_grads: bool = False,
+                 listener: UpdateListener | None = None) -> None:
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
         if prefetch_depth < 1:
@@ -88,6 +102,8 @@ class OffloadedOptimizer:
         self.prefetch_depth = prefetch_depth
         self.clip_value = clip_value
         self.owned = owned
+        self.free_grads = free_grads
+        self.listener = listener
         # ``plan``: the result of plan_chunks(optimizer, chunk_bytes, name, owned=owned), when the caller
         # already made it (e.g. to size the store before allocating it).
         self.chunks, self.specs = plan or plan_chunks(optimizer, chunk_bytes, name, owned=owned)
@@ -163,10 +179,25 @@ class OffloadedOptimizer:
         buf = self._take(c)
         self._done.add(c)
         self.prefetch()
-        changed = self._run_inner_step(self.chunks[c], buf)
-        handle = self.store.write(self.chunks[c].region, buf.data[:self.capacity[c]]) if changed else None
+        chunk = self.chunks[c]
+        touched = list({id(p.param): p.param for p in chunk.pieces if p.param.grad is not None}.values())
+        if self.listener is not None:
+            self.listener.before_update(touched)
+        changed = self._run_inner_step(chunk, buf)
+        handle = self.store.write(chunk.region, buf.data[:self.capacity[c]]) if changed else None
         self.ring.release(buf, handle)
+        finished = [p for p in touched if all(other.index in self._done for other, _ in self.pieces_of[
+            self._index_of(chunk, p)])]
+        if self.free_grads:
+            for p in finished:
+                p.grad = None  # consumed: gradient memory is bounded by the chunks not yet updated
+        if self.listener is not None:
+            self.listener.after_update(touched, finished)
         self.prefetch()
+
+    @staticmethod
+    def _index_of(chunk: Chunk, param: torch.Tensor) -> int:
+        return next(p.index for p in chunk.pieces if p.param is param)
 
     def _run_inner_step(self, chunk: Chunk, buf: ChunkBuffer) -> bool:
         """Run the optimizer's own ``step`` on this chunk's pieces, with state views into ``buf``.

@@ -11,10 +11,16 @@ The strategy owns one ``FlatStore`` per process and wraps each optimizer from
 A checkpoint is one file that Lightning's loaders open, with the optimizer state streamed chunk by chunk
 from the store into ``<file>.optim/`` beside it, committed atomically (see ``lightning_nvme.checkpoint``);
 ``trainer.fit(ckpt_path=...)`` streams it back, moments and step counts included.
+
+``offload_params=True`` also moves the parameters of each block (a transformer layer) into the store
+between uses (see ``lightning_nvme.params``); ``overlap="backward"`` then updates each block while it is
+resident in backward and writes it back.
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -22,33 +28,49 @@ import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint.streamed import write_optimizer
+from lightning_nvme.constants import MiB
+from lightning_nvme.optim import UpdateListener
+from lightning_nvme.params import ParamOffload, ParamSettings
+from lightning_nvme.params.materialize import has_meta_tensors, materialize
 from lightning_nvme.settings import OffloadSettings, with_settings
+from lightning_nvme.store.layout import HEADER_BYTES, align_up
 from lightning_nvme.strategies.offload import OffloadStrategy
 
 
 @with_settings(OffloadSettings)
 class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     """Single-device training with optimizer state (and fp32 master weights of half-precision params)
-    on a flat store on local disk.
+    on a flat store on local disk, and with ``offload_params=True`` the parameters too.
 
-    Takes the arguments listed below (each defined once in ``lightning_nvme.settings.OffloadSettings``)
-    and ``device``, ``accelerator``, ``checkpoint_io``, ``precision_plugin`` as Lightning's
-    ``SingleDeviceStrategy`` does."""
+    Takes the arguments listed below (each defined once in ``lightning_nvme.settings.OffloadSettings``),
+    the parameter-offload arguments ``offload_params``, ``param_prefetch``, ``param_block_classes``,
+    ``restore_params`` (``lightning_nvme.params.ParamSettings``), and ``device``, ``accelerator``,
+    ``checkpoint_io``, ``precision_plugin`` as Lightning's ``SingleDeviceStrategy`` does."""
 
     strategy_name = "nvme_offload"
+    _frees_grads = True
 
     def __init__(self, store_dir: str | None = None, *, device: torch.device | str | None = None,
                  accelerator: pl.accelerators.Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
                  precision_plugin: Precision | None = None, parallel_devices: list[torch.device] | None = None,
+                 offload_params: bool = False, param_prefetch: int = 1,
+                 param_block_classes: Sequence[type | str] | None = None, restore_params: bool = True,
                  **settings: Any) -> None:
         config = OffloadSettings.from_arguments(self.strategy_name, {"store_dir": store_dir, **settings})
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._init_offload(config)
+        self.param_settings = ParamSettings(offload_params, param_prefetch,
+                                            None if param_block_classes is None else tuple(param_block_classes),
+                                            restore_params)
+        self.param_offload: ParamOffload | None = None
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices
@@ -59,6 +81,97 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         if not self._device_given and self.parallel_devices:
             return torch.device(self.parallel_devices[0])
         return self._root_device
+
+    # ---- parameter offload -------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.param_offload = None
+        if self.param_settings.offload_params and trainer.state.fn == TrainerFn.FITTING:
+            if self.root_device.type != "cpu":
+                raise ValueError(f"{self.strategy_name}: offload_params=True runs on CPU for now; the accelerator "
+                                 f"path ({self.root_device}) is not implemented. Set offload_params=False.")
+            s = self.param_settings
+            self.param_offload = ParamOffload(trainer.lightning_module, s.param_block_classes, s.param_prefetch)
+        super().setup(trainer)
+        if self.param_offload is not None:
+            if self.nvme_store is None:
+                self.param_offload = None  # no optimizer: nothing trains, nothing to offload
+                return
+            planned = [piece.param for off in self.offloaded for c in off.chunks for piece in c.pieces]
+            self.param_offload.start(self.nvme_store, planned)
+            layout = self.param_offload.layout
+            rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
+                           f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
+                           f"resident ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """With ``offload_params``, ``trainer.init_module()`` and ``configure_model`` create parameters on the
+        meta device (no memory); setup initializes them block by block straight into the store.
+        ``empty_init=False`` asks for a model in memory."""
+        if not self.param_settings.offload_params or empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if has_meta_tensors(self.model):
+            if self.param_offload is None:  # not fitting: the model is needed in memory anyway
+                materialize(self.model, self.root_device)
+            else:
+                assert self.lightning_module is not None
+                trainer = self.lightning_module.trainer
+                store = self._open_new_store(trainer, HEADER_BYTES + self._extra_store_bytes())
+                self.param_offload.materialize(store, self.root_device)
+        super().model_to_device()
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """With ``offload_params`` the weights are loaded after setup, into the store: a model built on the
+        meta device has nothing to load into before."""
+        return self.param_settings.offload_params
+
+    def _update_listener(self) -> UpdateListener | None:
+        return self.param_offload
+
+    def _extra_store_bytes(self) -> int:
+        return sum(align_up(n) for _, n in self.param_offload.regions()) if self.param_offload else 0
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        params = self.param_offload
+        if params is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        params.hold_for_update = self.config.overlap == "backward" and self.offloaded_for(optimizer) is not None
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            params.hold_for_update = False
+            params.finish_step()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        parts = self._optimizer_parts  # read before super() takes it: no streamed part means a plain checkpoint
+        plain = parts is None or any(marker is None for marker in parts.markers)
+        if self.param_offload is not None and plain:
+            with self.param_offload.resident():  # fp32 masters of a plain checkpoint come from the parameters
+                return super().load_optimizer_state_dict(checkpoint)
+        return super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def teardown(self) -> None:
+        try:
+            if self.param_offload is not None:
+                self.param_offload.stop(restore=self.param_settings.restore_params)
+        finally:
+            super().teardown()
 
     @override
     def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:

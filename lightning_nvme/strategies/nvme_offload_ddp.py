@@ -63,6 +63,10 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
                  precision_plugin: Precision | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **kwargs: Any) -> None:
+        if any(kwargs.pop(k, None) not in (None, False) for k in ("offload_params", "param_prefetch",
+                                                                   "param_block_classes")):
+            raise ValueError("nvme_offload_ddp: offload_params is not supported with data parallel yet; use "
+                             "strategy='nvme_offload' (one device) for parameter offload, or offload_params=False")
         names = DDPOffloadSettings.__dataclass_fields__
         settings = {k: v for k, v in kwargs.items() if k in names}
         ddp_kwargs = {k: v for k, v in kwargs.items() if k not in names}  # DDP's own, passed to DistributedDataParallel

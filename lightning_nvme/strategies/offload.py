@@ -32,7 +32,7 @@ from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import atomic, plugin_io
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.memory import release_freed_memory
-from lightning_nvme.optim import OffloadedOptimizer, plan_chunks
+from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
 from lightning_nvme.preflight import check_store_dir
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import FlatStore
@@ -46,6 +46,9 @@ class OffloadStrategy(Strategy):
     # overlap="backward": a gradient is final when its post-accumulate-grad hook fires (single process);
     # False where the subclass signals it itself (data parallel: after the all-reduce).
     _local_grad_hooks: bool = True
+    # overlap="backward": free each gradient once its chunk is updated (single process; data parallel keeps
+    # them for now), so gradient memory is bounded by the chunks not yet updated.
+    _frees_grads: bool = False
     config: OffloadSettings
     nvme_store: FlatStore | None
     offloaded: list[OffloadedOptimizer]
@@ -68,6 +71,14 @@ class OffloadStrategy(Strategy):
     def _after_update(self, off: OffloadedOptimizer) -> None:
         """Runs after each completed step of ``off`` (data parallel: share the updated parameters)."""
 
+    def _update_listener(self) -> UpdateListener | None:
+        """Told around each chunk update (parameter offload makes the chunk's parameters resident)."""
+        return None
+
+    def _extra_store_bytes(self) -> int:
+        """Store bytes beyond the optimizer state (parameter regions), for the free-space check."""
+        return 0
+
     # ---- setup / teardown -----------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -89,21 +100,42 @@ class OffloadStrategy(Strategy):
             raise ValueError(f"{self.strategy_name}: overlap='backward' cannot be used with a loss scaler "
                              "(precision='16-mixed'): the inf check needs all gradients first. Use overlap='step' "
                              "or precision='bf16-mixed'.")
+        if self._frees_grads:
+            from lightning.pytorch.callbacks import Callback
 
-    def _offload_optimizers(self, trainer: pl.Trainer) -> None:
+            hooked = [type(obj).__name__ for obj in (trainer.lightning_module, *getattr(trainer, "callbacks", []))
+                      if type(obj).on_before_optimizer_step is not (
+                          pl.LightningModule if isinstance(obj, pl.LightningModule) else Callback
+                      ).on_before_optimizer_step]
+            if hooked:
+                raise ValueError(f"{self.strategy_name}: overlap='backward' consumes each gradient during backward "
+                                 f"(freed once its chunk is updated), so {hooked[0]}.on_before_optimizer_step would "
+                                 "see no gradients (e.g. gradient-norm logging) and already-updated parameters. "
+                                 "Use overlap='step', or remove that hook.")
+
+    def _open_new_store(self, trainer: pl.Trainer, planned: int) -> FlatStore:
+        """This process's store, created once; ``planned`` bytes (beyond what it already holds) are
+        checked against the free space first: writable, enough free space (+ margin), warn on tmpfs/NFS."""
         store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
-        io_chunk_bytes, io_workers = self.config.io_request()
-        owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
-        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
-                 for i, opt in enumerate(self.optimizers)]
-        planned = HEADER_BYTES + sum(align_up(c.nbytes) for chunks, _ in plans for c in chunks)
-        # Before anything is allocated: writable, enough free space (+ margin), warn on tmpfs/NFS.
         check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
+        if self.nvme_store is not None:
+            return self.nvme_store
+        io_chunk_bytes, io_workers = self.config.io_request()
         if self.config.malloc_mmap_threshold is not None:
             release_freed_memory(self.config.malloc_mmap_threshold)  # see lightning_nvme.memory: bounded RSS
         self.nvme_store = FlatStore(store_dir, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
                                     num_workers=io_workers, pool_bytes=max(self.config.staging_bytes, io_chunk_bytes),
                                     min_free_bytes=self.config.min_free_bytes)
+        return self.nvme_store
+
+    def _offload_optimizers(self, trainer: pl.Trainer) -> None:
+        owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
+        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
+                 for i, opt in enumerate(self.optimizers)]
+        planned = HEADER_BYTES + sum(align_up(c.nbytes) for chunks, _ in plans for c in chunks) + \
+            self._extra_store_bytes()
+        self._open_new_store(trainer, planned)
+        assert self.nvme_store is not None
         clip_value = None
         if self.config.overlap == "backward" and trainer.gradient_clip_val:
             clip_value = float(trainer.gradient_clip_val)
@@ -111,7 +143,9 @@ class OffloadStrategy(Strategy):
             OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
                                prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
                                clip_value=clip_value, owned=owned[i], plan=plans[i],
-                               grad_hooks=self._local_grad_hooks)
+                               grad_hooks=self._local_grad_hooks,
+                               free_grads=self._frees_grads and self.config.overlap == "backward",
+                               listener=self._update_listener())
             for i, opt in enumerate(self.optimizers)
         ]
         state = sum(o.state_bytes for o in self.offloaded)

@@ -10,6 +10,7 @@ owns (``_owned_ranges``) and what follows an update (``_after_update``); checkpo
 from __future__ import annotations
 
 import os
+import uuid
 from contextlib import contextmanager
 from typing import Any, Callable, Iterator, Mapping, Sequence
 
@@ -27,9 +28,11 @@ from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.config import GiB, MiB, OffloadConfig
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, plan_chunks
+from lightning_nvme.optim.store_ref import StoreRef
 from lightning_nvme.preflight import check_store_dir
-from lightning_nvme.store import FlatStore
+from lightning_nvme.store import ALIGN, FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
+from lightning_nvme.strategies.store_claim import claim_store_name, owner_region
 
 
 class OffloadMixin:
@@ -52,6 +55,7 @@ class OffloadMixin:
         self.config = config
         self.nvme_store = None
         self.offloaded = []
+        self._run_token = uuid.uuid4().hex[:12]  # names this instance's store (see store_claim)
 
     # ---- what a subclass decides --------------------------------------------------------------------
     def _owned_ranges(self, index: int, optimizer: Optimizer) -> Mapping[int, Sequence[tuple[int, int]]] | None:
@@ -89,15 +93,18 @@ class OffloadMixin:
         owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
         plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
                  for i, opt in enumerate(self.optimizers)]
-        planned = HEADER_BYTES + sum(align_up(c.nbytes) for chunks, _ in plans for c in chunks)
+        planned = HEADER_BYTES + ALIGN + sum(align_up(c.nbytes) for plan in plans for c in plan.chunks)
         # Before anything is allocated: writable, enough free space (+ margin), warn on tmpfs/NFS.
         check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
         if self.config.malloc_mmap_threshold is not None:
             release_freed_memory(self.config.malloc_mmap_threshold)  # see lightning_nvme.memory: bounded RSS
+        name = claim_store_name(store_dir, self.global_rank, self, self._run_token)
         self.nvme_store = FlatStore(store_dir, rank=self.global_rank, chunk_bytes=io.chunk_bytes,
                                     num_workers=io.num_workers,
                                     pool_bytes=max(self.config.staging_bytes, io.chunk_bytes),
-                                    min_free_bytes=self.config.min_free_bytes)
+                                    min_free_bytes=self.config.min_free_bytes, name=name)
+        self.nvme_store.add_region(owner_region(self._run_token), ALIGN)
+        store_ref = StoreRef.of(self.nvme_store, owner_region(self._run_token))
         clip_value = None
         if self.config.overlap == "backward" and trainer.gradient_clip_val:
             clip_value = float(trainer.gradient_clip_val)
@@ -105,7 +112,7 @@ class OffloadMixin:
             OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
                                prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
                                clip_value=clip_value, owned=owned[i], plan=plans[i],
-                               grad_hooks=self._local_grad_hooks)
+                               grad_hooks=self._local_grad_hooks, store_ref=store_ref)
             for i, opt in enumerate(self.optimizers)
         ]
         state = sum(o.state_bytes for o in self.offloaded)
@@ -133,14 +140,20 @@ class OffloadMixin:
         if self.nvme_store is not None:
             yield self.nvme_store
             return
-        first = self.offloaded[0].store
-        store = FlatStore(first.directory, rank=self.global_rank, chunk_bytes=first.chunk_bytes, reopen=True)
+        store = self.offloaded[0].store_ref.open()
         try:
             for off in self.offloaded:
                 off.attach(store)
             yield store
         finally:
             store.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable and deep-copyable during fit, like Lightning's strategies: the open store (threads, lock,
+        file handle) stays with this instance; a copy reopens the store file when it reads the state."""
+        state = dict(super().__getstate__() or {})  # type: ignore[misc]
+        state["nvme_store"] = None
+        return state
 
     def offloaded_for(self, optimizer: Optimizer | LightningOptimizer) -> OffloadedOptimizer | None:
         if isinstance(optimizer, LightningOptimizer):

@@ -20,8 +20,8 @@ Torch's step hooks fire once per ``optimizer.step()``, kwargs reach the optimize
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import contextmanager
-from typing import Any, Callable, Iterable, Iterator, Mapping, Protocol, Sequence
+from contextlib import contextmanager, nullcontext
+from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Protocol, Sequence
 
 import torch
 from torch.optim import Optimizer
@@ -111,6 +111,7 @@ class OffloadedOptimizer:
         self.scalars: dict[tuple[int, int], dict[str, Any]] = {}  # (param index, start) -> scalar state
         self._known = [id(p) for p in self.params]  # the param order the plan's indices refer to
         self._step_kwargs: dict[str, Any] = {}
+        self._first_inner_run = True
         self._empty_state: defaultdict = defaultdict(dict)
         self._inflight: dict[int, tuple[ChunkBuffer, IOHandle | None]] = {}
         self._done: set[int] = set()
@@ -182,6 +183,12 @@ class OffloadedOptimizer:
         return buf
 
     # ---- the update -------------------------------------------------------------------------------
+    def _nested_hooks(self, opt: Optimizer) -> ContextManager[None]:
+        """A custom step calling ``super().step()`` fires the hooks again inside, in torch too: let that happen
+        in the first per-chunk run of a step only, so the counts and order are torch's."""
+        first, self._first_inner_run = self._first_inner_run, False
+        return nullcontext() if first else hooks_silenced(opt)
+
     def _update_resident(self) -> None:
         """Run the optimizer's own step on the resident params (no per-element state) with their state in memory."""
         work = [piece for piece in self.resident if piece.param.grad is not None]
@@ -200,7 +207,7 @@ class OffloadedOptimizer:
             for piece in work:
                 groups[piece.group]["params"].append(piece.param)
             opt.state = state
-            with torch.no_grad(), hooks_silenced(opt):
+            with torch.no_grad(), self._nested_hooks(opt):
                 self._inner_step(opt, **self._step_kwargs)
         finally:
             for g, params in zip(groups, saved_params):
@@ -238,7 +245,7 @@ class OffloadedOptimizer:
             for g, params in zip(groups, chunk_params):
                 g["params"] = params
             opt.state = state
-            with torch.no_grad(), hooks_silenced(opt):
+            with torch.no_grad(), self._nested_hooks(opt):
                 self._inner_step(opt, **self._step_kwargs)
         finally:
             for g, params in zip(groups, saved_params):
@@ -311,6 +318,7 @@ class OffloadedOptimizer:
         self.optimizer._opt_called = True  # what an LR scheduler's step-tracking wrapper would set
         self._done = set()
         self._step_kwargs = kwargs
+        self._first_inner_run = True
         self.prefetch()
         loss = None
         if closure is not None:

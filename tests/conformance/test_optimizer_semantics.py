@@ -261,3 +261,34 @@ def test_adafactor_param_too_big_for_a_chunk_is_refused():
     opt = torch.optim.Adafactor([torch.nn.Parameter(torch.randn(4096))])
     with pytest.raises(UnsupportedOptimizerError, match="Adafactor.*not element-wise.*chunk_bytes to at least 16384"):
         plan_chunks(opt, SMALL_CHUNK, "opt0")
+
+
+# ---- torch's optimizers, directly (no Trainer): same bits with parameters cut into ranges ------------------------
+TORCH_OPTIMIZERS = {"NAdam": lambda p: torch.optim.NAdam(p, lr=1e-2), "RAdam": lambda p: torch.optim.RAdam(p, lr=1e-2),
+                    "Adamax": lambda p: torch.optim.Adamax(p), "ASGD": lambda p: torch.optim.ASGD(p, lr=1e-2),
+                    "Rprop": lambda p: torch.optim.Rprop(p), "Adadelta": lambda p: torch.optim.Adadelta(p),
+                    "Adafactor": lambda p: torch.optim.Adafactor(p, lr=1e-2)}
+
+
+@pytest.mark.parametrize("name", sorted(TORCH_OPTIMIZERS))
+def test_torch_optimizers_equal_in_small_chunks(tmp_path, name):
+    from lightning_nvme.optim import OffloadedOptimizer
+
+    def run(offload: bool) -> list[torch.Tensor]:
+        torch.manual_seed(0)
+        params = [torch.nn.Parameter(torch.randn(64, 48)), torch.nn.Parameter(torch.randn(48))]
+        opt = TORCH_OPTIMIZERS[name](params)
+        store = FlatStore(tmp_path / str(offload)) if offload else None
+        if offload:
+            OffloadedOptimizer(opt, store, chunk_bytes=SMALL_CHUNK)
+        g = torch.Generator().manual_seed(1)
+        for _ in range(4):
+            for p in params:
+                p.grad = torch.randn(p.shape, generator=g)
+            opt.step()
+        if store is not None:
+            store.close()
+        return params
+
+    for a, b in zip(run(False), run(True)):
+        assert torch.equal(a, b)

@@ -194,28 +194,32 @@ class OffloadedOptimizer:
         work = [piece for piece in self.resident if piece.param.grad is not None]
         if not work:
             return
+        params: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
+        state: defaultdict = defaultdict(dict)
+        for piece in work:
+            params[piece.group].append(piece.param)
+            if (piece.index, 0) in self.scalars:
+                state[piece.param] = self.scalars[(piece.index, 0)]
+        self._step_on(params, state)
+        for piece in work:
+            if state.get(piece.param):  # stateless optimizers (plain SGD) leave none, like torch's state_dict
+                self.scalars[(piece.index, 0)] = state[piece.param]
+
+    def _step_on(self, params: list[list[torch.Tensor]], state: defaultdict) -> None:
+        """The optimizer's own step with ``params`` (per group) in its param groups and ``state`` as its state."""
         opt = self.optimizer
         groups = opt.param_groups
         saved_params = [g["params"] for g in groups]
-        state: defaultdict = defaultdict(dict)
-        for piece in work:
-            if (piece.index, 0) in self.scalars:
-                state[piece.param] = self.scalars[(piece.index, 0)]
         try:
-            for g in groups:
-                g["params"] = []
-            for piece in work:
-                groups[piece.group]["params"].append(piece.param)
+            for g, ps in zip(groups, params):
+                g["params"] = ps
             opt.state = state
             with torch.no_grad(), self._nested_hooks(opt):
                 self._inner_step(opt, **self._step_kwargs)
         finally:
-            for g, params in zip(groups, saved_params):
-                g["params"] = params
+            for g, ps in zip(groups, saved_params):
+                g["params"] = ps
             opt.state = self._empty_state
-        for piece in work:
-            if state.get(piece.param):  # stateless optimizers (plain SGD) leave none, like torch's state_dict
-                self.scalars[(piece.index, 0)] = state[piece.param]
 
     def _update_chunk(self, c: int) -> None:
         buf = self._take(c)
@@ -231,26 +235,14 @@ class OffloadedOptimizer:
 
         On an accelerator the chunk's state is copied to the parameters' device for the update and
         back into ``buf`` afterwards (device memory: one chunk)."""
-        opt = self.optimizer
-        groups = opt.param_groups
-        saved_params = [g["params"] for g in groups]
-        chunk_params: list[list[torch.Tensor]] = [[] for _ in groups]
+        chunk_params: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
         state: defaultdict = defaultdict(dict)
         work = [w for w in (self._prepare_piece(piece, buf, state) for piece in chunk.pieces) if w is not None]
         if not work:
             return False
         for piece, target, _, _ in work:
             chunk_params[piece.group].append(target)
-        try:
-            for g, params in zip(groups, chunk_params):
-                g["params"] = params
-            opt.state = state
-            with torch.no_grad(), self._nested_hooks(opt):
-                self._inner_step(opt, **self._step_kwargs)
-        finally:
-            for g, params in zip(groups, saved_params):
-                g["params"] = params
-            opt.state = self._empty_state
+        self._step_on(chunk_params, state)
         for piece, target, host, working in work:
             self._finish_piece(piece, target, host, working, state[target])
         return True

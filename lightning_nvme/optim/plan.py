@@ -127,7 +127,8 @@ def _refuse_split(optimizer: Optimizer, info: ParamInfo, chunk_bytes: int, why: 
     raise UnsupportedOptimizerError(
         f"nvme_offload: {type(optimizer).__name__}'s update of parameter {info.index} ({tuple(p.shape)}) is not "
         f"element-wise (e.g. it uses the whole parameter's norm or factored state), so it cannot be cut into "
-        f"element ranges, but {why}. Raise chunk_bytes to at least {needed} so it fits whole in one chunk, or use strategy='auto'.")
+        f"element ranges, but {why}. Raise chunk_bytes to at least {needed} so it fits whole in one chunk, "
+        f"or use strategy='auto'.")
 
 
 def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, master_weights: bool = True,

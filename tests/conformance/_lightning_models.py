@@ -48,11 +48,11 @@ class Net(LightningModule):
 
 
 def train(model: LightningModule, root, strategy: Any = "auto", *, steps: int = 12, epochs: int = -1,
-          callbacks: list | None = None, **trainer_kwargs: Any) -> Trainer:
+          callbacks: list | None = None, ckpt_path: str | None = None, **trainer_kwargs: Any) -> Trainer:
     trainer = Trainer(default_root_dir=root, strategy=strategy, accelerator="cpu", devices=1, max_steps=steps,
                       max_epochs=epochs, callbacks=callbacks or [], logger=False, enable_checkpointing=False,
                       enable_progress_bar=False, enable_model_summary=False, **trainer_kwargs)
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path)
     return trainer
 
 

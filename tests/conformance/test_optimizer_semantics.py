@@ -106,6 +106,11 @@ def test_two_trainers_same_root_keep_their_own_state(tmp_path):
     paths = {t.strategy.offloaded[0].store.path for t in (first, second)}
     assert len(paths) == 2
     assert_same_state(expected, first.optimizers[0].state_dict())
+    first.save_checkpoint(tmp_path / "first.ckpt")  # after the second trainer's fit: still the first run's state
+    resumed = Net(make)
+    trainer = train(resumed, tmp_path / "resume", nvme(tmp_path, "resume_store"), steps=6,
+                    ckpt_path=str(tmp_path / "first.ckpt"))
+    assert_same_state(expected, trainer.optimizers[0].state_dict())
 
 
 def test_reused_store_file_is_detected_not_read(tmp_path):

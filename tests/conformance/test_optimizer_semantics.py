@@ -71,7 +71,7 @@ def test_stateless_and_stateful_groups_in_one_optimizer(tmp_path):
 @pytest.mark.parametrize("make", [lambda p: torch.optim.Adam(p, lr=1e-2), lambda p: torch.optim.SGD(p, lr=0.1)],
                          ids=["adam", "plain_sgd"])
 def test_backbone_finetuning_add_param_group(tmp_path, overlap, make):
-    ref, off, _ = both(tmp_path, make, overlap, net={"in_optimizer": False}, steps=-1, epochs=3,
+    ref, off, _ = both(tmp_path, make, overlap, net={"in_optimizer": False}, steps=-1, epochs=2,
                        callbacks=lambda: [BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False)])
     assert moved(ref, "backbone.0.weight")
     assert_same_params(ref, off)

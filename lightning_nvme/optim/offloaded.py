@@ -110,6 +110,8 @@ class OffloadedOptimizer:
         self.ring = ChunkRing(store, prefetch_depth + 2, max(self.capacity.values(), default=4096))
         self.scalars: dict[tuple[int, int], dict[str, Any]] = {}  # (param index, start) -> scalar state
         self._known = [id(p) for p in self.params]  # the param order the plan's indices refer to
+        self._signature: list[tuple[int, int]] = []  # (id, length) of each group's param list when last checked
+        self._unplanned: list[tuple[int, torch.Tensor]] = []  # params the plan has not decided on (frozen at setup)
         self._step_kwargs: dict[str, Any] = {}
         self._first_inner_run = True
         self._empty_state: defaultdict = defaultdict(dict)
@@ -332,14 +334,17 @@ class OffloadedOptimizer:
     # ---- the plan follows the optimizer -------------------------------------------------------------
     def _follow_optimizer(self) -> None:
         """Plan, store and step from now on every parameter that has a gradient but no plan yet."""
-        params = self.params
-        if len(params) < len(self._known) or any(id(p) != k for p, k in zip(params, self._known)):
-            raise UnsupportedOptimizerError(
-                f"{type(self.optimizer).__name__}: parameters were removed from or reordered in its param groups "
-                "during training; the offloaded state follows parameters by position, so only appending "
-                "(optimizer.add_param_group) is supported. Rebuild the optimizer, or use strategy='auto'.")
-        self._known = [id(p) for p in params]
-        new = [i for i, p in enumerate(params) if i not in self.plan.planned and p.grad is not None]
+        signature = [(id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups]
+        if signature != self._signature:  # groups added or edited: check what changed (cheap path otherwise)
+            params = self.params
+            if len(params) < len(self._known) or any(id(p) != k for p, k in zip(params, self._known)):
+                raise UnsupportedOptimizerError(
+                    f"{type(self.optimizer).__name__}: parameters were removed from or reordered in its param "
+                    "groups during training; the offloaded state follows parameters by position, so only appending "
+                    "(optimizer.add_param_group) is supported. Rebuild the optimizer, or use strategy='auto'.")
+            self._known, self._signature = [id(p) for p in params], signature
+            self._unplanned = [(i, p) for i, p in enumerate(params) if i not in self.plan.planned]
+        new = [i for i, p in self._unplanned if p.grad is not None]
         if not new:
             return
         if self.owned is not None:
@@ -360,6 +365,7 @@ class OffloadedOptimizer:
         self.chunks.extend(extra.chunks)
         self.resident.extend(extra.resident)
         self.plan.planned |= extra.planned
+        self._unplanned = [(i, p) for i, p in self._unplanned if i not in extra.planned]
         self._index(extra)
         self._order = list(range(len(self.chunks)))
         if self.overlap == "backward":

@@ -110,8 +110,8 @@ def describe_params(optimizer: Optimizer, master_weights: bool = True,
                     specs[(g, cls)] = probe_state_spec(optimizer, group, master, cls)
                 spec = specs[(g, cls)]
                 keys = tuple(k for k in spec.tensor_keys if k[0] != MASTER_KEY or p.dtype in HALF_DTYPES)
-                infos.append(ParamInfo(g, index, p, keys if p.requires_grad else (), spec.splittable,
-                                       p.requires_grad))
+                trainable = p.requires_grad or p.grad is not None  # torch steps any param with a gradient
+                infos.append(ParamInfo(g, index, p, keys if trainable else (), spec.splittable, trainable))
             index += 1
     return infos, specs
 

@@ -15,8 +15,8 @@ import resource
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 MiB = 1 << 20
 GiB = 1 << 30

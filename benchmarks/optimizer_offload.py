@@ -57,9 +57,10 @@ def child(args) -> dict:
     store = off = None
     if args.child != "inmem":
         from lightning_nvme.memory import release_freed_memory
+        from lightning_nvme.settings import OffloadSettings
 
-        release_freed_memory()  # what NVMeOffloadStrategy does at setup (malloc_mmap_threshold)
-        store = FlatStore(args.dir, chunk_bytes=args.io_chunk_mib * MiB, num_workers=args.workers)
+        release_freed_memory(OffloadSettings.malloc_mmap_threshold)  # what NVMeOffloadStrategy does at setup
+        store = FlatStore(args.dir, io_chunk_bytes=args.io_chunk_mib * MiB, num_workers=args.workers)
         off = OffloadedOptimizer(opt, store, chunk_bytes=args.chunk_mib * MiB, prefetch_depth=args.prefetch,
                                  overlap="backward" if args.child == "bwd" else "step")
     out: dict = {}

@@ -22,10 +22,7 @@ M_TRIM_THRESHOLD = -1
 M_MMAP_THRESHOLD = -3
 
 
-DEFAULT_MMAP_THRESHOLD = 8 << 20
-
-
-def release_freed_memory(mmap_threshold: int = DEFAULT_MMAP_THRESHOLD) -> bool:
+def release_freed_memory(mmap_threshold: int) -> bool:
     """Fix glibc's mmap threshold (and trim threshold) at ``mmap_threshold`` bytes for this process.
     Returns False where the C library is not glibc (nothing is changed there)."""
     name = ctypes.util.find_library("c")

@@ -12,11 +12,11 @@ import textwrap
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from models import MLP
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.checkpoint import convert, is_streamed
-from models import MLP
 
 HERE = os.path.dirname(__file__)
 

@@ -195,11 +195,11 @@ def _worker(spec_path: str) -> None:
 def _train(run: dict, world: int) -> None:
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.strategies import DDPStrategy
+    from models import MLP, TwoOptimizers
 
     import lightning_nvme  # noqa: F401
     from lightning_nvme import NVMeOffloadDDPStrategy
     from lightning_nvme.optim import plan_chunks
-    from models import MLP, TwoOptimizers
 
     batch = run.get("global_batch", 16) // world
     if run.get("model") == "two_optimizers":

@@ -15,9 +15,9 @@ import os
 
 import pytest
 import torch
-
-from lightning_nvme.checkpoint import convert, is_streamed
 from test_ddp import assert_bitwise, launch, results, run_spec
+
+from lightning_nvme.checkpoint import convert
 
 COMMON = {"epochs": 2, "accumulate": 2, "clip": 0.5, "clip_algo": "norm", "chunk_bytes": 16 << 10}
 
@@ -104,10 +104,10 @@ def test_single_device_strategy_resumes_a_sharded_checkpoint(runs, tmp_path):
     Lightning shuffles a DDP job's training data with ``DistributedSampler(shuffle=True, seed=0)``, so
     this single-process run uses the same sampler for the same global batches."""
     from lightning.pytorch import Trainer
+    from models import MLP, dataset
     from torch.utils.data import DataLoader, DistributedSampler
 
     from lightning_nvme import NVMeOffloadStrategy
-    from models import MLP, dataset
 
     class SameOrderMLP(MLP):
         def train_dataloader(self):

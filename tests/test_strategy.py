@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from models import MLP
 
 import lightning_nvme  # noqa: F401  (registers the strategy)
 from lightning_nvme import NVMeOffloadStrategy
-from models import MLP
 
 
 def fit(tmp_path, strategy, *, optimizer="adamw", steps=32, accumulate=2, clip=0.5, clip_algo="norm",
@@ -190,10 +190,10 @@ def test_preflight_refuses_missing_parent(tmp_path, monkeypatch):
 @pytest.mark.parametrize("threshold", [1 << 20, None])
 def test_malloc_threshold_is_applied_at_setup(tmp_path, monkeypatch, threshold):
     """Freed chunk temporaries must go back to the OS (see lightning_nvme.memory); None leaves malloc alone."""
-    from lightning_nvme.strategies import offload_mixin
+    from lightning_nvme.strategies import offload
 
     calls = []
-    monkeypatch.setattr(offload_mixin, "release_freed_memory", lambda t: calls.append(t) or True)
+    monkeypatch.setattr(offload, "release_freed_memory", lambda t: calls.append(t) or True)
     strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "s"), malloc_mmap_threshold=threshold)
     fit(tmp_path, strategy, steps=1)
     assert calls == ([threshold] if threshold else [])

@@ -2,8 +2,15 @@
 plain Lightning checkpoints."""
 
 from lightning_nvme.checkpoint import sharded
-from lightning_nvme.checkpoint.streamed import (FORMAT_VERSION, is_streamed, load_streamed, optimizer_placeholder,
-                                                remove_streamed, restore_optimizer, save_streamed)
+from lightning_nvme.checkpoint.streamed import (
+    FORMAT_VERSION,
+    is_streamed,
+    load_streamed,
+    optimizer_placeholder,
+    remove_streamed,
+    restore_optimizer,
+    save_streamed,
+)
 
 __all__ = ["FORMAT_VERSION", "is_streamed", "load_streamed", "optimizer_placeholder", "remove_streamed",
            "restore_optimizer", "save_streamed", "sharded"]

@@ -22,8 +22,15 @@ import torch
 
 from lightning_nvme.checkpoint.atomic import commit_dir, fsync_path, temp_name
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
-from lightning_nvme.checkpoint.streamed import (FORMAT_VERSION, MARKER, META_FILE, load_streamed, optimizer_file,
-                                                parse_tensor_name, tensor_name)
+from lightning_nvme.checkpoint.streamed import (
+    FORMAT_VERSION,
+    MARKER,
+    META_FILE,
+    load_streamed,
+    optimizer_file,
+    parse_tensor_name,
+    tensor_name,
+)
 
 
 def _atomic_torch_save(obj, path: str) -> None:

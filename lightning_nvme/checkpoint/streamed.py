@@ -17,7 +17,8 @@ from __future__ import annotations
 import os
 import re
 import shutil
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from typing import Any
 
 import torch
 

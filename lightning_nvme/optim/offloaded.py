@@ -20,8 +20,9 @@ Torch's step hooks fire once per ``optimizer.step()``, kwargs reach the optimize
 from __future__ import annotations
 
 from collections import defaultdict
-from contextlib import contextmanager, nullcontext
-from typing import Any, Callable, ContextManager, Iterable, Iterator, Mapping, Protocol, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any, Protocol
 
 import torch
 from torch.optim import Optimizer
@@ -31,9 +32,8 @@ from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, Plan, plan_chunk
 from lightning_nvme.optim.probe import UnsupportedOptimizerError, raw_step
 from lightning_nvme.optim.step_hooks import call_with_step_hooks, hooks_silenced
 from lightning_nvme.optim.store_ref import StoreRef
+from lightning_nvme.settings import OVERLAP_MODES, OffloadSettings
 from lightning_nvme.store import FlatStore, IOHandle
-
-OVERLAP_MODES = ("step", "backward")
 
 
 class StateSource(Protocol):
@@ -83,8 +83,9 @@ class OffloadedOptimizer:
         store_ref: how to reopen ``store`` once it is closed (default: the same file).
     """
 
-    def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0", chunk_bytes: int = 64 << 20,
-                 prefetch_depth: int = 2, overlap: str = "step", clip_value: float | None = None,
+    def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0",
+                 chunk_bytes: int = OffloadSettings.chunk_bytes, prefetch_depth: int = OffloadSettings.prefetch_depth,
+                 overlap: str = OffloadSettings.overlap, clip_value: float | None = None,
                  owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, grad_hooks: bool = True,
                  plan: Plan | None = None, store_ref: StoreRef | None = None) -> None:
         if overlap not in OVERLAP_MODES:
@@ -185,7 +186,7 @@ class OffloadedOptimizer:
         return buf
 
     # ---- the update -------------------------------------------------------------------------------
-    def _nested_hooks(self, opt: Optimizer) -> ContextManager[None]:
+    def _nested_hooks(self, opt: Optimizer) -> AbstractContextManager[None]:
         """A custom step calling ``super().step()`` fires the hooks again inside, in torch too: let that happen
         in the first per-chunk run of a step only, so the counts and order are torch's."""
         first, self._first_inner_run = self._first_inner_run, False
@@ -575,7 +576,3 @@ class _DictSink:
             out[index] = {k: torch.cat([v for _, v in sorted(parts, key=lambda x: x[0])]).view(shape)
                           for k, parts in keys.items()}
         return out
-
-
-def offload_all(optimizers: Iterable[Optimizer], store: FlatStore, **kwargs: Any) -> list[OffloadedOptimizer]:
-    return [OffloadedOptimizer(opt, store, name=f"opt{i}", **kwargs) for i, opt in enumerate(optimizers)]

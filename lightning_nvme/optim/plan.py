@@ -13,14 +13,13 @@ parameter whose update is not element-wise (the probe's split test) is never cut
 
 from __future__ import annotations
 
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Collection, Mapping, Sequence
 
 import torch
 from torch.optim import Optimizer
 
-from lightning_nvme.optim.probe import (MASTER_KEY, StateSpec, UnsupportedOptimizerError, check_supported,
-                                        probe_state_spec, shape_class)
+from lightning_nvme.optim.probe import MASTER_KEY, StateSpec, UnsupportedOptimizerError, check_supported, probe_state_spec, shape_class
 
 SLOT_ALIGN = 64  # bytes; keeps every state view SIMD-aligned inside a chunk buffer
 HALF_DTYPES = (torch.float16, torch.bfloat16)

@@ -22,8 +22,9 @@ from __future__ import annotations
 
 import inspect
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -59,7 +60,7 @@ def shape_class(p: torch.Tensor) -> int:
 
 def raw_step(optimizer: Optimizer) -> Callable[..., Any]:
     """The optimizer class's ``step`` without torch's hook-firing wrapper."""
-    step = type(optimizer).step
+    step: Any = type(optimizer).step
     return step.__wrapped__ if getattr(step, "hooked", False) else step
 
 

@@ -9,9 +9,10 @@ it (a custom ``step`` may call ``super().step()``, which is wrapped again).
 from __future__ import annotations
 
 from collections import OrderedDict
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from itertools import chain
-from typing import Any, Callable, Iterator
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
@@ -38,15 +39,16 @@ def call_with_step_hooks(optimizer: Optimizer, step: Callable[..., Any], args: t
 @contextmanager
 def hooks_silenced(optimizer: Optimizer) -> Iterator[None]:
     """No step hook (global or of ``optimizer``) fires inside: the per-chunk and probe steps."""
-    saved_global = [OrderedDict(d) for d in (_global_optimizer_pre_hooks, _global_optimizer_post_hooks)]
+    saved_pre, saved_post = OrderedDict(_global_optimizer_pre_hooks), OrderedDict(_global_optimizer_post_hooks)
     saved_own = optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks
     try:
-        for d in (_global_optimizer_pre_hooks, _global_optimizer_post_hooks):
-            d.clear()
+        _global_optimizer_pre_hooks.clear()
+        _global_optimizer_post_hooks.clear()
         optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = OrderedDict(), OrderedDict()
         yield
     finally:
         optimizer._optimizer_step_pre_hooks, optimizer._optimizer_step_post_hooks = saved_own
-        for d, saved in zip((_global_optimizer_pre_hooks, _global_optimizer_post_hooks), saved_global):
-            d.clear()
-            d.update(saved)
+        _global_optimizer_pre_hooks.clear()
+        _global_optimizer_pre_hooks.update(saved_pre)
+        _global_optimizer_post_hooks.clear()
+        _global_optimizer_post_hooks.update(saved_post)

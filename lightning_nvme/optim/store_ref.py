@@ -19,19 +19,19 @@ from lightning_nvme.store import FlatStore, StoreFormatError
 class StoreRef:
     directory: str
     name: str  # file base name: ``<directory>/<name>.bin``
-    chunk_bytes: int
+    io_chunk_bytes: int
     owner: str | None = None  # a region only this run's store has
 
     @classmethod
-    def of(cls, store: FlatStore, owner: str | None = None) -> "StoreRef":
-        return cls(store.directory, os.path.basename(store.path)[:-len(".bin")], store.chunk_bytes, owner)
+    def of(cls, store: FlatStore, owner: str | None = None) -> StoreRef:
+        return cls(store.directory, os.path.basename(store.path)[:-len(".bin")], store.io_chunk_bytes, owner)
 
     @property
     def path(self) -> str:
         return os.path.join(self.directory, self.name + ".bin")
 
     def open(self) -> FlatStore:
-        store = FlatStore(self.directory, name=self.name, chunk_bytes=self.chunk_bytes, reopen=True)
+        store = FlatStore(self.directory, name=self.name, io_chunk_bytes=self.io_chunk_bytes, reopen=True)
         if self.owner is not None and self.owner not in store:
             store.close()
             raise StoreFormatError(

@@ -12,7 +12,7 @@ from __future__ import annotations
 import queue
 import threading
 import time
-from typing import Callable
+from collections.abc import Callable
 
 from lightning_nvme.store.errors import StoreError
 from lightning_nvme.store.handle import IOHandle

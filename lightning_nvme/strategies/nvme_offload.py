@@ -1,7 +1,7 @@
 """``NVMeOffloadStrategy`` (``Trainer(strategy="nvme_offload")``): optimizer states on a local SSD.
 
 The strategy owns one ``FlatStore`` per process and wraps each optimizer from
-``configure_optimizers`` in an ``OffloadedOptimizer`` (see ``OffloadMixin``). Timeline of one step::
+``configure_optimizers`` in an ``OffloadedOptimizer`` (see ``OffloadStrategy``). Timeline of one step::
 
     optimizer_step entered ──► reads of the first chunks start (prefetch)
     closure: forward + backward   (writes of step N-1 may still be in flight here)
@@ -17,6 +17,7 @@ from __future__ import annotations
 import os
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
@@ -24,30 +25,30 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.config import GiB, MiB, OffloadConfig
-from lightning_nvme.strategies.offload_mixin import OffloadMixin
+from lightning_nvme.settings import OffloadSettings, with_settings
+from lightning_nvme.strategies.offload import OffloadStrategy
 
 
-class NVMeOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
+@with_settings(OffloadSettings)
+class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     """Single-device training with optimizer state (and fp32 master weights of half-precision params)
-    on a flat store on local disk. See ``OffloadConfig`` for the arguments."""
+    on a flat store on local disk.
+
+    Takes the arguments listed below (each defined once in ``lightning_nvme.settings.OffloadSettings``)
+    and ``device``, ``accelerator``, ``checkpoint_io``, ``precision_plugin`` as Lightning's
+    ``SingleDeviceStrategy`` does."""
 
     strategy_name = "nvme_offload"
 
-    def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
-                 staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
-                 io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
-                 malloc_mmap_threshold: int | None = 8 * MiB,
-                 device: torch.device | str | None = None, accelerator: pl.accelerators.Accelerator | None = None,
-                 checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None,
-                 parallel_devices: list[torch.device] | None = None) -> None:
+    def __init__(self, store_dir: str | None = None, *, device: torch.device | str | None = None,
+                 accelerator: pl.accelerators.Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision_plugin: Precision | None = None, parallel_devices: list[torch.device] | None = None,
+                 **settings: Any) -> None:
+        config = OffloadSettings.from_arguments(self.strategy_name, {"store_dir": store_dir, **settings})
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self._init_offload(OffloadConfig(store_dir, chunk_bytes, io_chunk_bytes, staging_bytes, prefetch_depth,
-                                         io_workers, overlap, io_profile, min_free_bytes,
-                                         malloc_mmap_threshold))
+        self._init_offload(config)
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices

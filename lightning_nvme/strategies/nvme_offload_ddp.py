@@ -24,9 +24,11 @@ k's all-reduce and the rest of backward proceed. The last bucket's chunks are up
 from __future__ import annotations
 
 import os
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
@@ -34,53 +36,55 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import sharded
 from lightning_nvme.checkpoint.atomic import recover
 from lightning_nvme.checkpoint.streamed import MARKER
-from lightning_nvme.config import GiB, MiB, OffloadConfig
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
-from lightning_nvme.strategies.offload_mixin import OffloadMixin
+from lightning_nvme.settings import DDPOffloadSettings, with_settings
+from lightning_nvme.strategies.offload import OffloadStrategy
 
 
-class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
+@with_settings(DDPOffloadSettings)
+class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
     """Data-parallel training, each rank keeping the optimizer state of 1/N of the parameters on local disk.
 
-    Takes the arguments of ``NVMeOffloadStrategy`` (see ``OffloadConfig``), ``broadcast_bucket_bytes`` (the
-    buffer updated parameters are shared through) and those of Lightning's ``DDPStrategy``."""
+    Takes the arguments listed below (each defined once in ``lightning_nvme.settings.DDPOffloadSettings``)
+    and those of Lightning's ``DDPStrategy``."""
 
     strategy_name = "nvme_offload_ddp"
     _local_grad_hooks = False
+    config: DDPOffloadSettings
 
-    def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
-                 staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
-                 io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
-                 malloc_mmap_threshold: int | None = 8 * MiB, broadcast_bucket_bytes: int = 16 * MiB,
-                 accelerator: pl.accelerators.Accelerator | None = None,
+    def __init__(self, store_dir: str | None = None, *, accelerator: pl.accelerators.Accelerator | None = None,
                  parallel_devices: list[torch.device] | None = None,
                  cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
                  precision_plugin: Precision | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
-                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **ddp_kwargs: Any) -> None:
-        if not isinstance(broadcast_bucket_bytes, int) or broadcast_bucket_bytes < 4096:
-            raise ValueError(f"nvme_offload_ddp: invalid broadcast_bucket_bytes={broadcast_bucket_bytes!r}: must be an "
-                             f"integer >= 4096; {16 * MiB} is typical")
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **kwargs: Any) -> None:
+        names = DDPOffloadSettings.__dataclass_fields__
+        settings = {k: v for k, v in kwargs.items() if k in names}
+        ddp_kwargs = {k: v for k, v in kwargs.items() if k not in names}  # DDP's own, passed to DistributedDataParallel
+        config = DDPOffloadSettings.from_arguments(self.strategy_name, {"store_dir": store_dir, **settings})
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method, **ddp_kwargs)
-        self._init_offload(OffloadConfig(store_dir, chunk_bytes, io_chunk_bytes, staging_bytes, prefetch_depth,
-                                         io_workers, overlap, io_profile, min_free_bytes,
-                                         malloc_mmap_threshold))
-        self.broadcast_bucket_bytes = broadcast_bucket_bytes
+        self._init_offload(config)
+        self.broadcast_bucket_bytes = config.broadcast_bucket_bytes
         self.partitions: list[Partition] = []
         self._grad_owner: dict[int, list[tuple[OffloadedOptimizer, int]]] = {}  # id(param) -> (optimizer, index)
         self._reducing: list[tuple[torch.futures.Future, list[torch.Tensor]]] = []  # launched bucket all-reduces
         self._broadcasts: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
+
+    @property
+    @override
+    def _store_rank(self) -> int:
+        return self.global_rank
 
     # ---- ownership ----------------------------------------------------------------------------------------
     @override
@@ -111,9 +115,6 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         self.partitions.append(partition)
         return partition.owned(self.global_rank)
 
-    def partition_of(self, off: OffloadedOptimizer) -> Partition:
-        return self.partitions[self.offloaded.index(off)]
-
     # ---- overlap="backward": updates start as buckets finish their all-reduce ---------------------------------
     @override
     def configure_ddp(self) -> None:
@@ -124,6 +125,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
                              "ddp_comm_hook cannot be given too; use overlap='step' with a custom hook")
         self._ddp_kwargs["gradient_as_bucket_view"] = True
         super().configure_ddp()
+        assert isinstance(self.model, DistributedDataParallel)
         # (unannotated: DDP checks the hook's annotations by identity, which postponed annotations fail)
         self.model.register_comm_hook(None, lambda state, bucket: self._reduce_bucket(bucket))
 
@@ -204,7 +206,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
             except OSError as e:  # e.g. the checkpoint directory is not writable: every rank must hear of it
                 error, begun = e, (None, repr(e))
         tmp, begin_error = self.broadcast(begun)
-        if begin_error is not None:
+        if begin_error is not None or tmp is None:
             raise error or RuntimeError(f"nvme_offload_ddp: rank 0 could not create {path}: {begin_error}")
         scalars: list[dict[int, dict[str, Any]]] = []
         try:

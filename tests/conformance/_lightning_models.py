@@ -3,7 +3,8 @@ strategy and once with ``nvme_offload``, the results compared bit for bit."""
 
 from __future__ import annotations
 
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 import torch
 from lightning.pytorch import LightningModule, Trainer

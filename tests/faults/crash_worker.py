@@ -326,8 +326,9 @@ def _child(spec: dict) -> int:
 
 def serve() -> None:
     """Fork server: one JSON request per stdin line, one JSON reply per stdout line."""
-    import torch
     import lightning.pytorch  # noqa: F401
+    import torch
+
     import lightning_nvme  # noqa: F401
 
     if TESTS not in sys.path:

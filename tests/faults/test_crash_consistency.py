@@ -32,6 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # crash_worker, whether or not faults/ is a package
 import crash_worker as cw  # noqa: E402
+
 from lightning_nvme.checkpoint import is_streamed, load_streamed
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader
 
@@ -372,10 +373,10 @@ def test_live_store_is_refused_and_untouched(jobs, reference, tmp_path):
     this process and in another process launched exactly like the first, fails with StoreLockedError naming
     the live pid; no file of the live run changes, and the live run then finishes bitwise equal."""
     from lightning.pytorch import Trainer
+    from models import MLP
 
     from lightning_nvme import NVMeOffloadStrategy
     from lightning_nvme.store import StoreLockedError
-    from models import MLP
 
     root, release = str(tmp_path / "live"), str(tmp_path / "release")
     spec = cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, hold={"step": 7, "file": release})

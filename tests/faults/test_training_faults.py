@@ -11,12 +11,12 @@ import pytest
 import torch
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import Callback
+from models import MLP
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.store import FlatStore, StoreError
 from lightning_nvme.store import flat_store as flat_store_mod
-from models import MLP
 
 
 def _trainer(tmp_path, strategy, steps, callbacks=()):

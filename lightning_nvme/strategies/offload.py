@@ -1,6 +1,8 @@
-"""``OffloadMixin``: what every offload strategy does around its Lightning base strategy.
+"""``OffloadStrategy``: what every offload strategy does around its Lightning base strategy.
 
-Shared by ``NVMeOffloadStrategy`` (single device) and ``NVMeOffloadDDPStrategy`` (data parallel): one
+The common base of ``NVMeOffloadStrategy`` (``OffloadStrategy, SingleDeviceStrategy``) and
+``NVMeOffloadDDPStrategy`` (``OffloadStrategy, DDPStrategy``), a ``Strategy`` itself so that each
+override reaches the Lightning strategy next in the method resolution order through ``super()``: one
 ``FlatStore`` per process, each optimizer from ``configure_optimizers`` wrapped in an
 ``OffloadedOptimizer``, reads started on entry to the step, the store drained on teardown and
 reopened for checkpoints saved after ``fit``. A subclass says which parameter ranges its process
@@ -11,51 +13,54 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
-from typing import Any, Callable, Iterator, Mapping, Sequence
+from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.config import GiB, MiB, OffloadConfig
+from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, plan_chunks
 from lightning_nvme.optim.store_ref import StoreRef
 from lightning_nvme.preflight import check_store_dir
+from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import ALIGN, FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
 from lightning_nvme.strategies.store_claim import claim_store_name, owner_region
 
 
-class OffloadMixin:
-    """Mix in before a Lightning strategy class; call ``_init_offload`` from ``__init__``."""
+class OffloadStrategy(Strategy):
+    """List first among the bases, before the Lightning strategy; call ``_init_offload`` from ``__init__``."""
 
     strategy_name: str
     # overlap="backward": a gradient is final when its post-accumulate-grad hook fires (single process);
     # False where the subclass signals it itself (data parallel: after the all-reduce).
     _local_grad_hooks: bool = True
-    config: OffloadConfig
+    config: OffloadSettings
     nvme_store: FlatStore | None
     offloaded: list[OffloadedOptimizer]
-    # provided by the Lightning strategy mixed with
-    global_rank: int
-    is_global_zero: bool
-    optimizers: list[Optimizer]
-    precision_plugin: Any
 
-    def _init_offload(self, config: OffloadConfig) -> None:
+    def _init_offload(self, config: OffloadSettings) -> None:
         self.config = config
         self.nvme_store = None
         self.offloaded = []
         self._run_token = uuid.uuid4().hex[:12]  # names this instance's store (see store_claim)
+
+    @property
+    def _store_rank(self) -> int:
+        """The rank that names this process's store file."""
+        return 0
 
     # ---- what a subclass decides --------------------------------------------------------------------
     def _owned_ranges(self, index: int, optimizer: Optimizer) -> Mapping[int, Sequence[tuple[int, int]]] | None:
@@ -68,7 +73,7 @@ class OffloadMixin:
     # ---- setup / teardown -----------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
-        super().setup(trainer)  # type: ignore[misc]
+        super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self.optimizers:
             self._check_overlap_supported(trainer)
             self._offload_optimizers(trainer)
@@ -89,7 +94,7 @@ class OffloadMixin:
 
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
-        io = self.config.io_settings()
+        io_chunk_bytes, io_workers = self.config.io_request()
         owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
         plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
                  for i, opt in enumerate(self.optimizers)]
@@ -98,10 +103,9 @@ class OffloadMixin:
         check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
         if self.config.malloc_mmap_threshold is not None:
             release_freed_memory(self.config.malloc_mmap_threshold)  # see lightning_nvme.memory: bounded RSS
-        name = claim_store_name(store_dir, self.global_rank, self, self._run_token)
-        self.nvme_store = FlatStore(store_dir, rank=self.global_rank, chunk_bytes=io.chunk_bytes,
-                                    num_workers=io.num_workers,
-                                    pool_bytes=max(self.config.staging_bytes, io.chunk_bytes),
+        name = claim_store_name(store_dir, self._store_rank, self, self._run_token)
+        self.nvme_store = FlatStore(store_dir, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
+                                    num_workers=io_workers, pool_bytes=max(self.config.staging_bytes, io_chunk_bytes),
                                     min_free_bytes=self.config.min_free_bytes, name=name)
         self.nvme_store.add_region(owner_region(self._run_token), ALIGN)
         store_ref = StoreRef.of(self.nvme_store, owner_region(self._run_token))
@@ -132,7 +136,7 @@ class OffloadMixin:
                 self.nvme_store.close()
         finally:
             self.nvme_store = None
-            super().teardown()  # type: ignore[misc]
+            super().teardown()
 
     @contextmanager
     def _open_store(self) -> Iterator[FlatStore]:
@@ -151,7 +155,7 @@ class OffloadMixin:
     def __getstate__(self) -> dict[str, Any]:
         """Picklable and deep-copyable during fit, like Lightning's strategies: the open store (threads, lock,
         file handle) stays with this instance; a copy reopens the store file when it reads the state."""
-        state = dict(super().__getstate__() or {})  # type: ignore[misc]
+        state = dict(super().__getstate__() or {})
         state["nvme_store"] = None
         return state
 
@@ -167,7 +171,7 @@ class OffloadMixin:
         off = self.offloaded_for(optimizer)
         if off is not None:
             off.prefetch()  # reads overlap the closure's forward and backward
-        out = super().optimizer_step(optimizer, closure, model, **kwargs)  # type: ignore[misc]
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if off is not None:
             self._after_update(off)
         return out
@@ -177,19 +181,19 @@ class OffloadMixin:
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         off = self.offloaded_for(optimizer)
         if off is None:
-            return super().optimizer_state(optimizer)  # type: ignore[misc]
+            return super().optimizer_state(optimizer)
         return ckpt.optimizer_placeholder(off, self.offloaded.index(off))
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if ckpt.is_streamed(checkpoint_path):
             return ckpt.load_streamed(os.fspath(checkpoint_path))
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)  # type: ignore[misc]
+        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         if not self.offloaded:
-            return super().load_optimizer_state_dict(checkpoint)  # type: ignore[misc]
+            return super().load_optimizer_state_dict(checkpoint)
         for off, state in zip(self.offloaded, checkpoint["optimizer_states"]):
             ckpt.restore_optimizer(off, state, checkpoint)
 
@@ -198,10 +202,10 @@ class OffloadMixin:
         if self.is_global_zero and ckpt.is_streamed(filepath):
             ckpt.remove_streamed(os.fspath(filepath))
         else:
-            super().remove_checkpoint(filepath)  # type: ignore[misc]
+            super().remove_checkpoint(filepath)
 
     @classmethod
     @override
     def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
         if cls.strategy_name not in strategy_registry:
-            strategy_registry.register(cls.strategy_name, cls, description=cls.__doc__.splitlines()[0])
+            strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0])

@@ -27,6 +27,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim import Optimizer
 
+from lightning_nvme.memory import keep_freed_heap, temporaries_on_heap
 from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, Plan, plan_chunks
 from lightning_nvme.optim.probe import UnsupportedOptimizerError, raw_step
@@ -217,7 +218,7 @@ class OffloadedOptimizer:
             for g, ps in zip(groups, params):
                 g["params"] = ps
             opt.state = state
-            with torch.no_grad(), self._nested_hooks(opt):
+            with torch.no_grad(), temporaries_on_heap(), self._nested_hooks(opt):  # heap: no page faults per temporary
                 self._inner_step(opt, **self._step_kwargs)
         finally:
             for g, ps in zip(groups, saved_params):
@@ -325,10 +326,11 @@ class OffloadedOptimizer:
             finally:
                 self._armed = False
         self._follow_optimizer()
-        for c in self._order:
-            if c not in self._done:
-                self._update_chunk(c)
-        self._update_resident()
+        with keep_freed_heap():  # one chunk's update temporaries serve the next (returned at the end)
+            for c in self._order:
+                if c not in self._done:
+                    self._update_chunk(c)
+            self._update_resident()
         self._step_kwargs = {}
         return loss
 
@@ -397,7 +399,8 @@ class OffloadedOptimizer:
                 continue
             waiting.discard(index)
             if not waiting and chunk.index not in self._done:
-                self._update_chunk(chunk.index)
+                with keep_freed_heap(trim=False):  # pieces of this chunk share temporaries; backward's heap kept
+                    self._update_chunk(chunk.index)
 
     # ---- moving state in and out ----------------------------------------------------------------------
     def fence(self, durable: bool = False) -> None:
@@ -485,6 +488,39 @@ class OffloadedOptimizer:
         """Load torch-format optimizer state (hyperparameters into the param groups, state into the store)."""
         position = self.set_param_groups(state_dict["param_groups"])
         self.import_state(_DictSource({position[k]: v for k, v in state_dict["state"].items()}))
+
+    # ---- read by checkpoints (public: checkpoint code never touches the bookkeeping above) ---------------
+    def initialized(self, piece: Piece) -> bool:
+        """Whether ``piece`` has optimizer state yet (a fresh optimizer creates it at the first step)."""
+        return self._initialized(piece)
+
+    def planned_indices(self) -> set[int]:
+        """The param indices this optimizer updates (and, with per-element state, stores) in this process."""
+        return set(self.pieces_of)
+
+    def initialized_pieces(self) -> list[Piece]:
+        """Every stored piece that has state, in chunk order (what ``export_state`` streams out)."""
+        return [p for c in self.chunks for p in c.pieces if self._initialized(p)]
+
+    def scalar_state(self) -> dict[int, dict[str, Any]]:
+        """Param index -> its scalar state (``step``...), for the params that have state: torch's
+        ``state_dict()["state"]`` without the per-element tensors."""
+        out = {}
+        for index, pieces in sorted(self.pieces_of.items()):
+            key = (index, pieces[0][1].start)
+            if key in self.scalars:
+                out[index] = dict(self.scalars[key])
+        return out
+
+    def stored_state(self) -> list[tuple[int, tuple[int, ...], tuple[tuple[str, torch.dtype], ...]]]:
+        """``(param index, param shape, per-element keys)`` of each param whose state is stored and
+        initialized: the tensors a checkpoint of this optimizer holds."""
+        out = []
+        for index, pieces in sorted(self.pieces_of.items()):
+            first = pieces[0][1]
+            if first.keys and self._initialized(first):
+                out.append((index, tuple(first.param.shape), tuple(first.keys)))
+        return out
 
     def attach(self, store: FlatStore) -> None:
         """Continue on ``store`` (the same file reopened after the previous handle was closed)."""

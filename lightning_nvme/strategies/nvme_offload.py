@@ -8,24 +8,24 @@ The strategy owns one ``FlatStore`` per process and wraps each optimizer from
     fence (per chunk): a chunk's read waits for its last write, then the optimizer's own update runs
     write-back of each chunk is issued asynchronously; the next chunks are already being read
 
-Checkpoints are directories streamed chunk by chunk from the store (see ``lightning_nvme.checkpoint``),
-committed atomically; ``trainer.fit(ckpt_path=...)`` streams them back, moments and step counts included.
+A checkpoint is one file that Lightning's loaders open, with the optimizer state streamed chunk by chunk
+from the store into ``<file>.optim/`` beside it, committed atomically (see ``lightning_nvme.checkpoint``);
+``trainer.fit(ckpt_path=...)`` streams it back, moments and step counts included.
 """
 
 from __future__ import annotations
 
-import os
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
+from lightning_nvme.checkpoint.streamed import write_optimizer
 from lightning_nvme.settings import OffloadSettings, with_settings
 from lightning_nvme.strategies.offload import OffloadStrategy
 
@@ -61,11 +61,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         return self._root_device
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
-                        storage_options: Any | None = None) -> None:
-        if not self.offloaded:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+    def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
         with self._open_store() as store:
             store.fence(durable=True)
-            if self.is_global_zero:
-                ckpt.save_streamed(checkpoint, os.fspath(filepath), self.offloaded)
+            ckpt.paired.save(checkpoint, path, lambda directory, save_id: [
+                write_optimizer(off, directory, i, save_id) for i, off in enumerate(self.offloaded)])

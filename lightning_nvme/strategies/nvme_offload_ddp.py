@@ -10,8 +10,9 @@ One step on every rank::
     every rank broadcasts the ranges it owns, in buckets of at most ``broadcast_bucket_bytes``,
     so all replicas hold the same parameters again
 
-Ownership is a ``Partition`` balanced by state bytes (``partition_by_bytes``). Checkpoints are sharded
-directories (``lightning_nvme.checkpoint.sharded``), and resume at any world size.
+Ownership is a ``Partition`` balanced by state bytes (``partition_by_bytes``). A checkpoint is rank 0's file
+plus one optimizer shard per rank beside it (``lightning_nvme.checkpoint.sharded``); it resumes at any
+world size.
 
 ``overlap="backward"``: a gradient is final only once its all-reduce has completed, not when autograd
 accumulates it, so the strategy installs a DDP communication hook (the same averaging all-reduce, with
@@ -23,7 +24,6 @@ k's all-reduce and the rest of backward proceed. The last bucket's chunks are up
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -33,7 +33,6 @@ import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
 from torch.nn.parallel import DistributedDataParallel
@@ -41,9 +40,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import sharded
-from lightning_nvme.checkpoint.atomic import recover
-from lightning_nvme.checkpoint.streamed import MARKER
+from lightning_nvme.checkpoint import atomic, sharded
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
 from lightning_nvme.settings import DDPOffloadSettings, with_settings
 from lightning_nvme.strategies.offload import OffloadStrategy
@@ -181,52 +178,50 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if not ckpt.is_streamed(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        path = os.path.abspath(os.fspath(checkpoint_path))
+    def _recover_before_load(self, path: str) -> None:
         if self.is_global_zero:
-            recover(path)  # finish or undo an interrupted commit, once, before any rank reads
+            atomic.recover(path)  # finish or undo an interrupted commit, once, before any rank reads
         self.barrier("nvme_offload_ddp.load_checkpoint")
-        return ckpt.load_streamed(path, recover_first=False)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
-                        storage_options: Any | None = None) -> None:
-        """Every rank streams its shard into one temp directory named by rank 0; rank 0 adds the metadata and
-        commits atomically once every rank reports its shard written (or removes it if any failed)."""
-        if not self.offloaded or "optimizer_states" not in checkpoint:  # weights_only: one plain file
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = os.path.abspath(os.fspath(filepath))
+    def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Every rank streams its shard into one temp directory named by rank 0; rank 0 publishes them and
+        switches the checkpoint file in once every rank reports its shard written (or removes them if any
+        failed). See ``lightning_nvme.checkpoint.paired`` for the commit protocol."""
         error: BaseException | None = None
-        begun: tuple[str | None, str | None] = (None, None)
+        begun: tuple[ckpt.paired.Pending | None, str | None] = (None, None)
         if self.is_global_zero:
             try:
-                begun = (sharded.begin(path), None)
+                begun = (ckpt.paired.begin(path), None)
             except OSError as e:  # e.g. the checkpoint directory is not writable: every rank must hear of it
                 error, begun = e, (None, repr(e))
-        tmp, begin_error = self.broadcast(begun)
-        if begin_error is not None or tmp is None:
+        pending, begin_error = self.broadcast(begun)
+        if begin_error is not None or pending is None:
             raise error or RuntimeError(f"nvme_offload_ddp: rank 0 could not create {path}: {begin_error}")
         scalars: list[dict[int, dict[str, Any]]] = []
         try:
             with self._open_store() as store:
                 store.fence(durable=True)
                 for i, off in enumerate(self.offloaded):
-                    sharded.write_shard(off, tmp, i, self.global_rank)
-                    scalars.append(ckpt.optimizer_placeholder(off, i)["state"])
+                    sharded.write_shard(off, pending.tmp, i, self.global_rank, pending.save_id)
+                    scalars.append(off.scalar_state())
         except BaseException as e:  # reported to every rank below, then re-raised
             error = e
         gathered = self._all_gather((repr(error) if error else None, scalars))
         failed = [(r, msg) for r, (msg, _) in enumerate(gathered) if msg is not None]
         if not failed and self.is_global_zero:
             try:
-                self._complete_metadata(checkpoint, [s for _, s in gathered])
-                sharded.commit(checkpoint, tmp, path)
+                states = self._merged_optimizer_states(checkpoint, [s for _, s in gathered])
+                markers = [sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params])
+                           for i, off in enumerate(self.offloaded)]
+                main = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+                ckpt.paired.publish(pending)
+                ckpt.paired.write_main({**main, ckpt.paired.REF_KEY: ckpt.paired.reference(pending, states, markers)},
+                                       path)
             except BaseException as e:
                 error, failed = e, [(0, repr(e))]
-        if failed and self.is_global_zero:
-            sharded.abort(tmp)
+        if self.is_global_zero:
+            ckpt.paired.abort(pending) if failed else ckpt.paired.finish(pending)
         failed = self.broadcast(failed)  # after the abort: no rank returns while the temp dir still exists
         if failed:
             if error is not None:
@@ -234,13 +229,16 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
             raise RuntimeError(f"nvme_offload_ddp: checkpoint {path} was not written: " +
                                "; ".join(f"rank {r}: {msg}" for r, msg in failed))
 
-    def _complete_metadata(self, checkpoint: dict[str, Any], scalars_by_rank: list[list[dict]]) -> None:
-        for i, (off, state) in enumerate(zip(self.offloaded, checkpoint["optimizer_states"])):
+    def _merged_optimizer_states(self, checkpoint: dict[str, Any],
+                                 scalars_by_rank: list[list[dict]]) -> list[dict[str, Any]]:
+        """Each optimizer's param groups, with the scalar state (``step``) of every param from the rank owning it."""
+        states = []
+        for i, state in enumerate(checkpoint["optimizer_states"]):
             merged: dict[int, dict[str, Any]] = {}
             for per_rank in scalars_by_rank:
                 merged.update(per_rank[i])
-            state["state"] = dict(sorted(merged.items()))
-            state[MARKER] = sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params])
+            states.append({**state, "state": dict(sorted(merged.items()))})
+        return states
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not dist.is_available() or not dist.is_initialized():

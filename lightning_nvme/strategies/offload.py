@@ -5,8 +5,9 @@ The common base of ``NVMeOffloadStrategy`` (``OffloadStrategy, SingleDeviceStrat
 override reaches the Lightning strategy next in the method resolution order through ``super()``: one
 ``FlatStore`` per process, each optimizer from ``configure_optimizers`` wrapped in an
 ``OffloadedOptimizer``, reads started on entry to the step, the store drained on teardown and
-reopened for checkpoints saved after ``fit``. A subclass says which parameter ranges its process
-owns (``_owned_ranges``) and what follows an update (``_after_update``); checkpoint writing is its own.
+reopened for checkpoints saved after ``fit``, checkpoints loaded and routed between the strategy and the
+user's ``CheckpointIO``. A subclass says which parameter ranges its process owns (``_owned_ranges``), what
+follows an update (``_after_update``) and how its optimizer state is saved (``_save_streamed``).
 """
 
 from __future__ import annotations
@@ -29,6 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
+from lightning_nvme.checkpoint import atomic, plugin_io
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, plan_chunks
@@ -177,32 +179,68 @@ class OffloadStrategy(Strategy):
         return out
 
     # ---- checkpoints ------------------------------------------------------------------------------------
+    # A checkpoint is one file Lightning's loaders open, with the optimizer state streamed beside it
+    # (``lightning_nvme.checkpoint.paired``). Loading keeps Lightning's order: ``load_checkpoint`` (before setup)
+    # hands Lightning its usual dict and keeps where the streamed state is on the strategy, not in the dict;
+    # ``load_optimizer_state_dict`` (after setup, when the offloaded optimizers exist) streams it back.
+    _optimizer_parts: ckpt.OptimizerParts | None = None
+
+    def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Write ``checkpoint`` (with ``optimizer_states``) and the offloaded state to local ``path``."""
+        raise NotImplementedError
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Any | None = None) -> None:
+        streamed = bool(self.offloaded) and "optimizer_states" in checkpoint
+        if not plugin_io.writes_itself(self.checkpoint_io, filepath, storage_options):
+            if streamed:
+                plugin_io.refuse_streamed(self.strategy_name, self.checkpoint_io, filepath, storage_options)
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if streamed:
+            return self._save_streamed(checkpoint, os.path.abspath(os.fspath(filepath)))
+        if self.is_global_zero:
+            ckpt.paired.save_plain(checkpoint, os.fspath(filepath))
+
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         off = self.offloaded_for(optimizer)
         if off is None:
             return super().optimizer_state(optimizer)
-        return ckpt.optimizer_placeholder(off, self.offloaded.index(off))
+        return ckpt.optimizer_placeholder(off)
+
+    def _recover_before_load(self, path: str) -> None:
+        """Finish or undo an interrupted commit of ``path`` before reading it (once: data-parallel overrides)."""
+        atomic.recover(path)
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if ckpt.is_streamed(checkpoint_path):
-            return ckpt.load_streamed(os.fspath(checkpoint_path))
-        return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        self._optimizer_parts = None
+        if plugin_io.is_local(checkpoint_path):
+            path = os.path.abspath(os.fspath(checkpoint_path))
+            self._recover_before_load(path)
+            if ckpt.is_legacy_dir(path):
+                checkpoint, self._optimizer_parts = ckpt.legacy.load_legacy(path)
+                return checkpoint
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint, self._optimizer_parts = ckpt.paired.read(checkpoint, os.fspath(checkpoint_path))
+        return checkpoint
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        parts, self._optimizer_parts = self._optimizer_parts, None
         if not self.offloaded:
             return super().load_optimizer_state_dict(checkpoint)
-        for off, state in zip(self.offloaded, checkpoint["optimizer_states"]):
-            ckpt.restore_optimizer(off, state, checkpoint)
+        for i, (off, state) in enumerate(zip(self.offloaded, checkpoint["optimizer_states"])):
+            marker = parts.markers[i] if parts is not None and i < len(parts.markers) else None
+            ckpt.restore_optimizer(off, state, marker, parts)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if self.is_global_zero and ckpt.is_streamed(filepath):
-            ckpt.remove_streamed(os.fspath(filepath))
-        else:
-            super().remove_checkpoint(filepath)
+        if not plugin_io.writes_itself(self.checkpoint_io, filepath, None):
+            return super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            ckpt.paired.remove(os.fspath(filepath))
 
     @classmethod
     @override

@@ -119,7 +119,7 @@ def worker(args) -> None:
                 rec.update(state_bytes=off.state_bytes, store_file_bytes=os.path.getsize(path),
                            store_allocated_bytes=os.stat(path).st_blocks * 512, io_mode=off.store.mode,
                            single_process_state_bytes=sum(c.nbytes for c in plan_chunks(
-                               off.optimizer, args.chunk_mib << 20, "probe")[0]))
+                               off.optimizer, args.chunk_mib << 20, "probe").chunks))
             records.append(rec)
     with open(f"{args.out}.rank{trainer.global_rank}.json", "w") as f:
         json.dump(records, f)

@@ -13,6 +13,7 @@ from lightning_nvme.models.gpt import GPT, GPTConfig
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
+    "sgd_plain": (torch.optim.SGD, {"lr": 0.05}),  # no per-parameter state
 }
 
 

@@ -263,7 +263,7 @@ def _train(run: dict, world: int) -> None:
                    store_regions=len(off.chunks),
                    store_regions_bytes=sum(off.capacity.values()),
                    single_process_state_bytes=sum(c.nbytes for c in plan_chunks(
-                       off.optimizer, run.get("chunk_bytes", 16 << 10), "probe")[0]))
+                       off.optimizer, run.get("chunk_bytes", 16 << 10), "probe").chunks))
     if run.get("failing_save"):
         out.update(_save_failure(trainer, run["failing_save"]))
     if run.get("model_checkpoint"):

@@ -280,6 +280,25 @@ def test_refusals(tmp_path):
 
     with pytest.raises(ValueError, match="offload_params"):
         NVMeOffloadDDPStrategy(offload_params=True)
+    # plain SGD keeps no state: its params would be stepped in memory while their values live in the store
+    with pytest.raises(ValueError, match="needs per-parameter optimizer state"):
+        fit(tmp_path / "c", offload(tmp_path / "c"), model_kwargs={"optimizer": "sgd_plain"}, steps=1)
+
+
+def test_params_made_trainable_mid_run_are_refused(tmp_path):
+    """The blocks written back are fixed at setup: a parameter unfrozen mid-run is refused, never left stale."""
+    from lightning_nvme.optim import UnsupportedOptimizerError
+
+    class Unfreeze(Callback):
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            if batch_idx == 1:
+                frozen = [p for p in pl_module.parameters() if not p.requires_grad]
+                for p in frozen:
+                    p.requires_grad_(True)
+                trainer.optimizers[0].add_param_group({"params": frozen})
+
+    with pytest.raises(UnsupportedOptimizerError, match="offload_params=True"):
+        fit(tmp_path, offload(tmp_path), model_kwargs={"lora": True}, callbacks=[Unfreeze()], steps=3)
 
 
 def test_block_classes_by_dotted_path(tmp_path, tmp_path_factory):

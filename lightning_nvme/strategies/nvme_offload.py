@@ -98,6 +98,13 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 self.param_offload = None  # no optimizer: nothing trains, nothing to offload
                 return
             planned = [piece.param for off in self.offloaded for c in off.chunks for piece in c.pieces]
+            in_blocks = self.param_offload.layout.block_of()
+            stateless = [piece.index for off in self.offloaded for piece in off.resident if id(piece.param) in in_blocks]
+            if stateless:
+                raise ValueError(f"{self.strategy_name}: offload_params=True needs per-parameter optimizer state for "
+                                 f"every trainable parameter in a block, but parameters {stateless} have none (e.g. "
+                                 "SGD with momentum=0): they would be updated in memory while their values live in the "
+                                 "store. Use an optimizer with state (SGD(momentum>0), AdamW, ...), or offload_params=False.")
             self.param_offload.start(self.nvme_store, planned)
             layout = self.param_offload.layout
             rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "

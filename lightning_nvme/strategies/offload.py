@@ -13,6 +13,7 @@ follows an update (``_after_update``) and how its optimizer state is saved (``_s
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from typing import Any
@@ -33,10 +34,12 @@ from lightning_nvme.checkpoint import atomic, plugin_io
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
+from lightning_nvme.optim.store_ref import StoreRef
 from lightning_nvme.preflight import check_store_dir
 from lightning_nvme.settings import OffloadSettings
-from lightning_nvme.store import FlatStore
+from lightning_nvme.store import ALIGN, FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
+from lightning_nvme.strategies.store_claim import claim_store_name, owner_region
 
 
 class OffloadStrategy(Strategy):
@@ -57,6 +60,7 @@ class OffloadStrategy(Strategy):
         self.config = config
         self.nvme_store = None
         self.offloaded = []
+        self._run_token = uuid.uuid4().hex[:12]  # names this instance's store (see store_claim)
 
     @property
     def _store_rank(self) -> int:
@@ -123,19 +127,22 @@ class OffloadStrategy(Strategy):
         io_chunk_bytes, io_workers = self.config.io_request()
         if self.config.malloc_mmap_threshold is not None:
             release_freed_memory(self.config.malloc_mmap_threshold)  # see lightning_nvme.memory: bounded RSS
+        name = claim_store_name(store_dir, self._store_rank, self, self._run_token)
         self.nvme_store = FlatStore(store_dir, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
                                     num_workers=io_workers, pool_bytes=max(self.config.staging_bytes, io_chunk_bytes),
-                                    min_free_bytes=self.config.min_free_bytes)
+                                    min_free_bytes=self.config.min_free_bytes, name=name)
+        self.nvme_store.add_region(owner_region(self._run_token), ALIGN)
         return self.nvme_store
 
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
         plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
                  for i, opt in enumerate(self.optimizers)]
-        planned = HEADER_BYTES + sum(align_up(c.nbytes) for chunks, _ in plans for c in chunks) + \
+        planned = HEADER_BYTES + ALIGN + sum(align_up(c.nbytes) for plan in plans for c in plan.chunks) + \
             self._extra_store_bytes()
         self._open_new_store(trainer, planned)
         assert self.nvme_store is not None
+        store_ref = StoreRef.of(self.nvme_store, owner_region(self._run_token))
         clip_value = None
         if self.config.overlap == "backward" and trainer.gradient_clip_val:
             clip_value = float(trainer.gradient_clip_val)
@@ -143,7 +150,7 @@ class OffloadStrategy(Strategy):
             OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
                                prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
                                clip_value=clip_value, owned=owned[i], plan=plans[i],
-                               grad_hooks=self._local_grad_hooks,
+                               grad_hooks=self._local_grad_hooks, store_ref=store_ref,
                                free_grads=self._frees_grads and self.config.overlap == "backward",
                                listener=self._update_listener())
             for i, opt in enumerate(self.optimizers)
@@ -173,14 +180,20 @@ class OffloadStrategy(Strategy):
         if self.nvme_store is not None:
             yield self.nvme_store
             return
-        first = self.offloaded[0].store
-        store = FlatStore(first.directory, rank=self._store_rank, io_chunk_bytes=first.io_chunk_bytes, reopen=True)
+        store = self.offloaded[0].store_ref.open()
         try:
             for off in self.offloaded:
                 off.attach(store)
             yield store
         finally:
             store.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable and deep-copyable during fit, like Lightning's strategies: the open store (threads, lock,
+        file handle) stays with this instance; a copy reopens the store file when it reads the state."""
+        state = dict(super().__getstate__() or {})
+        state["nvme_store"] = None
+        return state
 
     def offloaded_for(self, optimizer: Optimizer | LightningOptimizer) -> OffloadedOptimizer | None:
         if isinstance(optimizer, LightningOptimizer):

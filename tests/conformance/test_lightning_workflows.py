@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import os
 
-import pytest
 import torch
 from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
@@ -20,9 +19,6 @@ import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 
 STRATEGIES = ("auto", "nvme_offload")
-NEEDS_OPTIMIZER_HALF = pytest.mark.xfail(strict=True, reason="needs #11 optimizer half")
-
-
 class Monitored(MLP):
     """``MLP`` that logs a training and a validation loss, as monitored callbacks need."""
 
@@ -66,7 +62,6 @@ class BoringSGD(Monitored):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
-@NEEDS_OPTIMIZER_HALF
 def test_boring_model_plain_sgd(tmp_path):
     def run(kind, root):
         model = BoringSGD()
@@ -89,7 +84,6 @@ class Finetuned(Monitored):
         return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-2)
 
 
-@NEEDS_OPTIMIZER_HALF
 def test_backbone_finetuning(tmp_path):
     def run(kind, root):
         model = Finetuned()

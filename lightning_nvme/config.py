@@ -6,6 +6,7 @@ import os
 from dataclasses import dataclass
 
 from lightning_nvme.optim import OVERLAP_MODES
+from lightning_nvme.optim.state_format import MASTER_FORMATS, STATE_FORMATS, StateFormat
 from lightning_nvme.store import ALIGN
 
 MiB = 1 << 20
@@ -31,6 +32,8 @@ class OffloadConfig:
     io_profile: str | None = None
     min_free_bytes: int = 1 * GiB
     malloc_mmap_threshold: int | None = 8 * MiB
+    state_format: str = "exact"
+    master_format: str = "fp32"
 
     def __post_init__(self) -> None:
         def fail(key: str, why: str) -> None:
@@ -52,6 +55,10 @@ class OffloadConfig:
             fail("io_workers", "must be an integer >= 1")
         if self.overlap not in OVERLAP_MODES:
             fail("overlap", f"must be one of {OVERLAP_MODES}")
+        if self.state_format not in STATE_FORMATS:
+            fail("state_format", f"must be one of {STATE_FORMATS} (see docs/state_format.md)")
+        if self.master_format not in MASTER_FORMATS:
+            fail("master_format", f"must be one of {MASTER_FORMATS} (see docs/state_format.md)")
         if self.malloc_mmap_threshold is not None and (not isinstance(self.malloc_mmap_threshold, int)
                                                        or self.malloc_mmap_threshold < 4096):
             fail("malloc_mmap_threshold", "must be None (leave the allocator alone) or >= 4096 bytes")
@@ -59,6 +66,10 @@ class OffloadConfig:
             fail("min_free_bytes", "must be a non-negative integer number of bytes")
         if self.io_profile is not None and not os.path.isfile(self.io_profile):
             fail("io_profile", "file not found; create one with `lightning-nvme doctor PATH --write-profile FILE`")
+
+    @property
+    def state_format_spec(self) -> StateFormat:
+        return StateFormat(self.state_format, self.master_format)
 
     def resolve_store_dir(self, default_root_dir: str) -> str:
         """``store_dir``, else ``$LIGHTNING_NVME_STORE_DIR``, else ``<default_root_dir>/nvme_store``."""

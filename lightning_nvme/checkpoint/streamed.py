@@ -6,7 +6,9 @@ Layout of ``<name>.ckpt/``::
                                param groups and scalar state (``step``) in torch's format, plus a
                                ``lightning_nvme`` marker naming the file with the per-element state
     optimizer-<i>.safetensors  per-element state of optimizer i: ``state.<param index>.<key>``, shaped
-                               like the parameter (``master_param`` = fp32 master weights)
+                               like the parameter (``master_param`` = fp32 master weights), as the store
+                               holds it: with a compressed ``state_format`` bf16 values, or int8/uint8
+                               codes plus ``state.<param index>.<key>.absmax`` (one fp32 per block)
 
 Saving streams chunk by chunk from the store (memory bounded by the optimizer's ring buffers);
 loading streams back the same way, restoring moments, step counts and master weights exactly.
@@ -24,6 +26,7 @@ import torch
 from lightning_nvme.checkpoint.atomic import begin_dir, commit_dir, fsync_path, recover, temp_name
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
 from lightning_nvme.optim import OffloadedOptimizer, Piece
+from lightning_nvme.optim.state_format import StateFormat, StateFormatError
 
 FORMAT_VERSION = 1
 MARKER = "lightning_nvme"
@@ -66,15 +69,33 @@ def optimizer_placeholder(off: OffloadedOptimizer, index: int) -> dict[str, Any]
     scalars = {i: dict(off.scalars[(i, pieces[0][1].start)]) for i, pieces in off.pieces_of.items()
                if (i, pieces[0][1].start) in off.scalars}
     return {"state": scalars, "param_groups": groups,
-            MARKER: {"format_version": FORMAT_VERSION, "file": optimizer_file(index)}}
+            MARKER: {"format_version": FORMAT_VERSION, "file": optimizer_file(index), **format_entry(off)}}
+
+
+def format_entry(off: OffloadedOptimizer) -> dict[str, Any]:
+    """The marker's record of how the state files store the state (and the bf16_sr step count)."""
+    return {"state_format": {**off.fmt.to_dict(), "steps": off.steps_done}}
+
+
+def check_format(off: OffloadedOptimizer, marker: Mapping[str, Any], path: str) -> None:
+    """Refuse to resume from state stored in another format than this run's, naming both and the way out."""
+    saved = marker.get("state_format") or {}
+    stored = StateFormat(saved.get("state_format", "exact"), saved.get("master_format", "fp32"))
+    if (stored.state, stored.master) != (off.fmt.state, off.fmt.master):
+        raise StateFormatError(
+            f"checkpoint {path} stores optimizer state with {stored.describe()}, but this run uses "
+            f"{off.fmt.describe()}. Resume with the checkpoint's settings, or convert it: "
+            f"`python -m lightning_nvme.checkpoint.convert to-lightning {path} plain.ckpt` (dequantizes) and "
+            "resume from plain.ckpt, whose state is stored in this run's format on load")
+    off.steps_done = int(saved.get("steps", 0))
 
 
 class _FileSink:
     def __init__(self, writer: SafetensorsWriter) -> None:
         self.writer = writer
 
-    def put(self, piece: Piece, key: str, values: torch.Tensor) -> None:
-        self.writer.write(tensor_name(piece.index, key), piece.start, values)
+    def put(self, piece: Piece, key: str, values: torch.Tensor, per: int = 1) -> None:
+        self.writer.write(tensor_name(piece.index, key), piece.start // per, values)
 
 
 def _write_optimizer(off: OffloadedOptimizer, path: str) -> None:
@@ -82,7 +103,9 @@ def _write_optimizer(off: OffloadedOptimizer, path: str) -> None:
     for index, pieces in sorted(off.pieces_of.items()):
         first = pieces[0][1]
         if (index, first.start) in off.scalars:
-            entries += [(tensor_name(index, k), d, tuple(first.param.shape)) for k, d in first.keys]
+            entries += [(tensor_name(index, c.name), c.dtype,
+                         tuple(first.param.shape) if c.per == 1 else (c.count(first.param.numel()),))
+                        for c in first.stored()]
     writer = SafetensorsWriter(path, entries, {"format": MARKER, "format_version": str(FORMAT_VERSION)})
     try:
         off.export_state(_FileSink(writer))
@@ -188,11 +211,12 @@ def restore_optimizer(off: OffloadedOptimizer, state: Mapping[str, Any], checkpo
         raise ValueError("this optimizer state refers to a streamed checkpoint directory, but the checkpoint was "
                          "not loaded from one; load it with NVMeOffloadStrategy or convert it first "
                          "(python -m lightning_nvme.checkpoint.convert)")
+    check_format(off, marker, directory)
     off.set_param_groups(state["param_groups"])
     files = marker["files"] if "files" in marker else [marker["file"]]  # "files": one shard per rank
     readers = [SafetensorsReader(os.path.join(directory, f)) for f in files]
     try:
-        off.import_state(_FileSource(readers, state["state"]))
+        off.import_state(_FileSource(readers, state["state"]), stored=not off.fmt.exact)
     finally:
         for reader in readers:
             reader.close()

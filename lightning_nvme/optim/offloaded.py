@@ -14,6 +14,7 @@ the same bytes, so a chunk is never updated from stale state.
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from typing import Any, Callable, Iterable, Mapping, Protocol, Sequence
 
@@ -22,6 +23,7 @@ from torch.optim import Optimizer
 
 from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, StateSpec, plan_chunks
+from lightning_nvme.optim.state_format import EXACT, STATE_DICT_KEY, StateFormat
 from lightning_nvme.store import FlatStore, IOHandle
 
 OVERLAP_MODES = ("step", "backward")
@@ -36,15 +38,16 @@ class StateSource(Protocol):
 
 
 class StateSink(Protocol):
-    """Where ``export_state`` writes per-parameter state to, one piece at a time."""
+    """Where ``export_state`` writes per-parameter state to, one piece at a time. ``values`` start at
+    element ``piece.start // per`` of the entry ``key`` (``per`` > 1: per-block scales of a compressed key)."""
 
-    def put(self, piece: Piece, key: str, values: torch.Tensor) -> None: ...
+    def put(self, piece: Piece, key: str, values: torch.Tensor, per: int = 1) -> None: ...
 
 
 def _view(buf: ChunkBuffer, piece: Piece, key: str, dtype: torch.dtype, shape: torch.Size | tuple) -> torch.Tensor:
     size = torch.empty((), dtype=dtype).element_size()
     off = piece.slots[key]
-    return buf.data[off:off + piece.numel * size].view(dtype).view(shape)
+    return buf.data[off:off + math.prod(shape) * size].view(dtype).view(shape)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -69,12 +72,13 @@ class OffloadedOptimizer:
         grad_hooks: with ``overlap="backward"``, learn that a parameter's gradient is final from its
             post-accumulate-grad hook. ``False``: the caller says so with ``grad_ready`` (data parallel:
             a gradient is final only once its all-reduce has completed).
+        fmt: how the state is stored (``StateFormat``: exact, bf16 or int8 state; fp32 or bf16_sr masters).
     """
 
     def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0", chunk_bytes: int = 64 << 20,
                  prefetch_depth: int = 2, overlap: str = "step", clip_value: float | None = None,
                  owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, grad_hooks: bool = True,
-                 plan: tuple[list[Chunk], list[StateSpec]] | None = None) -> None:
+                 plan: tuple[list[Chunk], list[StateSpec]] | None = None, fmt: StateFormat = EXACT) -> None:
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
         if prefetch_depth < 1:
@@ -86,9 +90,11 @@ class OffloadedOptimizer:
         self.prefetch_depth = prefetch_depth
         self.clip_value = clip_value
         self.owned = owned
-        # ``plan``: the result of plan_chunks(optimizer, chunk_bytes, name, owned=owned), when the caller
-        # already made it (e.g. to size the store before allocating it).
-        self.chunks, self.specs = plan or plan_chunks(optimizer, chunk_bytes, name, owned=owned)
+        self.fmt = fmt
+        self.steps_done = 0  # completed steps: part of the bf16_sr rounding noise, saved in checkpoints
+        # ``plan``: the result of plan_chunks(optimizer, chunk_bytes, name, owned=owned, fmt=fmt), when the
+        # caller already made it (e.g. to size the store before allocating it).
+        self.chunks, self.specs = plan or plan_chunks(optimizer, chunk_bytes, name, owned=owned, fmt=fmt)
         self.pieces_of: dict[int, list[tuple[Chunk, Piece]]] = defaultdict(list)
         for c in self.chunks:
             for piece in c.pieces:
@@ -192,7 +198,7 @@ class OffloadedOptimizer:
                 g["params"] = params
             opt.state = self._empty_state
         for piece, target, host, working in work:
-            self._finish_piece(piece, target, host, working, state[target])
+            self._finish_piece(piece, target, host, working, state[target], buf)
         return True
 
     def _prepare_piece(self, piece: Piece, buf: ChunkBuffer, state: defaultdict):
@@ -202,7 +208,7 @@ class OffloadedOptimizer:
         if p.grad is None:
             return None
         shape = p.shape if piece.whole else (piece.numel,)
-        host = {k: _view(buf, piece, k, d, shape) for k, d in piece.keys}
+        host = {k: self._load(buf, piece, k, d).view(shape) for k, d in piece.keys}
         working = host if p.device.type == "cpu" else {
             k: v.to(p.device, non_blocking=True) for k, v in host.items()}
         working = dict(working)
@@ -210,6 +216,8 @@ class OffloadedOptimizer:
         if self.clip_value is not None:
             grad.clamp_(min=-self.clip_value, max=self.clip_value)
         master = working.pop(MASTER_KEY, None)
+        if piece.rounds_master:  # bf16_sr: no stored master, the update runs on an fp32 copy of the param
+            master = (p.detach() if piece.whole else _flat(p.detach())[piece.start:piece.stop]).float()
         if master is not None:
             if not self._initialized(piece):
                 master.copy_(p.detach() if piece.whole else _flat(p.detach())[piece.start:piece.stop])
@@ -227,21 +235,20 @@ class OffloadedOptimizer:
         return piece, target, host, working
 
     def _finish_piece(self, piece: Piece, target: torch.Tensor, host: dict[str, torch.Tensor],
-                      working: dict[str, torch.Tensor], new: dict[str, Any]) -> None:
+                      working: dict[str, torch.Tensor], new: dict[str, Any], buf: ChunkBuffer) -> None:
         """Bring the updated state back into the chunk buffer and keep the scalar state in memory."""
         scalars = {}
         for key, value in new.items():
             if key in host:
-                if value is not host[key]:
-                    host[key].copy_(value)
+                self._store(buf, piece, key, value)
             else:
                 scalars[key] = value
         self.scalars[(piece.index, piece.start)] = scalars
-        if MASTER_KEY in piece.slots:
-            if working[MASTER_KEY] is not host[MASTER_KEY]:
-                host[MASTER_KEY].copy_(working[MASTER_KEY])
+        if MASTER_KEY in working:
+            if MASTER_KEY in host:
+                self._store(buf, piece, MASTER_KEY, working[MASTER_KEY])
             dst = piece.param.detach() if piece.whole else _flat(piece.param.detach())[piece.start:piece.stop]
-            dst.copy_(target)
+            self.fmt.write_param(dst, target, self.steps_done, piece.index, piece.start)
             target.grad = None
         elif not piece.whole:
             target.grad = None
@@ -271,6 +278,7 @@ class OffloadedOptimizer:
         for c in self._order:
             if c not in self._done:
                 self._update_chunk(c)
+        self.steps_done += 1
         return loss
 
     # ---- overlap="backward" -------------------------------------------------------------------------
@@ -296,13 +304,25 @@ class OffloadedOptimizer:
             if not waiting and chunk.index not in self._done:
                 self._update_chunk(chunk.index)
 
+    # ---- state format hooks: the chunk buffer holds each key as stored (see state_format) ----------------
+    def _raws(self, buf: ChunkBuffer, piece: Piece, key: str) -> list[torch.Tensor]:
+        return [_view(buf, piece, c.name, c.dtype, (c.count(piece.numel),)) for c in piece.components[key]]
+
+    def _load(self, buf: ChunkBuffer, piece: Piece, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """Key ``key`` of ``piece`` as the optimizer sees it (1-D; a view into ``buf`` when stored as is)."""
+        return self.fmt.decode(key, dtype, self._raws(buf, piece, key))
+
+    def _store(self, buf: ChunkBuffer, piece: Piece, key: str, value: torch.Tensor) -> None:
+        self.fmt.encode(key, _flat(value), self._raws(buf, piece, key), f" of parameter {piece.index}")
+
     # ---- moving state in and out ----------------------------------------------------------------------
     def fence(self, durable: bool = False) -> None:
         self.store.fence([c.region for c in self.chunks], durable=durable)
 
-    def export_state(self, sink: StateSink) -> None:
+    def export_state(self, sink: StateSink, decoded: bool = False) -> None:
         """Stream every initialized piece's state to ``sink``, one chunk buffer at a time, reading the
-        next chunks while the sink consumes this one."""
+        next chunks while the sink consumes this one. ``decoded``: the optimizer's view of each key
+        (torch format) instead of what the store holds (compressed formats: codes and scales)."""
         self.fence()
         order = [c for c, chunk in enumerate(self.chunks) if any(self._initialized(p) for p in chunk.pieces)]
         for i, c in enumerate(order):
@@ -312,21 +332,31 @@ class OffloadedOptimizer:
             buf = self._take(c)
             try:
                 for piece in self.chunks[c].pieces:
-                    if self._initialized(piece):
+                    if not self._initialized(piece):
+                        continue
+                    if decoded:
                         for key, dtype in piece.keys:
-                            sink.put(piece, key, _view(buf, piece, key, dtype, (piece.numel,)))
+                            sink.put(piece, key, self._load(buf, piece, key, dtype))
+                    else:
+                        for comp in piece.stored():
+                            sink.put(piece, comp.name, _view(buf, piece, comp.name, comp.dtype,
+                                                             (comp.count(piece.numel),)), comp.per)
             finally:
                 self.ring.release(buf)
 
-    def import_state(self, source: StateSource) -> None:
+    def import_state(self, source: StateSource, stored: bool = False) -> None:
         """Replace the stored state with ``source``'s, one chunk at a time (pieces absent from the
-        source become uninitialized, as in a fresh optimizer)."""
+        source become uninitialized, as in a fresh optimizer). ``stored``: the source holds the state as
+        this optimizer's format stores it (a checkpoint of the same format), else in torch's format."""
         self.fence()
         for c, chunk in enumerate(self.chunks):
             buf = self.ring.acquire()
             wrote = False
             for piece in chunk.pieces:
                 self.scalars.pop((piece.index, piece.start), None)
+                if stored:
+                    wrote = self._import_stored(source, piece, buf) or wrote
+                    continue
                 tensors = {k: source.tensor(piece.index, k, piece.start, piece.stop) for k, _ in piece.keys}
                 if MASTER_KEY in tensors and tensors[MASTER_KEY] is None and any(
                         v is not None for k, v in tensors.items() if k != MASTER_KEY):
@@ -335,18 +365,29 @@ class OffloadedOptimizer:
                 if any(v is None for v in tensors.values()):
                     continue
                 for key, dtype in piece.keys:
-                    _view(buf, piece, key, dtype, (piece.numel,)).copy_(_flat(tensors[key]))
+                    self._store(buf, piece, key, tensors[key].to(dtype))
                 self.scalars[(piece.index, piece.start)] = dict(source.scalars(piece.index, set(tensors)))
                 wrote = True
             handle = self.store.write(chunk.region, buf.data[:self.capacity[c]]) if wrote else None
             self.ring.release(buf, handle)
         self.fence()
 
+    def _import_stored(self, source: StateSource, piece: Piece, buf: ChunkBuffer) -> bool:
+        comps = piece.stored()
+        tensors = [source.tensor(piece.index, c.name, piece.start // c.per, -(-piece.stop // c.per)) for c in comps]
+        if any(t is None for t in tensors):
+            return False
+        for comp, t in zip(comps, tensors):
+            _view(buf, piece, comp.name, comp.dtype, (comp.count(piece.numel),)).copy_(_flat(t))
+        names = {k for k, _ in piece.keys} | {c.name for c in comps}
+        self.scalars[(piece.index, piece.start)] = dict(source.scalars(piece.index, names))
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state dict in torch's own format, materialized in memory (for users who call
         ``optimizer.state_dict()`` or convert to a plain checkpoint; Lightning checkpoints stream instead)."""
         sink = _DictSink()
-        self.export_state(sink)
+        self.export_state(sink, decoded=True)
         params = self.params
         opt = self.optimizer
         try:
@@ -354,7 +395,10 @@ class OffloadedOptimizer:
             for index, tensors in sink.full(params).items():
                 first = self.pieces_of[index][0][1]
                 opt.state[params[index]] = {**tensors, **self.scalars[(index, first.start)]}
-            return type(opt).state_dict(opt)
+            out = type(opt).state_dict(opt)
+            if not self.fmt.exact:  # values are decoded; this records where they came from
+                out[STATE_DICT_KEY] = {**self.fmt.to_dict(), "steps": self.steps_done}
+            return out
         finally:
             opt.state = self._empty_state
 
@@ -371,6 +415,7 @@ class OffloadedOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch-format optimizer state (hyperparameters into the param groups, state into the store)."""
         position = self.set_param_groups(state_dict["param_groups"])
+        self.steps_done = int(state_dict.get(STATE_DICT_KEY, {}).get("steps", 0))
         self.import_state(_DictSource({position[k]: v for k, v in state_dict["state"].items()}))
 
     def attach(self, store: FlatStore) -> None:
@@ -410,8 +455,8 @@ class _DictSink:
     def __init__(self) -> None:
         self.parts: dict[int, dict[str, list[tuple[int, torch.Tensor]]]] = defaultdict(lambda: defaultdict(list))
 
-    def put(self, piece: Piece, key: str, values: torch.Tensor) -> None:
-        self.parts[piece.index][key].append((piece.start, values.clone()))
+    def put(self, piece: Piece, key: str, values: torch.Tensor, per: int = 1) -> None:
+        self.parts[piece.index][key].append((piece.start // per, values.clone()))
 
     def full(self, params: list[torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
         out: dict[int, dict[str, torch.Tensor]] = {}

@@ -15,6 +15,7 @@ from dataclasses import dataclass
 from torch.optim import Optimizer
 
 from lightning_nvme.optim.plan import bytes_per_element, param_state_keys
+from lightning_nvme.optim.state_format import EXACT, StateFormat
 
 Ranges = dict[int, list[tuple[int, int]]]  # param index -> sorted element ranges [start, stop)
 
@@ -43,12 +44,14 @@ class Partition:
                 "ranges": [{i: [list(x) for x in rs] for i, rs in r.items()} for r in self.ranges]}
 
 
-def partition_by_bytes(optimizer: Optimizer, world_size: int, master_weights: bool = True) -> Partition:
-    """Split the optimizer's per-element state into ``world_size`` shards of about equal bytes."""
+def partition_by_bytes(optimizer: Optimizer, world_size: int, master_weights: bool = True,
+                       fmt: StateFormat = EXACT) -> Partition:
+    """Split the optimizer's per-element state into ``world_size`` shards of about equal stored bytes
+    (in format ``fmt``; cuts fall on multiples of ``fmt.align`` elements)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    _, params = param_state_keys(optimizer, master_weights)
-    items = [(p.numel() * bytes_per_element(keys), index, p.numel(), bytes_per_element(keys))
+    _, params = param_state_keys(optimizer, master_weights, fmt)
+    items = [(int(p.numel() * bytes_per_element(keys, fmt)), index, p.numel(), bytes_per_element(keys, fmt))
              for index, (_, p, keys) in enumerate(params) if keys]
     total = sum(nbytes for nbytes, *_ in items)
     share = -(-total // world_size)
@@ -58,10 +61,10 @@ def partition_by_bytes(optimizer: Optimizer, world_size: int, master_weights: bo
         start = 0
         while True:
             rank = min(range(world_size), key=lambda r: (load[r], r))
-            room = (share - load[rank]) // per_elem
+            room = int((share - load[rank]) // per_elem) // fmt.align * fmt.align
             stop = numel if numel - start <= room or room <= 0 else start + room
             ranges[rank].setdefault(index, []).append((start, stop))
-            load[rank] += (stop - start) * per_elem
+            load[rank] += int((stop - start) * per_elem)
             start = stop
             if start >= numel:
                 break

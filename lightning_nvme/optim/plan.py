@@ -21,9 +21,9 @@ from typing import Mapping, Sequence
 import torch
 from torch.optim import Optimizer
 
+from lightning_nvme.optim.state_format import EXACT, HALF_DTYPES, MASTER_KEY, Component, StateFormat
+
 SLOT_ALIGN = 64  # bytes; keeps every state view SIMD-aligned inside a chunk buffer
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-MASTER_KEY = "master_param"
 
 
 def _align(n: int, a: int) -> int:
@@ -48,7 +48,10 @@ class Piece:
     start: int
     stop: int
     keys: tuple[tuple[str, torch.dtype], ...]  # includes MASTER_KEY for half-precision params
-    slots: dict[str, int] = field(default_factory=dict)  # key -> byte offset within the chunk buffer
+    slots: dict[str, int] = field(default_factory=dict)  # component name -> byte offset within the chunk buffer
+    # what the store holds for each key (see state_format): the key itself unless compressed
+    components: dict[str, tuple[Component, ...]] = field(default_factory=dict)
+    rounds_master: bool = False  # bf16 param without a stored fp32 master (master_format="bf16_sr")
 
     @property
     def numel(self) -> int:
@@ -58,8 +61,11 @@ class Piece:
     def whole(self) -> bool:
         return self.start == 0 and self.stop == self.param.numel()
 
+    def stored(self) -> list[Component]:
+        return [c for k, _ in self.keys for c in self.components.get(k, ())]
+
     def state_bytes(self) -> int:
-        return sum(_align(self.numel * torch.empty((), dtype=d).element_size(), SLOT_ALIGN) for _, d in self.keys)
+        return sum(_align(c.count(self.numel) * c.dtype.itemsize, SLOT_ALIGN) for c in self.stored())
 
 
 @dataclass
@@ -109,10 +115,11 @@ def probe_state_spec(optimizer: Optimizer, group: dict, master: bool) -> StateSp
     return StateSpec(tuple(tensor_keys), tuple(scalar_keys))
 
 
-def param_state_keys(optimizer: Optimizer, master_weights: bool = True
+def param_state_keys(optimizer: Optimizer, master_weights: bool = True, fmt: StateFormat = EXACT
                      ) -> tuple[list[StateSpec], list[tuple[int, torch.Tensor, tuple[tuple[str, torch.dtype], ...]]]]:
     """The probed spec of each param group, and ``(group, param, per-element state keys)`` for every
-    parameter in the optimizer's flat order (keys empty for frozen or stateless params)."""
+    parameter in the optimizer's flat order (keys empty for frozen or stateless params; no master key
+    where ``fmt`` rounds bf16 params instead of keeping a master)."""
     specs: list[StateSpec] = []
     params: list[tuple[int, torch.Tensor, tuple[tuple[str, torch.dtype], ...]]] = []
     for g, group in enumerate(optimizer.param_groups):
@@ -120,22 +127,26 @@ def param_state_keys(optimizer: Optimizer, master_weights: bool = True
         spec = probe_state_spec(optimizer, group, master)
         specs.append(spec)
         for p in group["params"]:
-            keys = tuple(k for k in spec.tensor_keys if k[0] != MASTER_KEY or p.dtype in HALF_DTYPES)
+            keep_master = p.dtype in HALF_DTYPES and not fmt.rounds_master(p.dtype)
+            keys = tuple(k for k in spec.tensor_keys if k[0] != MASTER_KEY or keep_master)
             params.append((g, p, keys if p.requires_grad else ()))
     return specs, params
 
 
-def bytes_per_element(keys: tuple[tuple[str, torch.dtype], ...]) -> int:
-    return sum(torch.empty((), dtype=d).element_size() for _, d in keys)
+def bytes_per_element(keys: tuple[tuple[str, torch.dtype], ...], fmt: StateFormat = EXACT) -> float:
+    """Stored bytes per element of these state keys in format ``fmt`` (int8 scales: 4 / BLOCK)."""
+    return sum(c.dtype.itemsize / c.per for k, d in keys for c in fmt.components(k, d))
 
 
 def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, master_weights: bool = True,
-                owned: Mapping[int, Sequence[tuple[int, int]]] | None = None) -> tuple[list[Chunk], list[StateSpec]]:
+                owned: Mapping[int, Sequence[tuple[int, int]]] | None = None,
+                fmt: StateFormat = EXACT) -> tuple[list[Chunk], list[StateSpec]]:
     """Cut the optimizer's trainable parameters into pieces and pack them into chunks of at most
     ``chunk_bytes`` of state each (a chunk holds whole small params, big params are split).
 
     ``owned`` (param index -> element ranges) restricts the plan to those ranges: a data-parallel rank
-    plans, stores and updates only its partition (see ``partition.partition_by_bytes``)."""
+    plans, stores and updates only its partition (see ``partition.partition_by_bytes``). ``fmt`` says how
+    each key is stored; cuts fall on multiples of ``fmt.align`` elements (int8 blocks)."""
     chunks: list[Chunk] = []
     current: list[Piece] = []
     used = 0
@@ -146,14 +157,16 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
             chunks.append(Chunk(len(chunks), f"{region_prefix}/chunk{len(chunks)}", current, used))
         current, used = [], 0
 
-    specs, params = param_state_keys(optimizer, master_weights)
+    specs, params = param_state_keys(optimizer, master_weights, fmt)
     for index, (g, p, keys) in enumerate(params):
         if not keys:
             continue
         ranges = [(0, p.numel())] if owned is None else [tuple(r) for r in owned.get(index, ())]
-        per_elem = bytes_per_element(keys)
+        components = {k: fmt.components(k, d) for k, d in keys}
+        per_elem = bytes_per_element(keys, fmt)
+        slack = SLOT_ALIGN * sum(len(c) for c in components.values())
         # Whole params whenever they fit; only contiguous params can be cut into ranges.
-        max_elems = max(1, (chunk_bytes - SLOT_ALIGN * len(keys)) // per_elem)
+        max_elems = max(fmt.align, int((chunk_bytes - slack) // per_elem) // fmt.align * fmt.align)
         if (p.numel() > max_elems or ranges != [(0, p.numel())]) and not p.is_contiguous():
             raise ValueError(f"parameter {index} ({tuple(p.shape)}) is non-contiguous and must be cut into "
                              f"ranges (its state exceeds chunk_bytes={chunk_bytes}, or it is split between "
@@ -162,14 +175,18 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
             start = lo
             while start < hi or (lo == hi and start == lo):
                 stop = min(hi, start + max_elems)
-                piece = Piece(g, index, p, start, stop, keys)
+                if start % fmt.align:
+                    raise ValueError(f"parameter {index}: owned range starts at element {start}, not a multiple "
+                                     f"of {fmt.align} ({fmt.describe()} stores blocks of {fmt.align})")
+                piece = Piece(g, index, p, start, stop, keys, components=components,
+                              rounds_master=fmt.rounds_master(p.dtype))
                 size = piece.state_bytes()
                 if used and used + size > chunk_bytes:
                     close()
                 offset = used
-                for key, dtype in keys:
-                    piece.slots[key] = offset
-                    offset += _align(piece.numel * torch.empty((), dtype=dtype).element_size(), SLOT_ALIGN)
+                for c in piece.stored():
+                    piece.slots[c.name] = offset
+                    offset += _align(c.count(piece.numel) * c.dtype.itemsize, SLOT_ALIGN)
                 current.append(piece)
                 used = offset
                 start = stop

@@ -39,7 +39,8 @@ class NVMeOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
     def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
                  staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
                  io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
-                 malloc_mmap_threshold: int | None = 8 * MiB,
+                 malloc_mmap_threshold: int | None = 8 * MiB, state_format: str = "exact",
+                 master_format: str = "fp32",
                  device: torch.device | str | None = None, accelerator: pl.accelerators.Accelerator | None = None,
                  checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None,
                  parallel_devices: list[torch.device] | None = None) -> None:
@@ -47,7 +48,7 @@ class NVMeOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
                          precision_plugin=precision_plugin)
         self._init_offload(OffloadConfig(store_dir, chunk_bytes, io_chunk_bytes, staging_bytes, prefetch_depth,
                                          io_workers, overlap, io_profile, min_free_bytes,
-                                         malloc_mmap_threshold))
+                                         malloc_mmap_threshold, state_format, master_format))
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices

@@ -59,7 +59,8 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
     def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
                  staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
                  io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
-                 malloc_mmap_threshold: int | None = 8 * MiB, broadcast_bucket_bytes: int = 16 * MiB,
+                 malloc_mmap_threshold: int | None = 8 * MiB, state_format: str = "exact",
+                 master_format: str = "fp32", broadcast_bucket_bytes: int = 16 * MiB,
                  accelerator: pl.accelerators.Accelerator | None = None,
                  parallel_devices: list[torch.device] | None = None,
                  cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
@@ -75,7 +76,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
                          timeout=timeout, start_method=start_method, **ddp_kwargs)
         self._init_offload(OffloadConfig(store_dir, chunk_bytes, io_chunk_bytes, staging_bytes, prefetch_depth,
                                          io_workers, overlap, io_profile, min_free_bytes,
-                                         malloc_mmap_threshold))
+                                         malloc_mmap_threshold, state_format, master_format))
         self.broadcast_bucket_bytes = broadcast_bucket_bytes
         self.partitions: list[Partition] = []
         self._grad_owner: dict[int, list[tuple[OffloadedOptimizer, int]]] = {}  # id(param) -> (optimizer, index)
@@ -98,7 +99,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
 
     @override
     def _owned_ranges(self, index: int, optimizer: Optimizer) -> Mapping[int, Sequence[tuple[int, int]]]:
-        partition = partition_by_bytes(optimizer, self.world_size)
+        partition = partition_by_bytes(optimizer, self.world_size, fmt=self.config.state_format_spec)
         for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
             if p.requires_grad and not p.is_contiguous():
                 raise ValueError(f"nvme_offload_ddp: parameter {i} of optimizer {index} ({tuple(p.shape)}) is not "
@@ -238,7 +239,8 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
             for per_rank in scalars_by_rank:
                 merged.update(per_rank[i])
             state["state"] = dict(sorted(merged.items()))
-            state[MARKER] = sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params])
+            state[MARKER] = {**sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params]),
+                             **ckpt.format_entry(off)}
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not dist.is_available() or not dist.is_initialized():

@@ -87,7 +87,8 @@ class OffloadMixin:
         store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
         io = self.config.io_settings()
         owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
-        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
+        fmt = self.config.state_format_spec
+        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i], fmt=fmt)
                  for i, opt in enumerate(self.optimizers)]
         planned = HEADER_BYTES + sum(align_up(c.nbytes) for chunks, _ in plans for c in chunks)
         # Before anything is allocated: writable, enough free space (+ margin), warn on tmpfs/NFS.
@@ -105,14 +106,15 @@ class OffloadMixin:
             OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
                                prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
                                clip_value=clip_value, owned=owned[i], plan=plans[i],
-                               grad_hooks=self._local_grad_hooks)
+                               grad_hooks=self._local_grad_hooks, fmt=fmt)
             for i, opt in enumerate(self.optimizers)
         ]
         state = sum(o.state_bytes for o in self.offloaded)
         resident = sum(o.ring.total_bytes for o in self.offloaded) + self.nvme_store.pool_bytes
         rank_zero_info(f"{self.strategy_name}: optimizer state store {self.nvme_store.path} ({self.nvme_store.mode} "
                        f"I/O): {state / GiB:.2f} GiB on disk in {sum(len(o.chunks) for o in self.offloaded)} "
-                       f"chunks; {resident / MiB:.0f} MiB of resident buffers; overlap={self.config.overlap}")
+                       f"chunks; {resident / MiB:.0f} MiB of resident buffers; overlap={self.config.overlap}; "
+                       f"{fmt.describe()}")
 
     @override
     def teardown(self) -> None:

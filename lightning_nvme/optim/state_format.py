@@ -287,6 +287,7 @@ class RoundTripOptimizer:
 
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         opt = self.optimizer
+        opt._opt_called = True  # type: ignore[attr-defined]  # what an LR scheduler's step tracking would set
         loss = None
         if closure is not None:
             with torch.enable_grad():

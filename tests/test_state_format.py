@@ -1,0 +1,211 @@
+"""``state_format`` / ``master_format``: an offloaded run with a format is bitwise equal to the in-memory
+``RoundTripOptimizer`` of that format (AdamW fp32 and bf16-true, SGD-momentum, Adagrad; 32 steps with
+accumulation, norm clipping, an LR scheduler, two param groups), in both overlap modes and across a
+resume in a new process; another format on resume is refused; the converter dequantizes; and the codecs'
+edge cases (zero blocks, one huge value, denormals, -0.0, partial blocks, NaN/inf)."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_nvme  # noqa: F401
+from lightning_nvme import NVMeOffloadStrategy
+from lightning_nvme.optim import plan_chunks
+from lightning_nvme.optim.state_format import BLOCK, StateFormat, StateFormatError, _sr_key, stochastic_round_bf16
+from test_checkpoint import resume_in_new_process, trainer
+from test_strategy import assert_same_params, fit
+
+
+def offload(tmp_path, **kw):
+    return NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), chunk_bytes=16 << 10, **kw)
+
+
+# ---- bitwise equality with the round-trip reference ------------------------------------------------------
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "adagrad"])
+def test_bitwise_equal_to_round_trip_reference(tmp_path, optimizer, state_format):
+    ref, _ = fit(tmp_path / "ref", "auto", optimizer=optimizer, ref_state_format=state_format)
+    off, t = fit(tmp_path / "off", offload(tmp_path, state_format=state_format), optimizer=optimizer)
+    assert t.global_step == 32
+    assert_same_params(ref, off)
+    stored = t.strategy.offloaded[0].state_bytes
+    exact = sum(c.nbytes for c in plan_chunks(t.optimizers[0], 16 << 10, "probe")[0])
+    assert stored < exact * (0.55 if state_format == "bf16" else 0.3)  # the store really holds the compressed form
+
+
+@pytest.mark.parametrize("state_format, master_format", [("bf16", "fp32"), ("int8", "fp32"), ("int8", "bf16_sr")])
+def test_bf16_true_bitwise_equal_to_round_trip_reference(tmp_path, state_format, master_format):
+    kw = dict(precision="bf16-true", ref_state_format=state_format, ref_master_format=master_format)
+    ref, _ = fit(tmp_path / "ref", "auto", **kw)
+    strategy = offload(tmp_path, state_format=state_format, master_format=master_format)
+    off, t = fit(tmp_path / "off", strategy, precision="bf16-true")
+    assert_same_params(ref, off)
+    keys = {k for c in t.strategy.offloaded[0].chunks for p in c.pieces for k, _ in p.keys}
+    assert ("master_param" in keys) == (master_format == "fp32")
+
+
+def test_backward_overlap_bitwise_equal(tmp_path):
+    kw = dict(precision="bf16-true", clip_algo="value")
+    ref, _ = fit(tmp_path / "ref", "auto", ref_state_format="int8", ref_master_format="bf16_sr", **kw)
+    strategy = offload(tmp_path, state_format="int8", master_format="bf16_sr", overlap="backward")
+    off, _ = fit(tmp_path / "off", strategy, **kw)
+    assert_same_params(ref, off)
+
+
+def test_formats_change_the_result(tmp_path):
+    """The reference is not trivially the exact run: int8 state changes the trained parameters (a little)."""
+    exact, _ = fit(tmp_path / "a", "auto", steps=8)
+    int8, _ = fit(tmp_path / "b", "auto", steps=8, ref_state_format="int8")
+    diffs = [float((p.detach() - q.detach()).abs().max()) for p, q in zip(exact.parameters(), int8.parameters())]
+    assert 0 < max(diffs) < 0.05
+
+
+# ---- checkpoints ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def int8_checkpoint(tmp_path_factory):
+    """One epoch with int8 state and bf16_sr masters, saved; the module and strategy at that point."""
+    from models import MLP
+
+    root = tmp_path_factory.mktemp("int8")
+    model = MLP()
+    t = trainer(root, offload(root, state_format="int8", master_format="bf16_sr"), 1, precision="bf16-true",
+                enable_checkpointing=False)
+    t.fit(model)
+    t.save_checkpoint(root / "epoch1.ckpt")
+    return root, t
+
+
+def test_resume_in_new_process_bitwise_equal_to_reference(tmp_path, int8_checkpoint):
+    from models import MLP
+
+    root, _ = int8_checkpoint
+    ref = MLP(ref_state_format="int8", ref_master_format="bf16_sr")
+    trainer(tmp_path / "ref", "auto", 2, precision="bf16-true", enable_checkpointing=False).fit(ref)
+    strategy = (f"NVMeOffloadStrategy(store_dir={str(tmp_path / 'store2')!r}, chunk_bytes=16 << 10, "
+                "state_format='int8', master_format='bf16_sr')")
+    params = resume_in_new_process(tmp_path, root / "epoch1.ckpt", tmp_path / "p.pt", strategy, "bf16-true")
+    for name, p in ref.named_parameters():
+        assert torch.equal(p, params[name]), f"parameter {name} differs after resume"
+
+
+@pytest.mark.parametrize("kwargs", [{}, {"state_format": "int8"}, {"state_format": "bf16", "master_format": "bf16_sr"}])
+def test_resume_with_another_format_is_refused(tmp_path, int8_checkpoint, kwargs):
+    from models import MLP
+
+    root, _ = int8_checkpoint
+    t = trainer(tmp_path, offload(tmp_path, **kwargs), 2, precision="bf16-true", enable_checkpointing=False)
+    with pytest.raises(StateFormatError) as info:
+        t.fit(MLP(), ckpt_path=root / "epoch1.ckpt")
+    message = str(info.value)
+    assert "state_format='int8', master_format='bf16_sr'" in message
+    assert StateFormat(kwargs.get("state_format", "exact"), kwargs.get("master_format", "fp32")).describe() in message
+    assert "convert to-lightning" in message
+
+
+def test_converter_dequantizes_and_plain_checkpoint_resumes_in_any_format(tmp_path, int8_checkpoint):
+    from lightning_nvme.checkpoint import convert
+    from models import MLP
+
+    root, t = int8_checkpoint
+    plain = tmp_path / "plain.ckpt"
+    convert.to_lightning(str(root / "epoch1.ckpt"), str(plain))
+    state = torch.load(plain, weights_only=False)["optimizer_states"][0]
+    decoded = t.strategy.offloaded[0].state_dict()  # the store's state as the optimizer sees it (reopened store)
+    assert state["lightning_nvme_state_format"]["state_format"] == "int8"
+    for index, entries in decoded["state"].items():
+        for key, value in entries.items():
+            if torch.is_tensor(value) and value.dim():
+                assert state["state"][index][key].dtype == torch.float32
+                assert torch.equal(state["state"][index][key], value), f"{index}.{key}"
+    for kwargs in ({"state_format": "bf16"}, {"state_format": "int8", "master_format": "bf16_sr"}):
+        t2 = trainer(tmp_path / kwargs["state_format"], offload(tmp_path / kwargs["state_format"], **kwargs), 2,
+                     precision="bf16-true", enable_checkpointing=False)
+        t2.fit(MLP(), ckpt_path=plain)
+        assert t2.global_step == 32
+
+
+# ---- codecs -----------------------------------------------------------------------------------------------------
+INT8 = StateFormat("int8")
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+def test_int8_zero_block_partial_block_and_negative_zero(key):
+    x = torch.rand(2 * BLOCK + 44) * 1e-3
+    x[:BLOCK] = 0.0                       # an all-zero block
+    x[BLOCK] = -0.0 if key == "exp_avg" else 0.0
+    y = INT8.round_trip(key, x)
+    assert torch.equal(y[:BLOCK], torch.zeros(BLOCK))
+    assert y[BLOCK] == 0 and torch.isfinite(y).all()
+    tail = x[2 * BLOCK:]                  # the partial block's scale is its own absmax
+    assert float((y[2 * BLOCK:] - tail).abs().max()) <= float(tail.abs().max()) * 0.02
+
+
+def test_int8_one_huge_value_keeps_its_block_finite_and_other_blocks_untouched():
+    x = torch.randn(3 * BLOCK) * 1e-3
+    x[BLOCK + 7] = 1e15
+    y = INT8.round_trip("exp_avg", x)
+    assert torch.isfinite(y).all()
+    assert abs(float(y[BLOCK + 7]) - 1e15) / 1e15 < 1e-6
+    for b in (0, 2):
+        blk, out = x[b * BLOCK:(b + 1) * BLOCK], y[b * BLOCK:(b + 1) * BLOCK]
+        assert float((out - blk).abs().max()) <= float(blk.abs().max()) * 0.02
+    v = x.square()                        # second moments: small values survive beside a huge one
+    w = INT8.round_trip("exp_avg_sq", v)
+    assert torch.isfinite(w).all()
+    small = v[BLOCK:2 * BLOCK] > 1e-12 * float(v.max())
+    assert (w[BLOCK:2 * BLOCK][small] > 0).all()
+
+
+@pytest.mark.parametrize("key", ["exp_avg", "exp_avg_sq"])
+def test_int8_denormal_blocks(key):
+    tiny = torch.finfo(torch.float32).smallest_normal
+    x = torch.linspace(0, 1, BLOCK) * tiny * 0.5      # all denormal, absmax denormal
+    x = x if key == "exp_avg_sq" else x * torch.where(torch.arange(BLOCK) % 2 == 0, 1.0, -1.0)
+    y = INT8.round_trip(key, x)
+    assert torch.isfinite(y).all()
+    assert float((y - x).abs().max()) <= float(x.abs().max()) * 0.02
+
+
+def test_bf16_keeps_sign_of_zero_denormals_and_nonfinite_per_element():
+    fmt = StateFormat("bf16")
+    x = torch.tensor([-0.0, 1e-40, float("nan"), float("inf"), 1.0, 3.0])
+    y = fmt.round_trip("exp_avg", x)
+    assert torch.signbit(y[0]) and y[1] > 0 and y[2].isnan() and y[3].isinf()
+    assert torch.equal(y[4:], x[4:])                  # NaN/inf do not spread to their neighbours
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), float("-inf")])
+def test_int8_reports_nonfinite_state_instead_of_spreading_it(bad):
+    x = torch.randn(BLOCK + 10)
+    x[BLOCK + 3] = bad
+    with pytest.raises(StateFormatError, match=r"exp_avg of parameter 7 holds 1 NaN/inf value\(s\) \(first at element "
+                                               f"{BLOCK + 3}"):
+        INT8.round_trip("exp_avg", x, " of parameter 7")
+
+
+def test_int8_unsigned_code_refuses_negative_values():
+    with pytest.raises(StateFormatError, match="negative at element 5"):
+        INT8.round_trip("exp_avg_sq", torch.tensor([1.0] * 5 + [-1.0]))
+
+
+def test_stochastic_rounding_is_unbiased_deterministic_and_independent_of_cuts():
+    x = torch.full((100_000,), 1.0 + 2 ** -9)          # a quarter of the way from 1 to the next bf16 (1 + 2^-7)
+    key, next_step = _sr_key(step=0, index=3), _sr_key(step=1, index=3)
+    a = stochastic_round_bf16(x, key)
+    assert torch.equal(a, stochastic_round_bf16(x, key))
+    assert set(a.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
+    assert abs(float(a.float().mean()) - float(x.mean())) < 2e-4
+    pieces = torch.cat([stochastic_round_bf16(x[lo:hi], key, start=lo) for lo, hi in [(0, 300), (300, 100_000)]])
+    assert torch.equal(a, pieces)
+    assert not torch.equal(a, stochastic_round_bf16(x, next_step))
+    s = torch.tensor([-(1.0 + 2 ** -9), float("inf"), 0.0, -0.0])
+    r = stochastic_round_bf16(s, key=5).float()
+    assert r[0] in (-1.0, -(1.0 + 2 ** -7)) and r[1].isinf() and r[2] == 0 and torch.signbit(r[3])
+
+
+def test_invalid_formats_are_named():
+    with pytest.raises(ValueError, match="state_format"):
+        NVMeOffloadStrategy(state_format="fp8")
+    with pytest.raises(ValueError, match="master_format"):
+        NVMeOffloadStrategy(master_format="fp16")

@@ -228,3 +228,29 @@ def test_ddp_bitwise_equal_to_round_trip_reference(tmp_path):
         assert_bitwise(ref[rank], step[rank], f"int8 ddp rank {rank}")
         assert_bitwise(ref[rank], backward[rank], f"int8 ddp backward rank {rank}")
     assert step[0]["state_bytes"] + step[1]["state_bytes"] < 0.3 * step[0]["single_process_state_bytes"]
+
+
+def test_telemetry_names_the_format(tmp_path):
+    from lightning_nvme.callbacks import IOTelemetry
+    from models import MLP
+
+    telemetry = IOTelemetry(plot=False, summary=False, prog_bar=False)
+    t = trainer(tmp_path, offload(tmp_path, state_format="bf16"), 1, limit_train_batches=8, callbacks=[telemetry],
+                enable_checkpointing=False)
+    t.fit(MLP())
+    summary = telemetry.summary_dict()
+    assert summary["state_format"] == "state_format='bf16', master_format='fp32'"
+    assert 0 < summary["bytes_written"] / summary["steps"] <= t.strategy.offloaded[0].state_bytes
+
+
+def test_hydra_strategy_config_takes_the_formats():
+    import os
+
+    import hydra
+    from omegaconf import OmegaConf
+
+    conf = os.path.join(os.path.dirname(lightning_nvme.__file__), "conf", "strategy", "nvme_offload.yaml")
+    cfg = OmegaConf.load(conf)
+    cfg.store_dir, cfg.state_format, cfg.master_format = None, "int8", "bf16_sr"
+    strategy = hydra.utils.instantiate(cfg)
+    assert strategy.config.state_format_spec.describe() == "state_format='int8', master_format='bf16_sr'"

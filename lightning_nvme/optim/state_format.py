@@ -263,8 +263,13 @@ def stochastic_round_bf16(x: torch.Tensor, key: int, start: int = 0) -> torch.Te
     of element ``start + i`` are the top half of ``(start + i) * golden + key`` mod 2**32: a pure function
     of the element index, so any cut of a tensor into pieces rounds identically."""
     flat = x.reshape(-1)
-    idx = torch.arange(start, start + flat.numel(), dtype=torch.int64, device=x.device)
-    noise = idx.mul_(0x9E3779B1).add_(key).bitwise_and_(0xFFFFFFFF).bitwise_right_shift_(16).to(torch.int32)
+    if start + flat.numel() < 2 ** 31:  # int32 arithmetic wraps mod 2**32: the same bits, half the memory traffic
+        idx = torch.arange(start, start + flat.numel(), dtype=torch.int32, device=x.device)
+        signed_key = key - (1 << 32) if key >= 1 << 31 else key
+        noise = idx.mul_(0x9E3779B1 - (1 << 32)).add_(signed_key).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
+    else:
+        idx = torch.arange(start, start + flat.numel(), dtype=torch.int64, device=x.device)
+        noise = idx.mul_(0x9E3779B1).add_(key).bitwise_and_(0xFFFFFFFF).bitwise_right_shift_(16).to(torch.int32)
     bits = flat.contiguous().view(torch.int32)
     rounded = noise.add_(bits).bitwise_and_(-65536).view(torch.float32)
     return rounded.bfloat16().view(x.shape)

@@ -6,7 +6,8 @@ Two configurations of the embedded quickstart recipe (a byte-level GPT on Python
               plus int8 with master_format="bf16_sr"), so quantization errors have time to accumulate
 For each run: final train loss (mean of the last 10 steps), val loss and perplexity, and the max
 relative deviation of the per-step train-loss curve (raw, and after a 10-step moving average) from the
-"exact" run of the same configuration. With --plot, one PNG per configuration overlays the curves.
+"exact" run of the same configuration. With --plot, outputs/state_format_quality-<config>.png overlays
+the curves (10-step moving average) of every format.
 
     python benchmarks/state_format_quality.py                       # ~5 min on 2 free cores
     python benchmarks/state_format_quality.py --steps 400 --long-steps 1000
@@ -77,7 +78,7 @@ def main() -> None:
     p.add_argument("--steps", type=int, default=60, help="quickstart steps (validation every --steps / 2)")
     p.add_argument("--long-steps", type=int, default=300)
     p.add_argument("--configs", default="quickstart,long")
-    p.add_argument("--plot", action="store_true", help="save state_format_quality-<config>.png (matplotlib)")
+    p.add_argument("--plot", action="store_true", help="save outputs/state_format_quality-<config>.png (matplotlib)")
     p.add_argument("--dir", default=None, help="store directory (default: a temp dir beside the checkout)")
     args = p.parse_args()
     results: dict = {}
@@ -104,7 +105,8 @@ def main() -> None:
             "max_rel_dev_curve_smoothed10": max_rel_dev(smooth(r["curve"]), smooth(ref["curve"])),
             "seconds": r["seconds"]} for label, r in runs.items()}}
         if args.plot:
-            _plot(name, runs, os.path.join(ROOT, f"state_format_quality-{name}.png"))
+            os.makedirs(os.path.join(ROOT, "outputs"), exist_ok=True)
+            _plot(name, runs, os.path.join(ROOT, "outputs", f"state_format_quality-{name}.png"))
     print(json.dumps(results))
 
 

@@ -104,6 +104,7 @@ def main() -> None:
             "max_rel_dev_curve": max_rel_dev(r["curve"], ref["curve"]),
             "max_rel_dev_curve_smoothed10": max_rel_dev(smooth(r["curve"]), smooth(ref["curve"])),
             "seconds": r["seconds"]} for label, r in runs.items()}}
+        print(json.dumps({name: results[name]}), file=sys.stderr, flush=True)  # kept if a later config is cut short
         if args.plot:
             os.makedirs(os.path.join(ROOT, "outputs"), exist_ok=True)
             _plot(name, runs, os.path.join(ROOT, "outputs", f"state_format_quality-{name}.png"))

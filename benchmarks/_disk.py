@@ -15,8 +15,8 @@ import resource
 import statistics
 import threading
 import time
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Callable
 
 MiB = 1 << 20
 GiB = 1 << 30
@@ -152,6 +152,17 @@ def raw_read(path: str, nbytes: int, *, block: int = 8 * MiB, threads: int = 4, 
         os.close(fd)
 
 
+def raw_disk(directory: str, nbytes: int) -> tuple[float, float]:
+    """This run's raw disk speed in GB/s: write (through fdatasync), then cold read, ``nbytes`` of a
+    preallocated scratch file in ``directory`` (the store's disk) with the loops above."""
+    path = os.path.join(directory, "raw-baseline.bin")
+    preallocate(path, nbytes)
+    try:
+        return gbps(nbytes, raw_write(path, nbytes)), gbps(nbytes, raw_read(path, nbytes))
+    finally:
+        os.remove(path)
+
+
 def gbps(nbytes: int, seconds: float) -> float:
     return nbytes / seconds / 1e9 if seconds > 0 else float("inf")
 
@@ -159,6 +170,13 @@ def gbps(nbytes: int, seconds: float) -> float:
 def median_ratio(subject: list[float], baseline: list[float]) -> float:
     """Median of per-pair ratios subject[i] / baseline[i] (pairs measured back to back)."""
     return statistics.median(s / b for s, b in zip(subject, baseline, strict=True))
+
+
+def spread(ratios: list[float], digits: int = 3) -> dict[str, float | list[float]]:
+    """Median, min and max of per-pair ratios, and the pairs themselves: what a README figure quotes
+    as "median (min-max)" so a reader sees how far one run can move it."""
+    return {"median": round(statistics.median(ratios), digits), "min": round(min(ratios), digits),
+            "max": round(max(ratios), digits), "pairs": [round(r, digits) for r in ratios]}
 
 
 def peak_rss_mib() -> float:

@@ -14,6 +14,8 @@ import argparse
 import json
 import os
 import statistics
+import subprocess
+import sys
 import tempfile
 import threading
 import time
@@ -27,6 +29,10 @@ from torch.utils.data import DataLoader, Dataset
 
 from lightning_nvme.activations import SavedActivationMeter
 from lightning_nvme.callbacks import NVMeActivationOffload
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _disk import raw_disk, spread  # noqa: E402
+from _profile import Counters, pyspy_command, summarize_pyspy  # noqa: E402
 
 MiB = 1 << 20
 
@@ -139,6 +145,9 @@ class Alternate(pl.Callback):
             self.baseline_meter.begin(exclude=[*pl_module.parameters(), *pl_module.buffers()])
         else:
             self.offload.meter.reset_peak()
+        store = self.offload.nvme_store
+        self.counters = Counters(stores=[store] if store is not None and self.mode == "offload" else [])
+        self.counters.__enter__()
         self.t0 = time.perf_counter()
 
     def on_before_backward(self, trainer, pl_module, loss):
@@ -151,8 +160,9 @@ class Alternate(pl.Callback):
     def record(self) -> None:
         """Called by ``Recorder``, which runs after the offload callback has ended its step."""
         t3 = time.perf_counter()
+        self.counters.__exit__(None, None, None)
         row = dict(mode=self.mode, step_s=t3 - self.t0, forward_s=self.t1 - self.t0, backward_s=self.t2 - self.t1,
-                   rss_peak=self.rss.peak())
+                   rss_peak=self.rss.peak(), counters=self.counters.as_dict())
         if self.mode == "inmem":
             row["saved_peak"] = self.baseline_meter.meter.peak_bytes
         else:
@@ -161,7 +171,8 @@ class Alternate(pl.Callback):
                        io_busy_s=stats.io_busy_s, read_wait_s=stats.read_wait_s, write_wait_s=stats.write_wait_s,
                        misses=stats.misses)
         self.rows.append(row)
-        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items()}), flush=True)
+        print(json.dumps({k: round(v, 3) if isinstance(v, float) else v for k, v in row.items() if k != "counters"}),
+              file=sys.stderr, flush=True)
 
 
 class Recorder(pl.Callback):
@@ -188,7 +199,11 @@ def main() -> None:
     p.add_argument("--prefetch-depth", type=int, default=2)
     p.add_argument("--keep-last", type=int, default=1)
     p.add_argument("--quick", action="store_true", help="a small config to check the script runs")
+    p.add_argument("--profile", action="store_true",
+                   help="run under py-spy (every thread) and print its top frames per thread to stderr")
     args = p.parse_args()
+    if args.profile and pyspy_command("x") and not os.environ.get("_NVME_BENCH_PROFILED"):
+        raise SystemExit(profiled(sys.argv))
     if args.quick:
         args.layers, args.batch, args.pairs = 12, 512, 1
     torch.manual_seed(0)
@@ -206,6 +221,8 @@ def main() -> None:
     trainer.fit(model, DataLoader(Tokens(steps, args.batch, args.seq, args.vocab), batch_size=None))
     alternate.rss.stop()
 
+    raw_w, raw_r = raw_disk(store_dir, max(256 * MiB, int(statistics.median(
+        r.get("written", 0) for r in alternate.rows if r["mode"] == "offload"))))
     rows = alternate.rows[2:]  # drop the warm-up pair
     inmem = [r for r in rows if r["mode"] == "inmem"]
     off = [r for r in rows if r["mode"] == "offload"]
@@ -221,12 +238,20 @@ def main() -> None:
         "saved_bytes_offload_peak": int(off_peak),
         "activation_memory_reduction": round(1 - off_peak / inmem_peak, 4),
         "step_ratio": round(med(o["step_s"] / i["step_s"] for i, o in zip(inmem, off)), 4),
+        "step_ratio_spread": spread([o["step_s"] / i["step_s"] for i, o in zip(inmem, off)]),
         "step_s_inmem": round(med(r["step_s"] for r in inmem), 3),
         "step_s_offload": round(med(r["step_s"] for r in off), 3),
         "backward_s_inmem": round(med(r["backward_s"] for r in inmem), 3),
         "bytes_written_per_step": int(med(r["written"] for r in off)),
         "bytes_read_per_step": int(med(r["read"] for r in off)),
         "io_vs_backward": round(med(o["io_busy_s"] / i["backward_s"] for i, o in zip(inmem, off)), 4),
+        "io_vs_backward_spread": spread([o["io_busy_s"] / i["backward_s"] for i, o in zip(inmem, off)]),
+        "raw_write_GBps": round(raw_w, 3),
+        "raw_read_GBps": round(raw_r, 3),
+        # per step, median over the measured steps: CPU seconds by thread group, page faults, store waits
+        "counters": {mode: {k: med(r["counters"][k] for r in rs) for k in rs[0]["counters"]}
+                     for mode, rs in (("inmem", inmem), ("offload", off))},
+        "load_avg_1min": round(os.getloadavg()[0], 2),
         "read_wait_s_per_step": round(med(r["read_wait_s"] for r in off), 4),
         "write_wait_s_per_step": round(med(r["write_wait_s"] for r in off), 4),
         "prefetch_misses": sum(r["misses"] for r in off),
@@ -239,9 +264,23 @@ def main() -> None:
     print(json.dumps(result))
 
 
+def profiled(argv: list[str]) -> int:
+    """Re-run this benchmark under py-spy; print its result, then the top frames per thread."""
+    os.makedirs(".bench-profile", exist_ok=True)
+    raw = os.path.abspath(".bench-profile/activation.pyspy.txt")
+    env = dict(os.environ, _NVME_BENCH_PROFILED="1")
+    res = subprocess.run(pyspy_command(raw) + [sys.executable, *argv], env=env, stdout=subprocess.PIPE, text=True)
+    summary = summarize_pyspy(raw)
+    with open(raw.replace(".pyspy.txt", ".txt"), "w") as f:
+        f.write(summary)
+    print(summary, file=sys.stderr)
+    print(next((line for line in reversed(res.stdout.splitlines()) if line.startswith("{")), "{}"))
+    return res.returncode
+
+
 def offload_mode(store_dir: str) -> str:
     from lightning_nvme.store import FlatStore
-    probe = FlatStore(store_dir, name="mode-probe", chunk_bytes=1 * MiB, pool_bytes=1 * MiB, num_workers=1)
+    probe = FlatStore(store_dir, name="mode-probe", io_chunk_bytes=1 * MiB, pool_bytes=1 * MiB, num_workers=1)
     mode = probe.mode
     probe.close(delete=True)
     return mode

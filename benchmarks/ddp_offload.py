@@ -27,6 +27,9 @@ import time
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _disk import raw_disk, spread  # noqa: E402
+from _profile import Counters, pyspy_command, summarize_pyspy  # noqa: E402
 
 
 def build(width: int, blocks: int, vocab: int):
@@ -76,10 +79,13 @@ def worker(args) -> None:
     class Clock(Callback):
         def __init__(self) -> None:
             self.t0 = self.t1 = 0.0
+            self.counters: Counters | None = None
 
         def on_train_batch_start(self, trainer, *_):
             if trainer.global_step == args.warmup:
                 trainer.strategy.barrier()
+                store = getattr(trainer.strategy, "nvme_store", None)
+                self.counters = Counters(stores=[store] if store is not None else []).__enter__()
                 self.t0 = time.perf_counter()
 
         def on_train_end(self, trainer, *_):
@@ -87,6 +93,7 @@ def worker(args) -> None:
             if store is not None:
                 store.fence(durable=True)
             self.t1 = time.perf_counter()
+            self.counters.__exit__(None, None, None)
 
     records = []
     for pair in range(args.pairs):
@@ -104,7 +111,7 @@ def worker(args) -> None:
             model = Model()
             trainer.fit(model)
             rec = {"pair": pair, "kind": kind, "rank": trainer.global_rank,
-                   "step_s": (clock.t1 - clock.t0) / args.steps,
+                   "step_s": (clock.t1 - clock.t0) / args.steps, "counters": clock.counters.as_dict(per=args.steps),
                    "params": sum(p.numel() for p in model.parameters())}
             if kind == "offload":
                 off = trainer.strategy.offloaded[0]
@@ -112,7 +119,7 @@ def worker(args) -> None:
                 rec.update(state_bytes=off.state_bytes, store_file_bytes=os.path.getsize(path),
                            store_allocated_bytes=os.stat(path).st_blocks * 512, io_mode=off.store.mode,
                            single_process_state_bytes=sum(c.nbytes for c in plan_chunks(
-                               off.optimizer, args.chunk_mib << 20, "probe")[0]))
+                               off.optimizer, args.chunk_mib << 20, "probe").chunks))
             records.append(rec)
     with open(f"{args.out}.rank{trainer.global_rank}.json", "w") as f:
         json.dump(records, f)
@@ -131,6 +138,9 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=8)
     parser.add_argument("--overlap", choices=["step", "backward"], default="step")
     parser.add_argument("--dir", default=None, help="store and scratch directory (default: a temp dir here)")
+    parser.add_argument("--profile", action="store_true",
+                        help="run the 2-rank job under py-spy (every thread of rank 0's process tree); its top "
+                             "frames per thread go to stderr and .bench-profile/ddp.txt")
     parser.add_argument("--worker", dest="out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.out is not None:
@@ -138,7 +148,12 @@ def main() -> None:
 
     with tempfile.TemporaryDirectory(dir=args.dir or ROOT, prefix=".bench-ddp-") as scratch:
         out = os.path.join(scratch, "result")
-        cmd = [sys.executable, os.path.abspath(__file__), *sys.argv[1:], "--worker", out, "--dir", scratch]
+        cmd = [sys.executable, os.path.abspath(__file__), *[a for a in sys.argv[1:] if a != "--profile"],
+               "--worker", out, "--dir", scratch]
+        raw_profile = os.path.join(ROOT, ".bench-profile", "ddp.pyspy.txt")
+        if args.profile and pyspy_command(raw_profile):
+            os.makedirs(os.path.dirname(raw_profile), exist_ok=True)
+            cmd = pyspy_command(raw_profile)[:-1] + ["--subprocesses", "--"] + cmd
         env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
         env.setdefault("OMP_NUM_THREADS", "1")
         t0 = time.perf_counter()
@@ -148,6 +163,12 @@ def main() -> None:
             raise SystemExit(f"benchmark worker failed with exit code {proc.returncode}")
         ranks = [json.load(open(f"{out}.rank{r}.json")) for r in range(2)]
         wall = time.perf_counter() - t0
+        raw_w, raw_r = raw_disk(scratch, 256 << 20)
+    if args.profile and os.path.exists(raw_profile):
+        summary = summarize_pyspy(raw_profile)
+        with open(raw_profile.replace(".pyspy.txt", ".txt"), "w") as f:
+            f.write(summary)
+        print(summary, file=sys.stderr)
 
     step = {}  # (pair, kind) -> the slower rank's step time
     for recs in ranks:
@@ -176,6 +197,13 @@ def main() -> None:
         "step_ms_ddp_median": round(statistics.median(step[(p, "ddp")] for p in range(args.pairs)) * 1e3, 1),
         "step_ms_offload_median": round(statistics.median(step[(p, "offload")] for p in range(args.pairs)) * 1e3, 1),
         "step_ratio_vs_ddp": round(statistics.median(ratios), 3),
+        "step_ratio_vs_ddp_spread": spread(ratios),
+        "raw_write_GBps": round(raw_w, 3), "raw_read_GBps": round(raw_r, 3),
+        # rank 0, per step, median over pairs: CPU seconds by thread group, page faults, store waits
+        "counters_rank0": {kind: {k: statistics.median(r["counters"][k] for r in ranks[0] if r["kind"] == kind)
+                                  for k in next(r for r in ranks[0] if r["kind"] == kind)["counters"]}
+                           for kind in ("ddp", "offload")},
+        "load_avg_1min": round(os.getloadavg()[0], 2),
         "pair_ratios": [round(r, 3) for r in ratios], "pairs": args.pairs, "timed_steps": args.steps,
         "wall_s": round(wall, 1),
     }))

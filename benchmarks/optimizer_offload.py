@@ -29,7 +29,8 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _disk import MiB, gbps, preallocate, raw_read, raw_write  # noqa: E402
+from _disk import MiB, raw_disk, spread  # noqa: E402
+from _profile import Counters, python_profile, run_profiled, summarize_pyspy, torch_profile  # noqa: E402
 
 
 def build(params_m: float, width: int):
@@ -57,9 +58,10 @@ def child(args) -> dict:
     store = off = None
     if args.child != "inmem":
         from lightning_nvme.memory import release_freed_memory
+        from lightning_nvme.settings import OffloadSettings
 
-        release_freed_memory()  # what NVMeOffloadStrategy does at setup (malloc_mmap_threshold)
-        store = FlatStore(args.dir, chunk_bytes=args.io_chunk_mib * MiB, num_workers=args.workers)
+        release_freed_memory(OffloadSettings.malloc_mmap_threshold)  # what NVMeOffloadStrategy does at setup
+        store = FlatStore(args.dir, io_chunk_bytes=args.io_chunk_mib * MiB, num_workers=args.workers)
         off = OffloadedOptimizer(opt, store, chunk_bytes=args.chunk_mib * MiB, prefetch_depth=args.prefetch,
                                  overlap="backward" if args.child == "bwd" else "step")
     out: dict = {}
@@ -93,7 +95,16 @@ def child(args) -> dict:
     if args.child != "bwd":
         out["opt_step"] = per_step(lambda: opt.step())  # grads of the last backward; the update alone
     out["fwd"], out["bwd"] = [], []
-    out["train_step"] = per_step(lambda: opt.step(closure))
+    counters = Counters(stores=[store] if store is not None else [])
+    with counters:
+        out["train_step"] = per_step(lambda: opt.step(closure))
+    out["counters"] = counters.as_dict(per=args.steps)
+    if args.profile:
+        def one_step():
+            opt.step(closure)
+            sync()
+        print(f"== {args.child}: cProfile of one training step (own time) ==\n{python_profile(one_step)}\n"
+              f"== {args.child}: torch profiler, one training step ==\n{torch_profile(one_step)}", file=sys.stderr)
     out["bwd"] = statistics.median(out["bwd"])
     out["fwd"] = statistics.median(out["fwd"])
     out["state_bytes"] = off.state_bytes if off else sum(
@@ -106,30 +117,34 @@ def child(args) -> dict:
     return out
 
 
-def raw_disk(directory: str, nbytes: int) -> tuple[float, float]:
-    """Write (through fdatasync) and cold-read ``nbytes`` sequentially with the raw O_DIRECT loop of
-    benchmarks/_disk.py, on a preallocated file in the store's directory. Returns GB/s."""
-    path = os.path.join(directory, "raw-baseline.bin")
-    preallocate(path, nbytes)
-    try:
-        return gbps(nbytes, raw_write(path, nbytes)), gbps(nbytes, raw_read(path, nbytes))
-    finally:
-        os.remove(path)
+def last_json(stdout: str) -> dict:
+    """The child's result: its last line that is a JSON object (py-spy may print after it)."""
+    return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--params-m", type=float, default=150.0, help="model size in millions of fp32 params")
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--tokens", type=int, default=384, help="rows per batch: sets backward time vs I/O")
+def add_offload_arguments(p: argparse.ArgumentParser, params_m: float, width: int, dtype: str) -> None:
+    """The model size, repetitions and store settings of an offloaded-optimizer benchmark (this one and
+    state_format_offload.py)."""
+    p.add_argument("--params-m", type=float, default=params_m, help=f"model size in millions of {dtype} params")
+    p.add_argument("--width", type=int, default=width)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--chunk-mib", type=int, default=32)
     p.add_argument("--io-chunk-mib", type=int, default=8)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--prefetch", type=int, default=2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_offload_arguments(p, 150.0, 2048, "fp32")
+    p.add_argument("--tokens", type=int, default=384, help="rows per batch: sets backward time vs I/O")
     p.add_argument("--fused", action="store_true", help="AdamW(fused=True) in every configuration")
     p.add_argument("--dir", default=None, help="store directory (default: a temp dir beside the checkout)")
+    p.add_argument("--profile", action="store_true",
+                   help="also profile each configuration (cProfile + torch profiler of one step, py-spy of the "
+                        "child where installed); summaries go to stderr and to --profile-dir")
+    p.add_argument("--profile-dir", default=os.path.join(ROOT, ".bench-profile"))
     p.add_argument("--child", choices=["inmem", "step", "bwd"], help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -138,20 +153,31 @@ def main() -> None:
     tmp = tempfile.TemporaryDirectory(dir=args.dir or ROOT, prefix=".bench-opt-")
     args.dir = tmp.name
 
-    def run_child(kind: str) -> dict:
+    flags = ("fused", "profile")
+    if args.profile:
+        os.makedirs(args.profile_dir, exist_ok=True)
+
+    def run_child(kind: str, pair: int) -> dict:
         cmd = [sys.executable, __file__, "--child", kind] + [
-            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "pairs", "fused")] + (
-            ["--fused"] if args.fused else [])
-        res = subprocess.run(cmd, check=True, capture_output=True, text=True)
-        return json.loads(res.stdout.strip().splitlines()[-1])
+            f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items() if k not in ("child", "pairs", *flags)] + [
+            f"--{k}" for k in flags if getattr(args, k)]
+        if not args.profile:
+            res = subprocess.run(cmd, check=True, capture_output=True, text=True)
+            return last_json(res.stdout)
+        base = os.path.join(args.profile_dir, f"optimizer-{kind}-pair{pair}")
+        res = run_profiled(cmd, base + ".pyspy.txt", check=True, capture_output=True, text=True)
+        with open(base + ".txt", "w") as f:
+            f.write(res.stderr + "\n== py-spy: top leaf frames per thread ==\n" + summarize_pyspy(base + ".pyspy.txt"))
+        print(f"profile of {kind} (pair {pair}): {base}.txt", file=sys.stderr, flush=True)
+        return last_json(res.stdout)
 
     rows = []
     for i in range(args.pairs):
-        inmem = run_child("inmem")
+        inmem = run_child("inmem", i)
         state = inmem["state_bytes"]
         w, r = raw_disk(args.dir, max(state, 256 * MiB))
-        step = run_child("step")
-        bwd = run_child("bwd")
+        step = run_child("step", i)
+        bwd = run_child("bwd", i)
         io_bound = state / (r * 1e9) + state / (w * 1e9)
         rows.append(dict(raw_write_GBps=w, raw_read_GBps=r, io_bound_s=io_bound, inmem=inmem, step=step, bwd=bwd))
         print(f"pair {i}: raw w/r {w:.2f}/{r:.2f} GB/s io_bound {io_bound:.2f}s | opt.step inmem "
@@ -178,7 +204,10 @@ def main() -> None:
         "train_step_offload_bwd_s": med([r["bwd"]["train_step"] for r in rows]),
         "train_step_offload_step_s": med([r["step"]["train_step"] for r in rows]),
         "train_step_ratio": med([r["bwd"]["train_step"] / r["inmem"]["train_step"] for r in rows]),
+        "train_step_ratio_spread": spread([r["bwd"]["train_step"] / r["inmem"]["train_step"] for r in rows]),
         "train_step_ratio_step_mode": med([r["step"]["train_step"] / r["inmem"]["train_step"] for r in rows]),
+        "train_step_ratio_step_mode_spread": spread([r["step"]["train_step"] / r["inmem"]["train_step"] for r in rows]),
+        "io_bound_vs_backward_spread": spread([r["io_bound_s"] / r["inmem"]["bwd"] for r in rows]),
         "rss_inmem_MiB": rss_in,
         "rss_offload_MiB": rss_off,
         "rss_offload_bwd_MiB": med([r["bwd"]["rss_MiB"] for r in rows]),
@@ -189,6 +218,10 @@ def main() -> None:
         "chunk_MiB": args.chunk_mib,
         "fused": args.fused,
         "step_vs_max_io_compute": med([r["step"]["opt_step"] / max(r["io_bound_s"], r["inmem"]["opt_step"]) for r in rows]),
+        # per training step, median over pairs: CPU seconds by thread group, page faults, store waits
+        "counters": {kind: {k: med([r[kind]["counters"][k] for r in rows]) for k in rows[0][kind]["counters"]}
+                     for kind in ("inmem", "step", "bwd")},
+        "load_avg_1min": round(os.getloadavg()[0], 2),
     }
     tmp.cleanup()
     print(json.dumps(result))

@@ -18,13 +18,12 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import statistics
 import sys
 import time
 import warnings
-from typing import Callable
-
-import os
+from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -49,8 +48,13 @@ def cases(n: int) -> dict[str, Callable[[], object]]:
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")
-            from torchao.optim.quant_utils import (_fp32_to_bf16_sr, create_dynamic_map, dequant_with_qmap,
-                                                   quantize_8bit_with_qmap, scale_tensor)
+            from torchao.optim.quant_utils import (
+                _fp32_to_bf16_sr,
+                create_dynamic_map,
+                dequant_with_qmap,
+                quantize_8bit_with_qmap,
+                scale_tensor,
+            )
         qmap = torch.tensor(create_dynamic_map(True))
 
         def ao_encode():

@@ -33,7 +33,7 @@ ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _disk import MiB, gbps, preallocate, raw_read, raw_write  # noqa: E402
-from optimizer_offload import build  # noqa: E402
+from optimizer_offload import add_offload_arguments, build  # noqa: E402
 
 FORMATS = [("exact", "fp32"), ("bf16", "fp32"), ("int8", "fp32"), ("int8", "bf16_sr")]
 
@@ -55,7 +55,7 @@ def setup(args, state: str, master: str, directory: str):
         p.grad = (torch.randn(p.shape, generator=g) * 1e-3).bfloat16()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4)
     os.makedirs(directory, exist_ok=True)
-    store = FlatStore(directory, chunk_bytes=args.io_chunk_mib * MiB, num_workers=args.workers)
+    store = FlatStore(directory, io_chunk_bytes=args.io_chunk_mib * MiB, num_workers=args.workers)
     off = OffloadedOptimizer(opt, store, chunk_bytes=args.chunk_mib * MiB, prefetch_depth=args.prefetch,
                              fmt=StateFormat(state, master))
     opt.step()  # creates the state
@@ -110,14 +110,7 @@ def codec_throughput(n: int) -> dict:
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--params-m", type=float, default=25.0, help="model size in millions of params (bf16)")
-    p.add_argument("--width", type=int, default=1024)
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--pairs", type=int, default=3)
-    p.add_argument("--chunk-mib", type=int, default=32)
-    p.add_argument("--io-chunk-mib", type=int, default=8)
-    p.add_argument("--workers", type=int, default=4)
-    p.add_argument("--prefetch", type=int, default=2)
+    add_offload_arguments(p, 25.0, 1024, "bf16")
     p.add_argument("--tbw-tb", type=float, default=600.0, help="SSD endurance rating for the wear projection")
     p.add_argument("--step-s", type=float, default=None, help="seconds per training step for the wear projection")
     p.add_argument("--dir", default=None, help="store directory (default: a temp dir beside the checkout)")

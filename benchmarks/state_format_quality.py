@@ -39,8 +39,7 @@ CONFIGS = {
 def train_once(overrides: list[str], store_dir: str) -> dict:
     from lightning.pytorch import Callback
 
-    from lightning_nvme.recipes.builder import build
-    from lightning_nvme.recipes.compose import compose_config
+    from lightning_nvme.launch import build, compose_config
 
     cfg = compose_config("quickstart", overrides + [f"strategy.store_dir={store_dir}", "callbacks=none", "logger=none",
                                                    "trainer.enable_progress_bar=false",

@@ -30,8 +30,7 @@ import aiofiles
 import torch
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _disk import (GiB, MiB, Pairs, current_rss_mib, direct_supported, drop_file_cache, gbps,  # noqa: E402
-                   Memory, peak_rss_mib, raw_read, raw_write)
+from _disk import GiB, Memory, MiB, Pairs, current_rss_mib, direct_supported, drop_file_cache, gbps, peak_rss_mib, raw_read, raw_write  # noqa: E402
 
 from lightning_nvme.store import FlatStore  # noqa: E402
 
@@ -122,7 +121,7 @@ def main() -> None:
     nbytes = int(args.gib * GiB) // REQUEST * REQUEST
     workdir = tempfile.mkdtemp(prefix=".bench-store-", dir=args.dir or REPO)
     try:
-        kw = {k: v for k, v in [("chunk_bytes", args.chunk_mib and args.chunk_mib * MiB),
+        kw = {k: v for k, v in [("io_chunk_bytes", args.chunk_mib and args.chunk_mib * MiB),
                                 ("num_workers", args.workers), ("pool_bytes", args.pool_mib and args.pool_mib * MiB)]
               if v}
         direct = {"auto": None, "direct": True, "buffered": False}[args.mode]
@@ -154,7 +153,7 @@ def main() -> None:
 
         same = dict(threads=args.raw_threads, direct=raw_direct, offset=base)
         print(f"# {nbytes / GiB:.2f} GiB x {args.pairs} pairs in {workdir}; mode={store.mode} "
-              f"chunk={store.chunk_bytes // MiB} MiB workers={store._engine.alive_threads} "
+              f"chunk={store.io_chunk_bytes // MiB} MiB workers={store._engine.alive_threads} "
               f"pool={store.pool_bytes // MiB} MiB raw_threads={args.raw_threads}", flush=True)
 
         def check(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -223,7 +222,7 @@ def main() -> None:
             "pool_MiB": store.pool_bytes // MiB,
             "buffers_MiB": 2 * BUFFERS * (REQUEST + 4096) // MiB,
             "data_MiB": nbytes // MiB,
-            "chunk_MiB": store.chunk_bytes // MiB,
+            "chunk_MiB": store.io_chunk_bytes // MiB,
             "workers": store._engine.alive_threads,
             "raw_threads": args.raw_threads,
             "fsyncs": stats.fsyncs,

@@ -1,8 +1,8 @@
 """``lightning-nvme``: train a recipe, run the benchmarks, check a store directory.
 
-    lightning-nvme train recipe=NAME [key=value ...] [--dry-run]
+    lightning-nvme train [recipe=NAME] [key=value ...] [--dry-run]   (no recipe: the default config, nvme_offload)
     lightning-nvme recipes
-    lightning-nvme bench [NAME ...]
+    lightning-nvme bench [NAME ...]       (runs ./benchmarks/*.py of a source checkout)
     lightning-nvme doctor PATH [...]
 
 Config problems (unknown key, wrong type, missing or unwritable store directory) are reported as one
@@ -12,7 +12,6 @@ line naming the key and the fix, with exit code 2 and no traceback, before anyth
 from __future__ import annotations
 
 import argparse
-import importlib
 import json
 import subprocess
 import sys
@@ -20,6 +19,8 @@ import time
 from pathlib import Path
 
 EXIT_CONFIG = 2
+BENCHMARKS_HELP = ("the benchmarks are scripts in the source repository, not part of the installed package: from a "
+                   "checkout, run `lightning-nvme bench` there or `python benchmarks/<name>.py`")
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,7 +32,7 @@ def main(argv: list[str] | None = None) -> int:
     p_train.add_argument("--dry-run", action="store_true", help="validate and print the config, do not train")
     p_train.add_argument("overrides", nargs="*", help="recipe=NAME and Hydra overrides (trainer.max_steps=100)")
     sub.add_parser("recipes", help="list the recipes")
-    p_bench = sub.add_parser("bench", help="run benchmarks/*.py (all, or the names given)")
+    p_bench = sub.add_parser("bench", help="run ./benchmarks/*.py of a source checkout (all, or the names given)")
     p_bench.add_argument("names", nargs="*")
     p_doctor = sub.add_parser("doctor", help="check a store directory: doctor PATH", add_help=False)
     p_doctor.add_argument("rest", nargs=argparse.REMAINDER)
@@ -54,8 +55,15 @@ def _config_error(message: str) -> int:
 
 
 def _train(overrides: list[str], dry_run: bool) -> int:
-    from lightning_nvme.recipes import ConfigError, compose_config, train, validate
-    from lightning_nvme.recipes.builder import to_yaml
+    try:
+        from lightning_nvme.launch import compose_config, train, validate
+        from lightning_nvme.launch.instantiate import to_yaml
+    except ModuleNotFoundError as e:
+        if e.name not in ("hydra", "omegaconf"):
+            raise
+        return _config_error(f"`train` composes recipes with Hydra, which is not installed ({e.name}). Fix: "
+                             "pip install 'lightning-nvme[recipes,plot]'")
+    from lightning_nvme.settings import ConfigError
 
     recipe = None
     rest = []
@@ -79,7 +87,7 @@ def _train(overrides: list[str], dry_run: bool) -> int:
 
 
 def _recipes() -> int:
-    from lightning_nvme.recipes.compose import list_recipes, recipe_header
+    from lightning_nvme.launch.compose import list_recipes, recipe_header
 
     for name in list_recipes():
         print(f"{name:24s} {recipe_header(name)}")
@@ -87,18 +95,14 @@ def _recipes() -> int:
     return 0
 
 
-def _benchmarks_dir() -> Path | None:
-    for candidate in (Path.cwd() / "benchmarks", Path(__file__).resolve().parent.parent / "benchmarks"):
-        if candidate.is_dir():
-            return candidate
-    return None
-
-
 def _bench(names: list[str]) -> int:
-    """Run each benchmark script in its own process; its last printed line is a JSON object of figures."""
-    bench_dir = _benchmarks_dir()
-    if bench_dir is None:
-        return _config_error("no benchmarks/ directory here or next to the package: run from a source checkout")
+    """``bench``: ./benchmarks/run_all.py (the README's table); ``bench NAME ...``: each script of
+    ``./benchmarks`` in its own process, whose last printed line is a JSON object of figures."""
+    bench_dir = Path.cwd() / "benchmarks"
+    if not bench_dir.is_dir():
+        return _config_error(f"no benchmarks/ directory in {Path.cwd()}: {BENCHMARKS_HELP}")
+    if not names and (bench_dir / "run_all.py").is_file():  # the README's figures table, with spreads
+        return subprocess.run([sys.executable, str(bench_dir / "run_all.py")]).returncode
     scripts = sorted(p for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
     if names:
         wanted = {n.removesuffix(".py") for n in names}
@@ -127,14 +131,8 @@ def _bench(names: list[str]) -> int:
 
 
 def _doctor(argv: list[str]) -> int:
-    try:
-        doctor = importlib.import_module("lightning_nvme.doctor")
-    except ModuleNotFoundError as e:
-        if e.name != "lightning_nvme.doctor":
-            raise
-        print("lightning-nvme: 'doctor' is not available in this install (lightning_nvme.doctor is missing); "
-              "update lightning-nvme.", file=sys.stderr)
-        return EXIT_CONFIG
+    from lightning_nvme import doctor
+
     return int(doctor.main(argv) or 0)
 
 

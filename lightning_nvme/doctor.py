@@ -23,13 +23,14 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from lightning_nvme import fsinfo
+from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.io_profile import IOProfile
-from lightning_nvme.preflight import ConfigError, check_store_dir, check_writable, ensure_dir
+from lightning_nvme.preflight import check_store_dir, check_writable, ensure_dir
+from lightning_nvme.settings import ConfigError, OffloadSettings
 from lightning_nvme.store import StoreError
 
-MiB = 1 << 20
-GiB = 1 << 30
-DEFAULT_SETTING = (8 * MiB, 4)  # FlatStore's defaults: what a tuned profile is compared with
+# the strategies' defaults: what a tuned profile is compared with
+DEFAULT_SETTING = (OffloadSettings.io_chunk_bytes, OffloadSettings.io_workers)
 CHUNK_CANDIDATES = (1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)
 WORKER_CANDIDATES = (1, 2, 4, 8)
 
@@ -83,7 +84,7 @@ def _trial(directory: str, chunk: int, workers: int, nbytes: int, data) -> tuple
     """Write ``nbytes`` through a fresh FlatStore (durable fence) and read them back; MiB/s each."""
     from lightning_nvme.store import FlatStore
 
-    store = FlatStore(directory, chunk_bytes=chunk, num_workers=workers, pool_bytes=chunk, name="doctor-tune",
+    store = FlatStore(directory, io_chunk_bytes=chunk, num_workers=workers, pool_bytes=chunk, name="doctor-tune",
                       io_timeout_s=120)
     try:
         store.add_region("bench", nbytes)
@@ -144,15 +145,15 @@ def tune(directory: str, *, nbytes: int = 32 * MiB, seconds: float = 6.0, min_ro
     speedup = statistics.median(confirm) if confirm else 1.0
     if speedup < 1 + min_gain:
         best, speedup = DEFAULT_SETTING, 1.0
-    trials = [{"chunk_bytes": c, "num_workers": w, "rounds": len(rounds), "combined_mib_s": round(score[(c, w)], 1),
+    trials = [{"io_chunk_bytes": c, "io_workers": w, "rounds": len(rounds), "combined_mib_s": round(score[(c, w)], 1),
                "ratio_to_default": round(ratio[(c, w)], 3),
                "write_mib_s": round(statistics.median(rd[(c, w)][0] for rd in rounds), 1),
                "read_mib_s": round(statistics.median(rd[(c, w)][1] for rd in rounds), 1)} for c, w in candidates]
-    chosen = next(t for t in trials if (t["chunk_bytes"], t["num_workers"]) == best)
+    chosen = next(t for t in trials if (t["io_chunk_bytes"], t["io_workers"]) == best)
     info = fsinfo.mount_of(directory)
-    return IOProfile(chunk_bytes=best[0], num_workers=best[1], write_mib_s=chosen["write_mib_s"],
+    return IOProfile(io_chunk_bytes=best[0], io_workers=best[1], write_mib_s=chosen["write_mib_s"],
                      read_mib_s=chosen["read_mib_s"], speedup_vs_default=round(speedup, 3),
-                     default={"chunk_bytes": DEFAULT_SETTING[0], "num_workers": DEFAULT_SETTING[1]},
+                     default={"io_chunk_bytes": DEFAULT_SETTING[0], "io_workers": DEFAULT_SETTING[1]},
                      path=os.path.abspath(directory), fs_type=info.fs_type if info else None,
                      direct_io=fsinfo.probe_direct_io(directory)[0], trials=trials)
 
@@ -172,7 +173,8 @@ def _parser() -> argparse.ArgumentParser:
                                 description="Check a directory as a home for the NVMe store and tune the I/O profile.")
     p.add_argument("path", help="the store directory to check (created if its parent exists)")
     p.add_argument("--plan-bytes", type=int, default=None, help="planned store size in bytes, checked against free space")
-    p.add_argument("--min-free-bytes", type=int, default=GiB, help="safety margin kept free (default 1 GiB)")
+    p.add_argument("--min-free-bytes", type=int, default=OffloadSettings.min_free_bytes,
+                   help=f"safety margin kept free (default {_size(OffloadSettings.min_free_bytes)})")
     p.add_argument("--write-profile", metavar="FILE", default=None, help="write the tuned I/O profile as JSON")
     p.add_argument("--seconds", type=float, default=10.0, help="rough time budget for the measurements (default 10)")
     p.add_argument("--bench-bytes", type=int, default=256 * MiB, help="bytes for the sequential bandwidth test")
@@ -271,13 +273,14 @@ def _measure_and_tune(path: str, info: fsinfo.FsInfo, args: argparse.Namespace, 
                     f"through FlatStore (median combined read+write MiB/s):")
     if not f.as_json:
         for t in sorted(profile.trials, key=lambda t: -t["ratio_to_default"])[:6]:
-            print(f"    chunk {t['chunk_bytes'] // MiB:>3} MiB x {t['num_workers']} workers: "
+            print(f"    chunk {t['io_chunk_bytes'] // MiB:>3} MiB x {t['io_workers']} workers: "
                   f"{t['combined_mib_s']:>7.0f} MiB/s, {t['ratio_to_default']:.2f}x default "
                   f"(write {t['write_mib_s']:.0f}, read {t['read_mib_s']:.0f})")
-    kept = (profile.chunk_bytes, profile.num_workers) == DEFAULT_SETTING
-    f.say("profile", f"chunk_bytes={profile.chunk_bytes} ({profile.chunk_bytes // MiB} MiB), num_workers="
-                     f"{profile.num_workers}: " + ("the default; no setting beat it by 5% when re-measured in "
-                     "alternating pairs" if kept else f"{profile.speedup_vs_default:.2f}x the default (8 MiB x 4), "
+    kept = (profile.io_chunk_bytes, profile.io_workers) == DEFAULT_SETTING
+    f.say("profile", f"io_chunk_bytes={profile.io_chunk_bytes} ({profile.io_chunk_bytes // MiB} MiB), io_workers="
+                     f"{profile.io_workers}: " + ("the default; no setting beat it by 5% when re-measured in "
+                     "alternating pairs" if kept else f"{profile.speedup_vs_default:.2f}x the default ({_size(DEFAULT_SETTING[0])} x "
+                     f"{DEFAULT_SETTING[1]}), "
                      "median of re-measured alternating pairs"))
     if args.write_profile:
         profile.save(args.write_profile)

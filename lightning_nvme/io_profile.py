@@ -1,4 +1,4 @@
-"""``IOProfile``: the store's I/O knobs (chunk size, worker count) tuned on one disk by ``doctor``.
+"""``IOProfile``: the store's I/O knobs (request size, worker count) tuned on one disk by ``doctor``.
 
 Why a file: the best chunk size and queue depth depend on the SSD, its filesystem and its driver;
 ``lightning-nvme doctor PATH --write-profile FILE`` measures them once, and the strategy loads the
@@ -13,9 +13,10 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_nvme.preflight import ConfigError, validate_sizes
+from lightning_nvme.settings import ConfigError, check_values
 
-PROFILE_VERSION = 1
+PROFILE_VERSION = 2
+_RENAMED = {"chunk_bytes": "io_chunk_bytes", "num_workers": "io_workers"}  # version 1 names
 
 
 def _now() -> str:
@@ -26,12 +27,12 @@ def _now() -> str:
 class IOProfile:
     """Tuned store settings and the figures they were chosen on.
 
-    ``chunk_bytes``/``num_workers`` map to ``FlatStore(chunk_bytes=, num_workers=)`` and to the
-    strategy's ``io_chunk_bytes``/``io_workers``. Bandwidths are MiB/s measured on ``path``.
+    ``io_chunk_bytes``/``io_workers`` are the strategy arguments of the same names (and
+    ``FlatStore(io_chunk_bytes=, num_workers=)``). Bandwidths are MiB/s measured on ``path``.
     """
 
-    chunk_bytes: int
-    num_workers: int
+    io_chunk_bytes: int
+    io_workers: int
     write_mib_s: float | None = None  # of the chosen setting, writes timed through fsync
     read_mib_s: float | None = None
     speedup_vs_default: float | None = None  # re-measured against the default in alternating pairs
@@ -44,15 +45,7 @@ class IOProfile:
     version: int = PROFILE_VERSION
 
     def __post_init__(self) -> None:
-        validate_sizes(chunk_bytes=self.chunk_bytes, num_workers=self.num_workers)
-
-    def store_kwargs(self) -> dict[str, int]:
-        """Keyword arguments for ``FlatStore``."""
-        return {"chunk_bytes": self.chunk_bytes, "num_workers": self.num_workers}
-
-    def strategy_kwargs(self) -> dict[str, int]:
-        """Keyword arguments for ``NVMeOffloadStrategy``."""
-        return {"io_chunk_bytes": self.chunk_bytes, "io_workers": self.num_workers}
+        check_values(io_chunk_bytes=self.io_chunk_bytes, io_workers=self.io_workers)
 
     def save(self, file: str | os.PathLike) -> None:
         """Write atomically (temp file + rename), so a reader never sees half a profile."""
@@ -66,7 +59,7 @@ class IOProfile:
         os.replace(tmp, file)
 
     @classmethod
-    def load(cls, file: str | os.PathLike, *, key: str = "io_profile") -> "IOProfile":
+    def load(cls, file: str | os.PathLike, *, key: str = "io_profile") -> IOProfile:
         """Read a profile, raising ``ConfigError`` naming ``key`` and the file when it is unusable.
         Unknown fields (from a newer version) are ignored."""
         file = os.fspath(file)
@@ -79,8 +72,10 @@ class IOProfile:
         except ValueError as e:
             raise ConfigError(key, f"I/O profile {file} is not valid JSON ({e}). Fix: regenerate it with "
                                    f"`lightning-nvme doctor STORE_DIR --write-profile {file}`.") from e
-        if not isinstance(data, dict) or "chunk_bytes" not in data or "num_workers" not in data:
-            raise ConfigError(key, f"I/O profile {file} lacks chunk_bytes/num_workers. Fix: regenerate it with "
+        if isinstance(data, dict):
+            data = {_RENAMED.get(k, k): v for k, v in data.items()}
+        if not isinstance(data, dict) or "io_chunk_bytes" not in data or "io_workers" not in data:
+            raise ConfigError(key, f"I/O profile {file} lacks io_chunk_bytes/io_workers. Fix: regenerate it with "
                                    f"`lightning-nvme doctor STORE_DIR --write-profile {file}`.")
         known = {f.name for f in fields(cls)}
         try:

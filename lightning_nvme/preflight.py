@@ -3,8 +3,8 @@ second with one message naming the config key and the fix, not hours later in a 
 
 ``check_store_dir`` validates the store directory (exists or can be created under an existing
 parent, writable, enough free space for the planned store plus the safety margin, O_DIRECT,
-not memory-backed, not remote, not shared by two ranks of one host). ``validate_sizes`` checks the
-numeric knobs (sizes positive and 4 KiB-aligned, staging holds an I/O chunk, worker counts >= 1).
+not memory-backed, not remote, not shared by two ranks of one host). The strategy's numeric arguments
+are checked where they are defined, in ``lightning_nvme.settings``.
 """
 
 from __future__ import annotations
@@ -19,21 +19,10 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
-import torch
-
 from lightning_nvme import fsinfo
+from lightning_nvme.constants import ALIGN, GiB
+from lightning_nvme.settings import ConfigError
 from lightning_nvme.store.flat_store import MAGIC as STORE_MAGIC
-
-ALIGN = 4096
-GiB = 1 << 30
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work. ``key`` names the setting; the message says the fix."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
 
 
 class PreflightWarning(UserWarning):
@@ -202,63 +191,3 @@ def check_store_dir(path: str | os.PathLike | None, needed_bytes: int, *, min_fr
     for w in report.warnings:
         warnings.warn(w, PreflightWarning, stacklevel=2)
     return report
-
-
-# ---- numeric settings ---------------------------------------------------------------------------
-def _as_int(key: str, value: object) -> int:
-    if isinstance(value, bool) or not isinstance(value, int):
-        raise ConfigError(key, f"must be an integer, got {value!r} ({type(value).__name__})")
-    return value
-
-
-def parse_dtype(value: object, key: str = "dtype") -> torch.dtype:
-    """A ``torch.dtype`` from a dtype or its name (``"bfloat16"``, ``"torch.float32"``)."""
-    if isinstance(value, torch.dtype):
-        return value
-    if isinstance(value, str):
-        dt = getattr(torch, value.removeprefix("torch."), None)
-        if isinstance(dt, torch.dtype):
-            return dt
-    raise ConfigError(key, f"unknown dtype {value!r}. Fix: use a torch dtype name such as 'float32', 'bfloat16' "
-                           f"or 'float16'.")
-
-
-def validate_sizes(**settings: object) -> None:
-    """Check numeric settings by the kind their name says, raising ``ConfigError`` for the first bad one.
-
-    ``*_bytes``: positive multiple of 4096 (``min_*_bytes``: any integer >= 0). ``*workers``: >= 1.
-    ``*depth``: >= 1. ``*dtype``: a known torch dtype. ``*_s``: a positive number. ``staging_bytes``
-    and ``pool_bytes`` must hold one I/O chunk (``io_chunk_bytes`` if given, else ``chunk_bytes``).
-    Unknown names raise ``TypeError`` (a programming error).
-    """
-    for key, value in settings.items():
-        if key.endswith("_bytes") and key.startswith("min_"):
-            if _as_int(key, value) < 0:
-                raise ConfigError(key, f"must be >= 0, got {value}. Fix: use 0 to disable the margin.")
-        elif key.endswith("_bytes"):
-            n = _as_int(key, value)
-            if n <= 0:
-                raise ConfigError(key, f"must be a positive number of bytes, got {n}.")
-            if n % ALIGN:
-                up = (n + ALIGN - 1) // ALIGN * ALIGN
-                raise ConfigError(key, f"must be a multiple of {ALIGN} (O_DIRECT alignment), got {n}. Fix: use {up}.")
-        elif key.endswith("workers"):
-            if _as_int(key, value) < 1:
-                raise ConfigError(key, f"must be >= 1 I/O worker, got {value}. Fix: use 1-8 (4 is a good default).")
-        elif key.endswith("depth"):
-            if _as_int(key, value) < 1:
-                raise ConfigError(key, f"must be >= 1, got {value}. Fix: use 2 (prefetch the next chunk while "
-                                       f"one is in use).")
-        elif key.endswith("dtype"):
-            parse_dtype(value, key)
-        elif key.endswith("_s"):
-            if isinstance(value, bool) or not isinstance(value, (int, float)) or not value > 0:
-                raise ConfigError(key, f"must be a positive number of seconds, got {value!r}.")
-        else:
-            raise TypeError(f"validate_sizes does not know how to check setting {key!r}")
-    # the buffer pool holds I/O chunks: io_chunk_bytes in strategy settings, chunk_bytes in store settings
-    io_chunk = "io_chunk_bytes" if "io_chunk_bytes" in settings else "chunk_bytes"
-    for holder, chunk in (("staging_bytes", io_chunk), ("pool_bytes", io_chunk)):
-        if holder in settings and chunk in settings and settings[holder] < settings[chunk]:  # type: ignore[operator]
-            raise ConfigError(holder, f"{holder}={settings[holder]} cannot hold one {chunk}={settings[chunk]}. "
-                                      f"Fix: set {holder} >= {chunk} (e.g. {holder}={settings[chunk]}).")

@@ -12,7 +12,20 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
     "rmsprop": (torch.optim.RMSprop, {"lr": 1e-3, "momentum": 0.5, "centered": True}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),
+    "sgd_plain": (torch.optim.SGD, {"lr": 0.05}),  # no per-element state: resident params
 }
+
+
+def fp32_master_step(trainable, masters, opt) -> None:
+    """The in-memory reference of half-precision training with fp32 master weights: move the gradients
+    to the masters, step the optimizer on them, cast back into the parameters."""
+    for p in trainable:
+        masters[p].grad = p.grad.float() if p.grad is not None else None
+        p.grad = None
+    opt.step()
+    with torch.no_grad():
+        for p in trainable:
+            p.copy_(masters[p])
 
 
 def dataset(n: int = 256, dim: int = 32, seed: int = 1234) -> TensorDataset:

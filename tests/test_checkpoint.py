@@ -11,12 +11,13 @@ import textwrap
 
 import pytest
 import torch
+from ckpt_helpers import parts_dir
 from lightning.pytorch import Trainer
+from models import MLP
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
-from lightning_nvme.checkpoint import convert, is_streamed
-from models import MLP
+from lightning_nvme.checkpoint import convert
 
 HERE = os.path.dirname(__file__)
 
@@ -69,7 +70,7 @@ def test_resume_in_new_process_is_bitwise_equal(tmp_path, reference):
     t.fit(model)
     ckpt = tmp_path / "epoch1.ckpt"
     t.save_checkpoint(ckpt)
-    assert is_streamed(ckpt) and (ckpt / "optimizer-0.safetensors").exists()
+    assert ckpt.is_file() and os.path.exists(os.path.join(parts_dir(ckpt), "optimizer-0.safetensors"))
     params = resume_in_new_process(
         tmp_path, ckpt, tmp_path / "p.pt",
         f"NVMeOffloadStrategy(store_dir={str(tmp_path / 'store2')!r}, chunk_bytes=16 << 10)")
@@ -120,9 +121,11 @@ def test_model_checkpoint_callback_and_atomic_overwrite(tmp_path):
     model = MLP()
     trainer(tmp_path, offload(tmp_path), 1, callbacks=[cb]).fit(model)
     last = tmp_path / "ckpts" / "last.ckpt"
-    assert is_streamed(last)
+    assert last.is_file() and os.listdir(str(last) + ".optim") == [os.path.basename(parts_dir(last))]
     leftovers = [p for p in os.listdir(tmp_path / "ckpts") if ".tmp-" in p or p.endswith(".old")]
     assert leftovers == []
+    ckpts = sorted(os.listdir(tmp_path / "ckpts"))  # every top-k checkpoint kept, each with its optimizer state
+    assert all(name + ".optim" in ckpts for name in ckpts if name.endswith(".ckpt"))
 
 
 def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
@@ -133,7 +136,8 @@ def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
     t.fit(model)
     ckpt = tmp_path / "x.ckpt"
     t.save_checkpoint(ckpt)
-    before = (ckpt / "optimizer-0.safetensors").read_bytes()
+    state_file = os.path.join(parts_dir(ckpt), "optimizer-0.safetensors")
+    before = ckpt.read_bytes(), open(state_file, "rb").read()
 
     def boom(*a, **k):
         raise OSError("disk went away mid-checkpoint")
@@ -141,8 +145,9 @@ def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
     monkeypatch.setattr(streamed.SafetensorsWriter, "write", boom)
     with pytest.raises(OSError, match="mid-checkpoint"):
         t.save_checkpoint(ckpt)
-    assert (ckpt / "optimizer-0.safetensors").read_bytes() == before
+    assert (ckpt.read_bytes(), open(state_file, "rb").read()) == before
     assert [p for p in os.listdir(tmp_path) if ".tmp-" in p] == []
+    assert os.listdir(str(ckpt) + ".optim") == [os.path.basename(parts_dir(ckpt))]
 
 
 def test_save_streams_without_materializing_state(tmp_path, monkeypatch):
@@ -164,4 +169,4 @@ def test_save_streams_without_materializing_state(tmp_path, monkeypatch):
 
     t.callbacks.append(SaveMidway())
     t.fit(model)
-    assert is_streamed(cb_path)
+    assert cb_path.is_file() and os.path.isdir(parts_dir(cb_path))

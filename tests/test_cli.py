@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import importlib.util
 import json
 import subprocess
 import sys
@@ -21,9 +20,9 @@ def _err(capsys: pytest.CaptureFixture[str]) -> str:
 
 @pytest.mark.parametrize(("argv", "expected"), [
     (["train", "recipe=quickstart", "trainer.max_stepz=3"], "did you mean 'trainer.max_steps'"),
-    (["train", "recipe=quickstart", "trainer.max_steps=many"], "'trainer.max_steps' must be int"),
+    (["train", "recipe=quickstart", "trainer.max_steps=many"], "trainer.max_steps: must be int"),
     (["train", "recipe=quickstrat"], "unknown recipe 'quickstrat'"),
-    (["train", "recipe=hf_local"], "'model.path' is required"),
+    (["train", "recipe=hf_local"], "model.path: required but not set"),
     (["train", "recipe=quickstart", "strategy.store_dir=/nonexistent_mount/run"], "is the disk mounted"),
 ])
 def test_config_errors_exit_2_with_one_message(argv: list[str], expected: str,
@@ -77,18 +76,21 @@ def test_bench_runs_scripts_and_collects_their_last_json_line(tmp_path: Path, mo
     assert "unknown benchmark" in _err(capsys)
 
 
-def test_doctor_delegates_or_says_it_is_missing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                capsys: pytest.CaptureFixture[str]) -> None:
-    if importlib.util.find_spec("lightning_nvme.doctor") is None:
-        assert main(["doctor", str(tmp_path)]) == 2
-        assert "'doctor' is not available" in _err(capsys)
-    else:
-        import lightning_nvme.doctor as doctor
+def test_doctor_delegates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import lightning_nvme.doctor as doctor
 
-        seen = []
-        monkeypatch.setattr(doctor, "main", lambda argv: seen.append(argv) or 0)
-        assert main(["doctor", str(tmp_path), "--flag"]) == 0
-        assert seen == [[str(tmp_path), "--flag"]]
+    seen = []
+    monkeypatch.setattr(doctor, "main", lambda argv: seen.append(argv) or 0)
+    assert main(["doctor", str(tmp_path), "--flag"]) == 0
+    assert seen == [[str(tmp_path), "--flag"]]
+
+
+def test_bench_outside_a_checkout_says_where_the_benchmarks_are(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                               capsys: pytest.CaptureFixture[str]) -> None:
+    monkeypatch.chdir(tmp_path)
+    assert main(["bench"]) == 2
+    err = _err(capsys)
+    assert "no benchmarks/ directory" in err and "source repository" in err
 
 
 def test_python_dash_m_is_the_same_command() -> None:

@@ -112,12 +112,13 @@ def test_failed_save_on_one_rank_fails_every_rank_and_keeps_the_previous_checkpo
 
 
 def test_model_checkpoint_callback_keeps_sharded_last_and_top_k(trained):
-    """ModelCheckpoint every 4 steps, save_last, top-1: old directories are removed by rank 0, last.ckpt is
-    replaced atomically, every kept checkpoint holds both ranks' shards, no temp directory is left."""
-    listing = trained["model_checkpoint"][0]["checkpoints"]
-    assert sorted(listing) == ["epoch=0-step=12.ckpt", "last.ckpt"], listing
-    for name, files in listing.items():
-        assert files == ["checkpoint.pt", "optimizer-0-rank0.safetensors", "optimizer-0-rank1.safetensors"], name
+    """ModelCheckpoint every 4 steps, save_last, top-1: old checkpoints (file and optimizer state) are removed by
+    rank 0, last.ckpt is replaced atomically, every kept checkpoint holds both ranks' shards, no temp is left."""
+    checkpoints = trained["model_checkpoint"][0]["checkpoints"]
+    assert trained["model_checkpoint"][0]["listing"] == ["epoch=0-step=12.ckpt", "epoch=0-step=12.ckpt.optim",
+                                                         "last.ckpt", "last.ckpt.optim"]
+    for name, files in checkpoints.items():
+        assert files == ["optimizer-0-rank0.safetensors", "optimizer-0-rank1.safetensors"], name
     assert trained["model_checkpoint"][0]["leftovers"] == []
 
 
@@ -195,11 +196,11 @@ def _worker(spec_path: str) -> None:
 def _train(run: dict, world: int) -> None:
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.strategies import DDPStrategy
+    from models import MLP, TwoOptimizers
 
     import lightning_nvme  # noqa: F401
     from lightning_nvme import NVMeOffloadDDPStrategy
     from lightning_nvme.optim import plan_chunks
-    from models import MLP, TwoOptimizers
 
     batch = run.get("global_batch", 16) // world
     if run.get("model") == "two_optimizers":
@@ -265,13 +266,19 @@ def _train(run: dict, world: int) -> None:
                    store_regions=len(off.chunks),
                    store_regions_bytes=sum(off.capacity.values()),
                    single_process_state_bytes=sum(c.nbytes for c in plan_chunks(
-                       off.optimizer, run.get("chunk_bytes", 16 << 10), "probe")[0]))
+                       off.optimizer, run.get("chunk_bytes", 16 << 10), "probe").chunks))
     if run.get("failing_save"):
         out.update(_save_failure(trainer, run["failing_save"]))
     if run.get("model_checkpoint"):
         d = run["model_checkpoint"]
-        out.update(checkpoints={n: sorted(os.listdir(os.path.join(d, n))) for n in os.listdir(d) if ".tmp-" not in n},
-                   leftovers=[n for n in os.listdir(d) if ".tmp-" in n or n.endswith(".old")])
+        from ckpt_helpers import parts_dir
+
+        out.update(checkpoints={n: sorted(os.listdir(parts_dir(os.path.join(d, n)))) for n in os.listdir(d)
+                                if n.endswith(".ckpt")},
+                   listing=sorted(os.listdir(d)),
+                   leftovers=[n for n in os.listdir(d) + [e for n in os.listdir(d) if n.endswith(".optim")
+                                                          for e in os.listdir(os.path.join(d, n))]
+                              if ".tmp-" in n or n.endswith(".old")])
     os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
     torch.save(out, f"{run['out']}.rank{trainer.global_rank}.pt")
 
@@ -282,7 +289,7 @@ def _save_failure(trainer, path: str) -> dict:
     from lightning_nvme.checkpoint import sharded
 
     trainer.save_checkpoint(path)
-    before = {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+    before = _checkpoint_files(path)
     original = sharded.SafetensorsWriter.write
 
     def failing(self, *args, **kwargs):
@@ -297,10 +304,24 @@ def _save_failure(trainer, path: str) -> dict:
         error = str(e)
     finally:
         sharded.SafetensorsWriter.write = original
-    after = {f: open(os.path.join(path, f), "rb").read() for f in sorted(os.listdir(path))}
+    after = _checkpoint_files(path)
     parent = os.path.dirname(os.path.abspath(path))
-    return {"save_error": error, "unchanged": before == after,
-            "leftovers": [f for f in os.listdir(parent) if ".tmp-" in f]}
+    leftovers = [f for f in os.listdir(parent) + list(after) if ".tmp-" in f]
+    return {"save_error": error, "unchanged": before == after, "leftovers": leftovers}
+
+
+def _checkpoint_files(path: str) -> dict[str, bytes]:
+    """A checkpoint's files (relative path -> contents): the file itself and everything in its .optim directory."""
+    def read(file: str) -> bytes:
+        with open(file, "rb") as f:
+            return f.read()
+
+    out = {os.path.basename(path): read(path)}
+    for root, dirs, files in os.walk(path + ".optim"):
+        out.update({os.path.relpath(os.path.join(root, d), os.path.dirname(path)): b"" for d in dirs})
+        out.update({os.path.relpath(os.path.join(root, f), os.path.dirname(path)): read(os.path.join(root, f))
+                    for f in files})
+    return out
 
 
 def _master_weights_reference_optimizer():

@@ -15,9 +15,10 @@ import os
 
 import pytest
 import torch
-
-from lightning_nvme.checkpoint import convert, is_streamed
+from ckpt_helpers import parts_dir
 from test_ddp import assert_bitwise, launch, results, run_spec
+
+from lightning_nvme.checkpoint import convert
 
 COMMON = {"epochs": 2, "accumulate": 2, "clip": 0.5, "clip_algo": "norm", "chunk_bytes": 16 << 10}
 
@@ -34,9 +35,8 @@ def runs(tmp_path_factory):
     ref = run_spec(tmp, "ref", "offload", **COMMON)
     killed = run_spec(tmp, "killed", "offload", save=ck2, save_epoch=0, kill=True, **COMMON)
     launch(tmp, [ref, killed], world=2, expect_kill=True)
-    layout = {"ck2_files": sorted(os.listdir(ck2)), "ck2_meta": torch.load(os.path.join(ck2, "checkpoint.pt"),
-                                                                            weights_only=False),
-              "siblings": sorted(os.listdir(tmp))}
+    layout = {"ck2_files": sorted(os.listdir(parts_dir(ck2))), "ck2_meta": torch.load(ck2),
+              "ck2_optim": os.listdir(ck2 + ".optim"), "siblings": sorted(os.listdir(tmp))}
 
     ws1_from_ws2 = run_spec(tmp, "ws1_from_ws2", "offload", resume=ck2, **COMMON)
     ws1 = run_spec(tmp, "ws1", "offload", save=ck1, save_epoch=0, **COMMON)
@@ -60,11 +60,13 @@ def runs(tmp_path_factory):
 
 def test_layout_one_shard_per_rank_and_metadata(runs):
     layout = runs["layout"]
-    assert layout["ck2_files"] == ["checkpoint.pt", "optimizer-0-rank0.safetensors", "optimizer-0-rank1.safetensors"]
-    marker = layout["ck2_meta"]["optimizer_states"][0]["lightning_nvme"]
+    assert layout["ck2_files"] == ["optimizer-0-rank0.safetensors", "optimizer-0-rank1.safetensors"]
+    assert "optimizer_states" not in layout["ck2_meta"]  # a plain Trainer must not resume without the moments
+    marker = layout["ck2_meta"]["lightning_nvme"]["parts"][0]
     assert marker["world_size"] == 2 and len(marker["partition"]["ranges"]) == 2
+    assert layout["ck2_optim"] == [layout["ck2_meta"]["lightning_nvme"]["save_id"]]
     assert [s for s in layout["siblings"] if ".tmp-" in s] == []  # committed: no temp dir left behind
-    sizes = [os.path.getsize(os.path.join(runs["ck2"], f)) for f in layout["ck2_files"][1:]]
+    sizes = [os.path.getsize(os.path.join(parts_dir(runs["ck2"]), f)) for f in layout["ck2_files"]]
     assert max(sizes) / min(sizes) < 1.2, sizes  # each rank wrote about half
 
 
@@ -104,10 +106,10 @@ def test_single_device_strategy_resumes_a_sharded_checkpoint(runs, tmp_path):
     Lightning shuffles a DDP job's training data with ``DistributedSampler(shuffle=True, seed=0)``, so
     this single-process run uses the same sampler for the same global batches."""
     from lightning.pytorch import Trainer
+    from models import MLP, dataset
     from torch.utils.data import DataLoader, DistributedSampler
 
     from lightning_nvme import NVMeOffloadStrategy
-    from models import MLP, dataset
 
     class SameOrderMLP(MLP):
         def train_dataloader(self):
@@ -120,3 +122,24 @@ def test_single_device_strategy_resumes_a_sharded_checkpoint(runs, tmp_path):
             gradient_clip_val=0.5, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False).fit(model, ckpt_path=runs["ck2"])
     assert_close(runs["ref"][0], {"params": dict(model.named_parameters())}, "world size 2 -> single device")
+
+
+def test_rank0_file_opens_with_lightnings_loaders(runs, tmp_path):
+    """The sharded checkpoint's path is rank 0's file: torch.load (weights_only), load_from_checkpoint and a
+    plain Trainer's predict open it; a plain Trainer's fit refuses it rather than restart the moments."""
+    from lightning.pytorch import Trainer
+    from models import MLP
+    from torch.utils.data import DataLoader
+
+    loaded = torch.load(runs["ck2"])
+    assert loaded["global_step"] == 8 and "optimizer_states" not in loaded
+    model = MLP.load_from_checkpoint(runs["ck2"])
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, loaded["state_dict"][name]), name
+    plain = dict(default_root_dir=tmp_path, accelerator="cpu", logger=False, enable_progress_bar=False,
+                 enable_model_summary=False, enable_checkpointing=False)
+    batches = DataLoader(torch.randn(8, 32, generator=torch.Generator().manual_seed(3)), batch_size=4)
+    predicted = torch.cat(Trainer(**plain).predict(MLP(), batches, ckpt_path=runs["ck2"]))
+    assert torch.equal(predicted, torch.cat([model(b) for b in batches]).detach())
+    with pytest.raises(KeyError, match="optimizer state"):
+        Trainer(max_epochs=2, **plain).fit(MLP(), ckpt_path=runs["ck2"])

@@ -7,11 +7,11 @@ import os
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from models import MLP
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.store import flat_store as flat_store_mod
-from models import MLP
 
 
 def _fit(tmp_path, strategy, steps=12, callbacks=()):

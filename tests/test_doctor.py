@@ -3,6 +3,7 @@ tuned profile round-trips through JSON, and nothing is left behind in the checke
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -10,9 +11,9 @@ import sys
 
 import pytest
 
-from lightning_nvme import doctor, fsinfo
+from lightning_nvme import NVMeOffloadStrategy, doctor, fsinfo
 from lightning_nvme.io_profile import IOProfile
-from lightning_nvme.preflight import ConfigError
+from lightning_nvme.settings import ConfigError
 
 MiB = 1 << 20
 QUICK = ["--bench-bytes", str(16 * MiB), "--tune-bytes", str(2 * MiB), "--seconds", "0.5", "--min-free-bytes", "0"]
@@ -24,26 +25,26 @@ def _json_out(capsys) -> dict:
 
 # ---- IOProfile ----------------------------------------------------------------------------------
 def test_profile_round_trip(tmp_path):
-    p = IOProfile(chunk_bytes=4 * MiB, num_workers=2, write_mib_s=900.0, read_mib_s=1200.0, path="/x")
+    p = IOProfile(io_chunk_bytes=4 * MiB, io_workers=2, write_mib_s=900.0, read_mib_s=1200.0, path="/x")
     f = tmp_path / "p.json"
     p.save(f)
     q = IOProfile.load(f)
     assert q == p
-    assert q.strategy_kwargs() == {"io_chunk_bytes": 4 * MiB, "io_workers": 2}
-    assert q.store_kwargs() == {"chunk_bytes": 4 * MiB, "num_workers": 2}
+    # the profile's knobs are the strategy's arguments of the same names
+    assert {"io_chunk_bytes", "io_workers"} <= set(inspect.signature(NVMeOffloadStrategy).parameters)
     assert os.listdir(tmp_path) == ["p.json"]  # no temp file left
 
 
 def test_profile_ignores_unknown_fields(tmp_path):
     f = tmp_path / "p.json"
-    f.write_text(json.dumps({"chunk_bytes": MiB, "num_workers": 3, "from_the_future": 1}))
-    assert IOProfile.load(f).num_workers == 3
+    f.write_text(json.dumps({"chunk_bytes": MiB, "num_workers": 3, "from_the_future": 1}))  # version 1 names
+    assert IOProfile.load(f).io_workers == 3
 
 
 @pytest.mark.parametrize("content,needle", [
     (None, "cannot read"),
     ("{not json", "not valid JSON"),
-    (json.dumps({"num_workers": 2}), "lacks chunk_bytes"),
+    (json.dumps({"num_workers": 2}), "lacks io_chunk_bytes"),
     (json.dumps({"chunk_bytes": 5000, "num_workers": 2}), "multiple of 4096"),
     (json.dumps({"chunk_bytes": MiB, "num_workers": 0}), ">= 1"),
 ])
@@ -66,11 +67,11 @@ def test_measure_bandwidth(tmp_path):
 
 def test_tune_picks_a_measured_candidate_and_cleans_up(tmp_path):
     prof = doctor.tune(str(tmp_path), nbytes=2 * MiB, seconds=0.0, chunks=(MiB, 2 * MiB), workers=(1, 2))
-    measured = {(t["chunk_bytes"], t["num_workers"]) for t in prof.trials}
+    measured = {(t["io_chunk_bytes"], t["io_workers"]) for t in prof.trials}
     assert measured == {(MiB, 1), (MiB, 2), (2 * MiB, 1), (2 * MiB, 2), doctor.DEFAULT_SETTING}
-    assert (prof.chunk_bytes, prof.num_workers) in measured
+    assert (prof.io_chunk_bytes, prof.io_workers) in measured
     assert all(t["rounds"] == 2 and t["combined_mib_s"] > 0 for t in prof.trials)
-    if (prof.chunk_bytes, prof.num_workers) != doctor.DEFAULT_SETTING:
+    if (prof.io_chunk_bytes, prof.io_workers) != doctor.DEFAULT_SETTING:
         assert prof.speedup_vs_default >= 1.05  # only a confirmed gain replaces the default
     assert os.listdir(tmp_path) == []
 

@@ -48,7 +48,7 @@ def test_slow_writes_are_fenced(tmp_path, monkeypatch):
     ref_model, model = _model(), _model()
     ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     _train(ref_model, ref)
-    store = FlatStore(tmp_path, chunk_bytes=4096)
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
     off = OffloadedOptimizer(torch.optim.Adam(model.parameters(), lr=1e-2), store, chunk_bytes=8 << 10,
                              prefetch_depth=3)
     original_prefetch = off.prefetch
@@ -66,7 +66,7 @@ def test_slow_writes_are_fenced(tmp_path, monkeypatch):
 
 
 def test_resident_memory_is_the_ring_not_the_model(tmp_path):
-    store = FlatStore(tmp_path, chunk_bytes=4096)
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
     model = _model()
     off = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store, chunk_bytes=8 << 10, prefetch_depth=2)
     _train(model, off.optimizer, steps=2, closure_style=False)
@@ -86,7 +86,7 @@ def test_io_error_in_write_back_reaches_the_next_step(tmp_path, monkeypatch):
 
     from lightning_nvme.store import StoreError
 
-    store = FlatStore(tmp_path, chunk_bytes=4096)
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
     model = _model()
     off = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store, chunk_bytes=8 << 10)
     _train(model, off.optimizer, steps=1)

@@ -7,10 +7,9 @@ import re
 import shutil
 
 import pytest
-import torch
 
 from lightning_nvme import fsinfo, preflight
-from lightning_nvme.preflight import ConfigError, PreflightWarning, check_store_dir, validate_sizes
+from lightning_nvme.preflight import ConfigError, PreflightWarning, check_store_dir
 
 MiB = 1 << 20
 
@@ -143,63 +142,11 @@ def test_two_ranks_one_dir_is_refused(tmp_path):
     check_store_dir(a, 0, rank_dirs=[("host1", str(a)), ("host2", str(a))])
 
 
-# ---- validate_sizes --------------------------------------------------------------------------------
-def test_valid_sizes_pass():
-    validate_sizes(chunk_bytes=64 * MiB, io_chunk_bytes=8 * MiB, staging_bytes=64 * MiB, io_workers=4,
-                   prefetch_depth=2, min_free_bytes=0, io_timeout_s=600, dtype="bfloat16")
-
-
-@pytest.mark.parametrize("key,value,needle", [
-    ("chunk_bytes", -4096, "positive"),
-    ("chunk_bytes", 0, "positive"),
-    ("io_chunk_bytes", 5000, "multiple of 4096"),
-    ("staging_bytes", 1.5, "integer"),
-    ("chunk_bytes", True, "integer"),
-    ("io_workers", 0, ">= 1"),
-    ("num_workers", -2, ">= 1"),
-    ("prefetch_depth", 0, ">= 1"),
-    ("min_free_bytes", -1, ">= 0"),
-    ("io_timeout_s", 0, "positive"),
-    ("state_dtype", "float33", "unknown dtype"),
-])
-def test_bad_size_names_key(key, value, needle):
-    with pytest.raises(ConfigError) as ei:
-        validate_sizes(**{key: value})
-    assert ei.value.key == key and str(ei.value).startswith(key) and needle in str(ei.value)
-
-
-def test_nonaligned_size_suggests_fix():
-    with pytest.raises(ConfigError, match="Fix: use 8192"):
-        validate_sizes(chunk_bytes=5000)
-
-
-def test_staging_must_hold_an_io_chunk():
-    with pytest.raises(ConfigError) as ei:
-        validate_sizes(chunk_bytes=64 * MiB, pool_bytes=32 * MiB)  # store settings: chunk_bytes is the I/O chunk
-    assert ei.value.key == "pool_bytes" and "chunk_bytes" in str(ei.value)
-    with pytest.raises(ConfigError, match="io_chunk_bytes"):
-        validate_sizes(io_chunk_bytes=8 * MiB, staging_bytes=4 * MiB)
-    # strategy settings: the optimizer-state chunk is not an I/O buffer and may exceed the staging pool
-    validate_sizes(chunk_bytes=128 * MiB, io_chunk_bytes=8 * MiB, staging_bytes=64 * MiB)
-
-
-def test_unknown_setting_is_a_programming_error():
-    with pytest.raises(TypeError):
-        validate_sizes(colour=3)
-
-
-def test_parse_dtype():
-    assert preflight.parse_dtype("torch.bfloat16") is torch.bfloat16
-    assert preflight.parse_dtype(torch.float16) is torch.float16
-    with pytest.raises(ConfigError):
-        preflight.parse_dtype("Tensor")
-
-
 def test_stale_store_space_counts_as_free_but_live_store_does_not(tmp_path):
     """A restart on a nearly full disk must not be refused because of the crashed run's own store."""
     from lightning_nvme.store import FlatStore
 
-    live = FlatStore(tmp_path, chunk_bytes=MiB, pool_bytes=MiB)
+    live = FlatStore(tmp_path, io_chunk_bytes=MiB, pool_bytes=MiB)
     live.add_region("x", 8 * MiB)
     assert preflight.stale_store_bytes(str(tmp_path)) == 0  # its lock is held
     live.close()

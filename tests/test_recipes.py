@@ -5,14 +5,16 @@ from __future__ import annotations
 import csv
 import importlib.util
 import json
+from importlib import resources
 from pathlib import Path
 
 import pytest
 import torch
 
+from lightning_nvme.launch import ConfigError, build, compose_config, list_recipes, train, validate
+from lightning_nvme.launch.compose import CONF_MODULE, recipe_text
+from lightning_nvme.launch.instantiate import _instantiate_group
 from lightning_nvme.models import GPT, GPTConfig
-from lightning_nvme.recipes import CONF_DIR, ConfigError, build, compose_config, list_recipes, train, validate
-from lightning_nvme.recipes.builder import _instantiate_group
 
 
 def _has(module: str) -> bool:
@@ -51,7 +53,9 @@ def _model_size(cfg_model_target: str, model_path: str) -> list[str]:
 
 # ---- every config-group option ----------------------------------------------------------------------
 def _group_options() -> list[tuple[str, str]]:
-    return sorted((p.parent.name, p.stem) for p in CONF_DIR.glob("*/*.yaml"))
+    groups = [g for g in resources.files(CONF_MODULE).iterdir() if g.is_dir() and not g.name.startswith("__")]
+    return sorted((g.name, f.name.removesuffix(".yaml")) for g in groups for f in g.iterdir()
+                  if f.name.endswith(".yaml"))
 
 
 def _skip_reason(group: str, option: str) -> str | None:
@@ -101,7 +105,7 @@ def test_every_conf_option_composes_and_instantiates(group: str, option: str, tm
 def test_the_three_recipes_exist_with_launch_commands() -> None:
     assert {"quickstart", "hf_local", "bigger_than_memory"} <= set(list_recipes())
     for name in list_recipes():
-        text = (CONF_DIR.parent / "recipes" / f"{name}.yaml").read_text()
+        text = recipe_text(name)
         assert f"lightning-nvme train recipe={name}" in text, f"{name}.yaml must give its launch command"
 
 
@@ -151,11 +155,12 @@ def test_bigger_than_memory_recipe_is_sized_to_matter() -> None:
 # ---- validation before training ----------------------------------------------------------------------------
 @pytest.mark.parametrize(("override", "expected"), [
     ("trainer.max_stepz=3", "did you mean 'trainer.max_steps'"),
-    ("+trainer.max_stepz=3", "unknown config key 'trainer.max_stepz'"),
-    ("trainer.max_steps=lots", "'trainer.max_steps' must be int"),
-    ("model.n_layer=2.5", "'model.n_layer' must be int"),
-    ("data.batch_size=true", "'data.batch_size' must be int"),
-    ("optimizer.lr=fast", "'optimizer.lr' must be float"),
+    ("+trainer.max_stepz=3", "trainer.max_stepz: unknown config key"),
+    ("trainer.max_steps=lots", "trainer.max_steps: must be int"),
+    ("model.n_layer=2.5", "model.n_layer: must be int"),
+    ("data.batch_size=true", "data.batch_size: must be int"),
+    ("optimizer.lr=fast", "optimizer.lr: must be float"),
+    ("strategy.io_chunk_bytes=5000", "strategy.io_chunk_bytes: must be a multiple of 4096"),
     ("model=nope", "no option 'nope' in config group 'model'"),
 ])
 def test_bad_overrides_stop_with_a_message_naming_the_key(override: str, expected: str) -> None:
@@ -164,7 +169,7 @@ def test_bad_overrides_stop_with_a_message_naming_the_key(override: str, expecte
 
 
 def test_missing_model_path_for_hf_recipe_names_the_key() -> None:
-    with pytest.raises(ConfigError, match=r"'model.path' is required.*model.path="):
+    with pytest.raises(ConfigError, match=r"model.path: required but not set.*model.path="):
         validate(compose_config("hf_local"))
 
 
@@ -185,7 +190,7 @@ def test_missing_or_unwritable_store_dir_is_rejected(value: str, expected: str) 
 
 
 def test_check_store_dir_names_the_key_and_the_fix(tmp_path: Path) -> None:
-    from lightning_nvme.recipes.validate import check_store_dir
+    from lightning_nvme.launch.validate import check_store_dir
 
     check_store_dir("strategy.store_dir", None)  # the strategy picks its own default
     a_file = tmp_path / "file"

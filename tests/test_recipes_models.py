@@ -12,7 +12,6 @@ import torch
 from lightning_nvme.data import ByteTokenizer, EmbeddedTextDataModule, load_corpus
 from lightning_nvme.models import GPT, GPTConfig, GPTLightningModule, HFCausalLM
 
-
 HAS_TRANSFORMERS = importlib.util.find_spec("transformers") is not None
 
 

@@ -8,13 +8,13 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_checkpoint import resume_in_new_process, trainer
+from test_strategy import assert_same_params, fit
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.optim import plan_chunks
 from lightning_nvme.optim.state_format import BLOCK, StateFormat, StateFormatError, _sr_key, stochastic_round_bf16
-from test_checkpoint import resume_in_new_process, trainer
-from test_strategy import assert_same_params, fit
 
 
 def offload(tmp_path, **kw):
@@ -30,7 +30,7 @@ def test_bitwise_equal_to_round_trip_reference(tmp_path, optimizer, state_format
     assert t.global_step == 32
     assert_same_params(ref, off)
     stored = t.strategy.offloaded[0].state_bytes
-    exact = sum(c.nbytes for c in plan_chunks(t.optimizers[0], 16 << 10, "probe")[0])
+    exact = sum(c.nbytes for c in plan_chunks(t.optimizers[0], 16 << 10, "probe").chunks)
     assert stored < exact * (0.55 if state_format == "bf16" else 0.3)  # the store really holds the compressed form
 
 
@@ -104,8 +104,9 @@ def test_resume_with_another_format_is_refused(tmp_path, int8_checkpoint, kwargs
 
 
 def test_converter_dequantizes_and_plain_checkpoint_resumes_in_any_format(tmp_path, int8_checkpoint):
-    from lightning_nvme.checkpoint import convert
     from models import MLP
+
+    from lightning_nvme.checkpoint import convert
 
     root, t = int8_checkpoint
     plain = tmp_path / "plain.ckpt"
@@ -232,8 +233,9 @@ def test_ddp_bitwise_equal_to_round_trip_reference(tmp_path):
 
 
 def test_telemetry_names_the_format(tmp_path):
-    from lightning_nvme.callbacks import IOTelemetry
     from models import MLP
+
+    from lightning_nvme.callbacks import IOTelemetry
 
     telemetry = IOTelemetry(plot=False, summary=False, prog_bar=False)
     t = trainer(tmp_path, offload(tmp_path, state_format="bf16"), 1, limit_train_batches=8, callbacks=[telemetry],
@@ -245,13 +247,100 @@ def test_telemetry_names_the_format(tmp_path):
 
 
 def test_hydra_strategy_config_takes_the_formats():
-    import os
+    from pathlib import Path
 
     import hydra
     from omegaconf import OmegaConf
 
-    conf = os.path.join(os.path.dirname(lightning_nvme.__file__), "conf", "strategy", "nvme_offload.yaml")
+    conf = Path(__file__).resolve().parents[1] / "conf" / "strategy" / "nvme_offload.yaml"  # conf/ at the top level
     cfg = OmegaConf.load(conf)
     cfg.store_dir, cfg.state_format, cfg.master_format = None, "int8", "bf16_sr"
     strategy = hydra.utils.instantiate(cfg)
     assert strategy.config.state_format_spec.describe() == "state_format='int8', master_format='bf16_sr'"
+
+
+# ---- merged with main: plan growth, resident params, the paired checkpoint file, parameter offload -------------
+def _grow(tmp_path, fmt, offloaded):
+    """Six AdamW steps; the second layer (frozen at setup) becomes trainable at step 3, so an offloaded plan grows."""
+    from lightning_nvme.optim import OffloadedOptimizer
+    from lightning_nvme.optim.state_format import RoundTripOptimizer
+    from lightning_nvme.store import FlatStore
+
+    torch.manual_seed(0)
+    a, b = torch.nn.Linear(300, 4), torch.nn.Linear(4, 300)  # 1200-element weights: 5 int8 blocks, the last partial
+    b.requires_grad_(False)
+    opt = torch.optim.AdamW([*a.parameters(), *b.parameters()], lr=1e-2)
+    x = torch.randn(8, 300)
+    store = FlatStore(tmp_path, io_chunk_bytes=4096) if offloaded else None
+    off = OffloadedOptimizer(opt, store, chunk_bytes=16 << 10, fmt=fmt) if offloaded else RoundTripOptimizer(opt, fmt)
+    chunks_at_setup = len(off.chunks) if offloaded else 0
+    for step in range(6):
+        if step == 3:
+            b.requires_grad_(True)
+        opt.zero_grad()
+        b(a(x)).pow(2).mean().backward()
+        opt.step()
+    if offloaded:
+        off.close()
+        store.close()
+    return [p.detach().clone() for p in (*a.parameters(), *b.parameters())], off, chunks_at_setup
+
+
+@pytest.mark.parametrize("state_format", ["bf16", "int8"])
+def test_grown_plan_uses_the_same_format(tmp_path, state_format):
+    fmt = StateFormat(state_format)
+    ref, _, _ = _grow(tmp_path / "ref", fmt, offloaded=False)
+    got, off, chunks_at_setup = _grow(tmp_path / "off", fmt, offloaded=True)
+    assert len(off.chunks) > chunks_at_setup  # the plan grew mid-run
+    grown = [p for c in off.chunks[chunks_at_setup:] for p in c.pieces]
+    assert grown and all(p.components == {k: fmt.components(k, d) for k, d in p.keys} for p in grown)
+    assert all(c.dtype != torch.float32 or c.per > 1 for p in grown for c in p.stored())  # compressed, as at setup
+    for i, (p, q) in enumerate(zip(ref, got)):
+        assert torch.equal(p, q), f"parameter {i} differs from the round-trip reference"
+
+
+def test_resident_bf16_params_are_rounded_stochastically(tmp_path):
+    """Plain SGD keeps no per-element state: with bf16_sr its bf16 params are resident (no store, no master),
+    and still updated in fp32 and rounded stochastically, bitwise as the reference."""
+    ref, _ = fit(tmp_path / "ref", "auto", optimizer="sgd_plain", precision="bf16-true", ref_state_format="exact",
+                 ref_master_format="bf16_sr")
+    off, t = fit(tmp_path / "off", offload(tmp_path, master_format="bf16_sr"), optimizer="sgd_plain",
+                 precision="bf16-true")
+    assert t.strategy.offloaded[0].chunks == [] and t.strategy.offloaded[0].resident
+    assert_same_params(ref, off)
+
+
+def test_paired_checkpoint_file_records_the_format(int8_checkpoint):
+    from lightning_nvme.checkpoint import paired
+
+    root, _ = int8_checkpoint
+    ref = torch.load(root / "epoch1.ckpt", map_location="cpu", weights_only=False)[paired.REF_KEY]
+    recorded = ref["parts"][0]["state_format"]
+    assert (recorded["state_format"], recorded["master_format"], recorded["block"]) == ("int8", "bf16_sr", BLOCK)
+    assert recorded["steps"] > 0  # the bf16_sr rounding noise continues from here on resume
+
+
+@pytest.mark.parametrize("precision, state_format, master_format",
+                         [("32-true", "int8", "fp32"), ("bf16-true", "int8", "bf16_sr")])
+def test_offload_params_with_compressed_state_bitwise_equal_to_reference(tmp_path, precision, state_format,
+                                                                          master_format):
+    """offload_params=True with a compressed format: the blocks are made resident for their chunk's update as
+    with exact state; equal to in-memory training wrapped in the round-trip reference."""
+    from _param_offload_model import TinyGPT
+    from test_param_offload import trainer as po_trainer
+
+    from lightning_nvme.optim.state_format import RoundTripOptimizer
+
+    class RefGPT(TinyGPT):
+        def configure_optimizers(self):
+            return RoundTripOptimizer(super().configure_optimizers(), StateFormat(state_format, master_format)).optimizer
+
+    ref = RefGPT()
+    po_trainer(tmp_path / "ref", "auto", steps=12, precision=precision).fit(ref)
+    strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), chunk_bytes=64 << 10, offload_params=True,
+                                   overlap="backward", state_format=state_format, master_format=master_format)
+    off = TinyGPT()
+    po_trainer(tmp_path / "off", strategy, steps=12, precision=precision).fit(off)
+    assert len(strategy.param_offload.blocks) == 4
+    for (name, p), q in zip(ref.named_parameters(), off.parameters()):
+        assert torch.equal(p, q), f"parameter {name} differs"

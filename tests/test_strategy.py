@@ -6,10 +6,10 @@ from __future__ import annotations
 import pytest
 import torch
 from lightning.pytorch import Trainer
+from models import MLP
 
 import lightning_nvme  # noqa: F401  (registers the strategy)
 from lightning_nvme import NVMeOffloadStrategy
-from models import MLP
 
 
 def fit(tmp_path, strategy, *, optimizer="adamw", steps=32, accumulate=2, clip=0.5, clip_algo="norm",
@@ -116,7 +116,7 @@ def test_no_large_state_resident(tmp_path):
 def test_bf16_true_matches_fp32_master_weight_reference(tmp_path):
     """bf16 params, fp32 master weights and moments in the store: equal to an in-memory loop that keeps
     fp32 masters, steps AdamW on them and casts back."""
-    from models import dataset
+    from models import dataset, fp32_master_step
 
     strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), chunk_bytes=16 << 10)
     off, _ = fit(tmp_path, strategy, steps=20, accumulate=1, clip=None, precision="bf16-true")
@@ -134,14 +134,8 @@ def test_bf16_true_matches_fp32_master_weight_reference(tmp_path):
     for step, (x, y) in zip(range(20), loader):
         loss = torch.nn.functional.cross_entropy(ref(x.bfloat16()).float(), y)
         loss.backward()
-        for p in trainable:
-            masters[p].grad = p.grad.float() if p.grad is not None else None
-            p.grad = None
-        opt.step()
+        fp32_master_step(trainable, masters, opt)
         sched.step()
-        with torch.no_grad():
-            for p in trainable:
-                p.copy_(masters[p])
     for (name, p), q in zip(off.named_parameters(), ref.parameters()):
         assert p.dtype == torch.bfloat16
         assert torch.equal(p, q), f"parameter {name} differs"
@@ -190,10 +184,10 @@ def test_preflight_refuses_missing_parent(tmp_path, monkeypatch):
 @pytest.mark.parametrize("threshold", [1 << 20, None])
 def test_malloc_threshold_is_applied_at_setup(tmp_path, monkeypatch, threshold):
     """Freed chunk temporaries must go back to the OS (see lightning_nvme.memory); None leaves malloc alone."""
-    from lightning_nvme.strategies import offload_mixin
+    from lightning_nvme.strategies import offload
 
     calls = []
-    monkeypatch.setattr(offload_mixin, "release_freed_memory", lambda t: calls.append(t) or True)
+    monkeypatch.setattr(offload, "release_freed_memory", lambda t: calls.append(t) or True)
     strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "s"), malloc_mmap_threshold=threshold)
     fit(tmp_path, strategy, steps=1)
     assert calls == ([threshold] if threshold else [])

@@ -17,7 +17,6 @@ from lightning_nvme.data import EmbeddedTextDataModule
 from lightning_nvme.models import GPTLightningModule
 from lightning_nvme.store import FlatStore
 
-
 STEPS = 4
 WRITE_BYTES = 1 << 20  # per step
 
@@ -54,7 +53,7 @@ def _fit(tmp_path: Path, callbacks: list[Callback]) -> pl.Trainer:
 
 @pytest.fixture()
 def store(tmp_path: Path):  # noqa: ANN201
-    s = FlatStore(tmp_path / "store", chunk_bytes=1 << 20, num_workers=2, pool_bytes=2 << 20)
+    s = FlatStore(tmp_path / "store", io_chunk_bytes=1 << 20, num_workers=2, pool_bytes=2 << 20)
     s.add_region("state", WRITE_BYTES)
     yield s
     s.close(delete=True)

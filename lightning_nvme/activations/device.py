@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_nvme.store import aligned_empty, align_up
+from lightning_nvme.store import align_up, aligned_empty
 
 
 def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:

@@ -22,6 +22,7 @@ backward -> ``end_step``. Independent of Lightning; the callback calls these fro
 from __future__ import annotations
 
 import logging
+import sys
 import threading
 import time
 import weakref
@@ -34,17 +35,14 @@ import torch
 from torch.autograd.graph import saved_tensors_hooks
 
 from lightning_nvme.activations.arena import ActivationArena
-import sys
-
-from lightning_nvme.activations.boundary import (DETECTION_AVAILABLE, close_abandoned_checkpoints,
-                                                 saved_at_checkpoint_boundary)
+from lightning_nvme.activations.boundary import DETECTION_AVAILABLE, close_abandoned_checkpoints, saved_at_checkpoint_boundary
 from lightning_nvme.activations.device import CudaStaging, ReadBufferPool, host_buffer
 from lightning_nvme.activations.meter import ResidencyMeter, storage_ptrs
+from lightning_nvme.constants import MiB
 from lightning_nvme.store import FlatStore, IOHandle
 
 log = logging.getLogger(__name__)
 
-MiB = 1 << 20
 SCOPES = ("checkpoint", "all")
 
 
@@ -64,7 +62,7 @@ class OffloadStats:
     write_wait_s: float = 0.0  # forward blocked by the in-flight write budget
     io_busy_s: float = 0.0  # wall time during which any of the step's I/O was in flight
 
-    def add(self, other: "OffloadStats") -> None:
+    def add(self, other: OffloadStats) -> None:
         for f in fields(self):
             setattr(self, f.name, getattr(self, f.name) + getattr(other, f.name))
 
@@ -377,7 +375,7 @@ class ActivationOffloader:
         self._reap()
         return stored
 
-    def _forget(self, key: int, ref: "weakref.ref[_Stored]") -> None:
+    def _forget(self, key: int, ref: weakref.ref[_Stored]) -> None:
         """The storage died: its id may be reused by a new storage, which must not match this record.
 
         Lock-free on purpose: this runs on whichever thread drops the storage last, e.g. an I/O worker

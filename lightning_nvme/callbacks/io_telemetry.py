@@ -29,7 +29,7 @@ from lightning_nvme.store.stats import IOStats
 GB = 1e9
 
 
-def find_stores(trainer: "pl.Trainer") -> list[tuple[str, Any]]:
+def find_stores(trainer: pl.Trainer) -> list[tuple[str, Any]]:
     """Every distinct ``nvme_store`` on the strategy and the callbacks, as ``(owner name, store)``."""
     found: dict[int, tuple[str, Any]] = {}
     for owner in (trainer.strategy, *trainer.callbacks):
@@ -93,7 +93,7 @@ class IOTelemetry(Callback):
         self.plot_path: str | None = None
 
     # ---- sampling ---------------------------------------------------------------------------------
-    def _delta(self, trainer: "pl.Trainer") -> IOStats:
+    def _delta(self, trainer: pl.Trainer) -> IOStats:
         """Stats moved since the previous call, summed over stores (new stores count from when first seen)."""
         total = IOStats()
         self.stores = find_stores(trainer)
@@ -107,7 +107,7 @@ class IOTelemetry(Callback):
         return total
 
     @override
-    def on_train_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
         self._delta(trainer)  # baseline
         fmt = getattr(getattr(trainer.strategy, "config", None), "state_format_spec", None)
@@ -119,16 +119,16 @@ class IOTelemetry(Callback):
         self._t_prev = time.perf_counter()
 
     @override
-    def on_validation_start(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_validation_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._t_val = time.perf_counter()
 
     @override
-    def on_validation_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.training:  # validation inside fit: keep its time out of the next step's wall time
             self._t_prev += time.perf_counter() - self._t_val
 
     @override
-    def on_train_batch_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule", outputs: Any, batch: Any,
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
         now = time.perf_counter()
         step_s = max(now - self._t_prev, 1e-9)
@@ -149,7 +149,7 @@ class IOTelemetry(Callback):
                            on_step=True, on_epoch=False, prog_bar=self.prog_bar)
 
     @override
-    def on_train_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         """I/O issued after the last sample (callbacks that run after this one, final flushes) still counts
         in the totals, so they match the stores' own counters."""
         d = self._delta(trainer)
@@ -185,7 +185,7 @@ class IOTelemetry(Callback):
         }
 
     @override
-    def on_fit_end(self, trainer: "pl.Trainer", pl_module: "pl.LightningModule") -> None:
+    def on_fit_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if not self.summary and not self.plot:
             return
         out_dir = trainer.log_dir or trainer.default_root_dir

@@ -1,9 +1,10 @@
-"""Streamed, atomically committed checkpoints of offloaded training state, and conversion to/from
-plain Lightning checkpoints."""
+"""Checkpoints of offloaded training: one file Lightning's loaders open, the optimizer state streamed beside
+it and committed atomically with it (``paired``); the old directory format is still read (``legacy``);
+conversion to and from plain Lightning checkpoints (``convert``)."""
 
-from lightning_nvme.checkpoint import sharded
-from lightning_nvme.checkpoint.streamed import (FORMAT_VERSION, format_entry, is_streamed, load_streamed, optimizer_placeholder,
-                                                remove_streamed, restore_optimizer, save_streamed)
+from lightning_nvme.checkpoint import legacy, paired, sharded
+from lightning_nvme.checkpoint.legacy import is_legacy_dir
+from lightning_nvme.checkpoint.streamed import OptimizerParts, format_entry, optimizer_placeholder, restore_optimizer
 
-__all__ = ["FORMAT_VERSION", "format_entry", "is_streamed", "load_streamed", "optimizer_placeholder", "remove_streamed",
-           "restore_optimizer", "save_streamed", "sharded"]
+__all__ = ["OptimizerParts", "format_entry", "is_legacy_dir", "legacy", "optimizer_placeholder", "paired",
+           "restore_optimizer", "sharded"]

@@ -1,9 +1,11 @@
-"""Commit a checkpoint directory atomically: the old checkpoint or the new one, never half of each.
+"""Atomic file-system steps of a checkpoint commit: the old entry or the new one, never half of each.
 
-A checkpoint is written under a hidden temporary name beside its target, every file fsynced, then
-swapped into place with ``renameat2(RENAME_EXCHANGE)`` (one atomic step even when the target exists,
-e.g. ``last.ckpt``) and the parent directory fsynced. Where the exchange is unsupported, the old one is
-first renamed aside; ``recover`` puts it back if a crash fell between the two renames.
+A file or directory is written under a hidden temporary name beside its target (``.NAME.tmp-PID``),
+fsynced, then moved into place in one step: ``os.replace`` when the target is a file or absent,
+``renameat2(RENAME_EXCHANGE)`` when it is a directory (an old-format checkpoint: a rename cannot put a
+file over a directory). Where the exchange is unsupported, the old directory is first renamed aside
+(``.NAME.old``); ``recover`` puts it back if a crash fell between the two renames. Deleting renames to a
+hidden temp name first, so no half-deleted entry is ever visible under its name.
 """
 
 from __future__ import annotations
@@ -30,7 +32,7 @@ def temp_name(path: str) -> str:
     return os.path.join(head, f".{tail}.tmp-{os.getpid()}")
 
 
-def _aside_name(path: str) -> str:
+def aside_name(path: str) -> str:
     head, tail = os.path.split(os.path.abspath(path))
     return os.path.join(head, f".{tail}.old")
 
@@ -44,20 +46,37 @@ def _exchange(a: str, b: str) -> bool:
     return fn(_AT_FDCWD, a.encode(), _AT_FDCWD, b.encode(), _RENAME_EXCHANGE) == 0
 
 
+def delete(path: str) -> None:
+    """Delete a file, link or directory tree (already under a hidden name)."""
+    if os.path.isdir(path) and not os.path.islink(path):
+        shutil.rmtree(path, ignore_errors=True)
+    elif os.path.lexists(path):
+        os.unlink(path)
+
+
+def is_dead_temp(path: str) -> bool:
+    """A ``.NAME.tmp-PID`` entry whose writer process no longer exists (on this machine)."""
+    pid = path.rsplit("-", 1)[-1]
+    return ".tmp-" in os.path.basename(path) and pid.isdigit() and not os.path.exists(f"/proc/{pid}")
+
+
+def sweep_dead_temps(directory: str) -> None:
+    """Drop what dead writers left in ``directory``: half-written checkpoints, old ones after an exchange,
+    ones being deleted (of any checkpoint there: a deleted or renamed checkpoint's name may never recur)."""
+    for tmp in glob.glob(os.path.join(glob.escape(directory), ".*.tmp-*")):
+        if is_dead_temp(tmp):
+            delete(tmp)
+
+
 def recover(path: str) -> None:
-    """Undo a crash between the two renames of the fallback path, and drop temp dirs of dead writers
-    (of any checkpoint in the same directory: a deleted or renamed checkpoint's name may never recur)."""
-    aside = _aside_name(path)
-    if os.path.isdir(aside):
-        if os.path.exists(path):
-            shutil.rmtree(aside, ignore_errors=True)
+    """Undo a crash between the two renames of the fallback commit, and sweep dead writers' temp entries."""
+    aside = aside_name(path)
+    if os.path.lexists(aside):
+        if os.path.lexists(path):
+            delete(aside)
         else:
             os.rename(aside, path)
-    head = os.path.dirname(os.path.abspath(path))
-    for tmp in glob.glob(os.path.join(glob.escape(head), ".*.tmp-*")):
-        pid = tmp.rsplit("-", 1)[-1]
-        if pid.isdigit() and os.path.isdir(tmp) and not os.path.islink(tmp) and not os.path.exists(f"/proc/{pid}"):
-            shutil.rmtree(tmp, ignore_errors=True)
+    sweep_dead_temps(os.path.dirname(os.path.abspath(path)))
 
 
 def begin_dir(path: str, tmp: str) -> str:
@@ -69,21 +88,39 @@ def begin_dir(path: str, tmp: str) -> str:
     return tmp
 
 
-def commit_dir(tmp: str, path: str) -> None:
-    """Move the fully written, fsynced directory ``tmp`` to ``path`` atomically."""
+def commit(tmp: str, path: str) -> None:
+    """Move the fully written, fsynced file or directory ``tmp`` to ``path`` atomically, whatever ``path``
+    is now (absent, a file, a link, or a directory of the old checkpoint format)."""
     fsync_path(tmp)
     parent = os.path.dirname(os.path.abspath(path))
-    if os.path.exists(path):
-        if _exchange(tmp, path):
-            fsync_path(parent)
-            shutil.rmtree(tmp)  # now holds the previous checkpoint
-            return
-        aside = _aside_name(path)
-        shutil.rmtree(aside, ignore_errors=True)
-        os.rename(path, aside)
-        os.rename(tmp, path)
+    if not (os.path.isdir(path) and not os.path.islink(path)):
+        os.replace(tmp, path)
         fsync_path(parent)
-        shutil.rmtree(aside)
         return
+    if _exchange(tmp, path):
+        fsync_path(parent)
+        delete(tmp)  # now holds the previous checkpoint
+        return
+    aside = aside_name(path)
+    delete(aside)
+    os.rename(path, aside)
     os.rename(tmp, path)
     fsync_path(parent)
+    delete(aside)
+
+
+def remove(path: str) -> None:
+    """Delete ``path`` (file, link or directory) as one visible step: rename it to a hidden temp name,
+    then delete that. A crash mid-delete leaves only a hidden temp that ``recover`` drops later."""
+    path = os.path.abspath(path)
+    if os.path.islink(path) or os.path.isfile(path):
+        os.unlink(path)
+        fsync_path(os.path.dirname(path))
+        return
+    if not os.path.exists(path):
+        return
+    doomed = temp_name(path)
+    delete(doomed)
+    os.rename(path, doomed)
+    fsync_path(os.path.dirname(path))
+    delete(doomed)

@@ -1,14 +1,15 @@
-"""Convert between streamed checkpoint directories and plain single-file Lightning checkpoints.
+"""Convert between lightning_nvme checkpoints and plain single-file Lightning checkpoints.
 
-``to_lightning``: a directory written by ``NVMeOffloadStrategy`` or (sharded, one file per rank) by
-``NVMeOffloadDDPStrategy`` -> one ``.ckpt`` file that a Trainer without this plugin resumes from (the
+``to_lightning``: a checkpoint written by ``NVMeOffloadStrategy`` or (sharded, one file per rank) by
+``NVMeOffloadDDPStrategy`` — the file and its ``.optim`` directory, or the old directory format — -> one
+``.ckpt`` file with the optimizer state inside, that a Trainer without this plugin resumes from (the
 per-element state is materialized: this is the way out).
-``from_lightning``: a plain ``.ckpt`` -> a streamed directory (both strategies also resume from plain
-checkpoints directly; this is for moving large state into the directory layout ahead of time). The
-directory resumes at any world size: each rank reads only the element ranges it owns.
+``from_lightning``: a plain ``.ckpt`` -> a lightning_nvme checkpoint (file + ``.optim`` directory). Both
+strategies also resume from plain checkpoints directly; this is for moving large state out of the file
+ahead of time. The result resumes at any world size: each rank reads only the element ranges it owns.
 
-    python -m lightning_nvme.checkpoint.convert to-lightning SRC_DIR DST.ckpt
-    python -m lightning_nvme.checkpoint.convert from-lightning SRC.ckpt DST_DIR
+    python -m lightning_nvme.checkpoint.convert to-lightning SRC.ckpt DST.ckpt
+    python -m lightning_nvme.checkpoint.convert from-lightning SRC.ckpt DST.ckpt
 """
 
 from __future__ import annotations
@@ -16,42 +17,49 @@ from __future__ import annotations
 import argparse
 import math
 import os
-import shutil
 import sys
+from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint.atomic import commit_dir, fsync_path, temp_name
+from lightning_nvme.checkpoint import legacy, paired
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
-from lightning_nvme.checkpoint.streamed import (FORMAT_VERSION, MARKER, META_FILE, load_streamed, optimizer_file,
-                                                parse_tensor_name, tensor_name)
+from lightning_nvme.checkpoint.streamed import (
+    OptimizerParts,
+    file_metadata,
+    open_readers,
+    optimizer_file,
+    parse_tensor_name,
+    tensor_name,
+)
 from lightning_nvme.optim.state_format import BLOCK, SCALE_SUFFIX, STATE_DICT_KEY, StateFormat, decode_entries
 
 
-def _atomic_torch_save(obj, path: str) -> None:
-    tmp = temp_name(path)
-    torch.save(obj, tmp)
-    fsync_path(tmp)
-    os.replace(tmp, path)
-    fsync_path(os.path.dirname(os.path.abspath(path)))
+def load_any(src: str) -> tuple[dict[str, Any], OptimizerParts | None]:
+    """Lightning's dict of a lightning_nvme checkpoint of either format, and where its optimizer state is."""
+    if legacy.is_legacy_dir(src):
+        return legacy.load_legacy(src)
+    return paired.read(torch.load(src, map_location="cpu", weights_only=False), src)
 
 
-def to_lightning(src_dir: str, dst_file: str) -> None:
-    checkpoint = load_streamed(src_dir)
-    directory = checkpoint.pop("_lightning_nvme")["dir"]
-    for state in checkpoint.get("optimizer_states", []):
-        marker = state.pop(MARKER, None)
+def to_lightning(src: str, dst_file: str) -> None:
+    checkpoint, parts = load_any(src)
+    if parts is not None and parts.problem is not None:
+        raise RuntimeError(parts.problem)
+    for i, state in enumerate(checkpoint.get("optimizer_states", [])):
+        marker = parts.markers[i] if parts is not None else None
         if marker is None:
             continue
-        for file in marker.get("files", [marker.get("file")]):  # "files": the shards of a data-parallel save
-            reader = SafetensorsReader(os.path.join(directory, file))
-            try:
+        readers = open_readers(parts.directory, marker, parts.save_id)
+        try:
+            for reader in readers:  # one per rank that wrote a shard of a data-parallel save
                 for name in reader.entries:
                     _gather(state["state"], reader, name, marker.get("shapes"))
-            finally:
+        finally:
+            for reader in readers:
                 reader.close()
         _dequantize(state, marker.get("state_format"))
-    _atomic_torch_save(checkpoint, dst_file)
+    paired.save_plain(checkpoint, dst_file)
 
 
 def _dequantize(state: dict, saved: dict | None) -> None:
@@ -81,28 +89,37 @@ def _gather(state: dict, reader: SafetensorsReader, name: str, shapes: list | No
     entries[key].view(-1)[start:stop] = reader.read(name)
 
 
-def from_lightning(src_file: str, dst_dir: str) -> None:
+def pop_state_tensors(state: dict[str, Any]) -> dict[str, torch.Tensor]:
+    """Take the per-element tensors out of a torch-format optimizer state dict, named as in the safetensors files;
+    the scalar state (``step``) stays."""
+    tensors = {}
+    for index, entries in state["state"].items():
+        for key in [k for k, v in entries.items() if torch.is_tensor(v) and v.dim() > 0]:
+            tensors[tensor_name(index, key)] = entries.pop(key)
+    return tensors
+
+
+def write_tensors(path: str, tensors: dict[str, torch.Tensor], metadata: dict[str, str]) -> None:
+    writer = SafetensorsWriter(path, [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()], metadata)
+    try:
+        for name, t in tensors.items():
+            writer.write(name, 0, t.reshape(-1))
+    finally:
+        writer.close()
+
+
+def from_lightning(src_file: str, dst: str) -> None:
     checkpoint = torch.load(src_file, map_location="cpu", weights_only=False)
-    tmp = temp_name(dst_dir)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    for i, state in enumerate(checkpoint.get("optimizer_states", [])):
-        tensors = {}
-        for index, entries in state["state"].items():
-            for key in [k for k, v in entries.items() if torch.is_tensor(v) and v.dim() > 0]:
-                tensors[tensor_name(index, key)] = entries.pop(key)
-        writer = SafetensorsWriter(os.path.join(tmp, optimizer_file(i)),
-                                   [(n, t.dtype, tuple(t.shape)) for n, t in tensors.items()],
-                                   {"format": MARKER, "format_version": str(FORMAT_VERSION)})
-        try:
-            for name, t in tensors.items():
-                writer.write(name, 0, t.reshape(-1))
-        finally:
-            writer.close()
-        state[MARKER] = {"format_version": FORMAT_VERSION, "file": optimizer_file(i)}
-    torch.save(checkpoint, os.path.join(tmp, META_FILE))
-    fsync_path(os.path.join(tmp, META_FILE))
-    commit_dir(tmp, dst_dir)
+    checkpoint.setdefault("optimizer_states", [])
+
+    def write_parts(directory: str, save_id: str) -> list[dict[str, Any]]:
+        markers = []
+        for i, state in enumerate(checkpoint["optimizer_states"]):
+            write_tensors(os.path.join(directory, optimizer_file(i)), pop_state_tensors(state), file_metadata(save_id))
+            markers.append({"file": optimizer_file(i)})
+        return markers
+
+    paired.save(checkpoint, dst, write_parts)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -1,40 +1,46 @@
-"""Streamed checkpoints of offloaded optimizers: a directory instead of one pickled file.
+"""Optimizer state streamed to and from safetensors files, chunk by chunk from the store.
 
-Layout of ``<name>.ckpt/``::
-
-    checkpoint.pt              Lightning's checkpoint dict; each entry of ``optimizer_states`` holds the
-                               param groups and scalar state (``step``) in torch's format, plus a
-                               ``lightning_nvme`` marker naming the file with the per-element state
-    optimizer-<i>.safetensors  per-element state of optimizer i: ``state.<param index>.<key>``, shaped
-                               like the parameter (``master_param`` = fp32 master weights), as the store
-                               holds it: with a compressed ``state_format`` bf16 values, or int8/uint8
-                               codes plus ``state.<param index>.<key>.absmax`` (one fp32 per block)
-
-Saving streams chunk by chunk from the store (memory bounded by the optimizer's ring buffers);
-loading streams back the same way, restoring moments, step counts and master weights exactly.
+One file per optimizer (``optimizer-<i>.safetensors``; a data-parallel rank writes
+``optimizer-<i>-rank<r>.safetensors``, see ``sharded``), one tensor per parameter:
+``state.<param index>.<key>`` shaped like the parameter (``master_param`` = fp32 master weights), or
+``state.<param index>.<key>[<start>:<stop>]`` for an element range a rank owned. The tensors are what the
+store holds: with a compressed ``state_format`` bf16 values, or int8/uint8 codes plus
+``state.<param index>.<key>.absmax`` (one fp32 per block of ``BLOCK`` elements; its ranges count blocks);
+the marker records the format (``format_entry``) and a resume in another format is refused
+(``check_format``). Saving streams from the store (memory bounded by the optimizer's ring buffers);
+loading streams back the same way, restoring moments, step counts and master weights exactly. Where the
+files live and how they are tied to the checkpoint file is ``paired`` (and ``legacy`` for the old
+directory format).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
-import shutil
-from typing import Any, Mapping, Sequence
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint.atomic import begin_dir, commit_dir, fsync_path, recover, temp_name
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
 from lightning_nvme.optim import OffloadedOptimizer, Piece
 from lightning_nvme.optim.state_format import StateFormat, StateFormatError
 
-FORMAT_VERSION = 1
 MARKER = "lightning_nvme"
-META_FILE = "checkpoint.pt"
+PARTS_VERSION = "1"  # of the safetensors layout (names, metadata); unchanged since the directory format
 
 
 def optimizer_file(i: int) -> str:
     return f"optimizer-{i}.safetensors"
+
+
+def file_metadata(save_id: str | None, **extra: str) -> dict[str, str]:
+    meta = {"format": MARKER, "format_version": PARTS_VERSION, **extra}
+    if save_id is not None:
+        meta["save_id"] = save_id
+    return meta
 
 
 def tensor_name(index: int, key: str, start: int | None = None, stop: int | None = None) -> str:
@@ -55,21 +61,14 @@ def parse_tensor_name(name: str) -> tuple[int, str, int | None, int | None]:
     return int(index), key, None if start is None else int(start), None if stop is None else int(stop)
 
 
-def is_streamed(path: Any) -> bool:
-    return os.path.isdir(os.fspath(path)) and os.path.isfile(os.path.join(os.fspath(path), META_FILE))
-
-
-def optimizer_placeholder(off: OffloadedOptimizer, index: int) -> dict[str, Any]:
+def optimizer_placeholder(off: OffloadedOptimizer) -> dict[str, Any]:
     """Torch-format optimizer state without the per-element tensors (they are streamed separately)."""
-    opt = off.optimizer
     groups, start = [], 0
-    for g in opt.param_groups:
-        groups.append({**{k: v for k, v in g.items() if k != "params"}, "params": list(range(start, start + len(g["params"])))})
+    for g in off.optimizer.param_groups:
+        groups.append({**{k: v for k, v in g.items() if k != "params"},
+                       "params": list(range(start, start + len(g["params"])))})
         start += len(g["params"])
-    scalars = {i: dict(off.scalars[(i, pieces[0][1].start)]) for i, pieces in off.pieces_of.items()
-               if (i, pieces[0][1].start) in off.scalars}
-    return {"state": scalars, "param_groups": groups,
-            MARKER: {"format_version": FORMAT_VERSION, "file": optimizer_file(index), **format_entry(off)}}
+    return {"state": off.scalar_state(), "param_groups": groups}
 
 
 def format_entry(off: OffloadedOptimizer) -> dict[str, Any]:
@@ -90,6 +89,18 @@ def check_format(off: OffloadedOptimizer, marker: Mapping[str, Any], path: str) 
     off.steps_done = int(saved.get("steps", 0))
 
 
+@dataclass
+class OptimizerParts:
+    """Where the streamed state of a loaded checkpoint is: its directory, the id of the save that wrote it
+    (``None`` for the old directory format) and, per optimizer, the marker naming its file(s)."""
+
+    directory: str
+    save_id: str | None
+    markers: list[dict[str, Any] | None]
+    problem: str | None = None  # why the state cannot be read (missing, another save's, remote)
+    source: str = ""  # the checkpoint as the user named it (its file, or the old format's directory)
+
+
 class _FileSink:
     def __init__(self, writer: SafetensorsWriter) -> None:
         self.writer = writer
@@ -98,63 +109,16 @@ class _FileSink:
         self.writer.write(tensor_name(piece.index, key), piece.start // per, values)
 
 
-def _write_optimizer(off: OffloadedOptimizer, path: str) -> None:
-    entries = []
-    for index, pieces in sorted(off.pieces_of.items()):
-        first = pieces[0][1]
-        if (index, first.start) in off.scalars:
-            entries += [(tensor_name(index, c.name), c.dtype,
-                         tuple(first.param.shape) if c.per == 1 else (c.count(first.param.numel()),))
-                        for c in first.stored()]
-    writer = SafetensorsWriter(path, entries, {"format": MARKER, "format_version": str(FORMAT_VERSION)})
+def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: str) -> dict[str, Any]:
+    """Stream optimizer ``i``'s state into ``directory`` (fsynced); returns its marker (file and state format)."""
+    entries = [(tensor_name(index, c.name), c.dtype, shape if c.per == 1 else (c.count(math.prod(shape)),))
+               for index, shape, comps in off.stored_state() for c in comps]
+    writer = SafetensorsWriter(os.path.join(directory, optimizer_file(i)), entries, file_metadata(save_id))
     try:
         off.export_state(_FileSink(writer))
     finally:
         writer.close()
-
-
-def save_streamed(checkpoint: dict[str, Any], path: str, offloaded: list[OffloadedOptimizer]) -> None:
-    """Write ``checkpoint`` and the offloaded state under a temp name, fsync, then commit atomically."""
-    path = os.path.abspath(path)
-    tmp = begin_dir(path, temp_name(path))
-    try:
-        for i, off in enumerate(offloaded):
-            _write_optimizer(off, os.path.join(tmp, optimizer_file(i)))
-        meta = os.path.join(tmp, META_FILE)
-        torch.save(checkpoint, meta)
-        fsync_path(meta)
-        commit_dir(tmp, path)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
-
-
-def load_streamed(path: str, recover_first: bool = True) -> dict[str, Any]:
-    """Lightning's checkpoint dict of a streamed directory. ``recover_first=False`` for every rank but one
-    of a data-parallel job (recovery renames and deletes; one process does it, then the others read)."""
-    path = os.path.abspath(path)
-    if recover_first:
-        recover(path)
-    checkpoint = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=False)
-    checkpoint.setdefault("_lightning_nvme", {})["dir"] = path
-    return checkpoint
-
-
-def remove_streamed(path: str) -> None:
-    """Delete a checkpoint directory as one step: rename it to a hidden temp name, then delete that.
-    A crash mid-delete leaves no half-deleted checkpoint under its name, only a hidden temp that
-    ``recover`` drops later."""
-    path = os.path.abspath(path)
-    if os.path.islink(path):  # e.g. ModelCheckpoint(save_last="link")
-        os.unlink(path)
-        return
-    if not os.path.exists(path):
-        return
-    doomed = temp_name(path)
-    shutil.rmtree(doomed, ignore_errors=True)
-    os.rename(path, doomed)
-    fsync_path(os.path.dirname(path))
-    shutil.rmtree(doomed, ignore_errors=True)
+    return {"file": optimizer_file(i), **format_entry(off)}
 
 
 class _FileSource:
@@ -197,26 +161,64 @@ class _FileSource:
                 if k not in tensor_keys}
 
 
-def restore_optimizer(off: OffloadedOptimizer, state: Mapping[str, Any], checkpoint: Mapping[str, Any]) -> None:
-    """Restore one optimizer from a streamed entry, or from a plain Lightning checkpoint's state dict."""
-    marker = state.get(MARKER)
+def marker_files(marker: Mapping[str, Any]) -> list[str]:
+    return list(marker["files"]) if "files" in marker else [marker["file"]]  # "files": one shard per rank
+
+
+def open_readers(directory: str, marker: Mapping[str, Any], save_id: str | None) -> list[SafetensorsReader]:
+    """Readers of the files of one optimizer, each checked to belong to the save ``save_id``."""
+    readers: list[SafetensorsReader] = []
+    try:
+        for name in marker_files(marker):
+            path = os.path.join(directory, name)
+            if not os.path.isfile(path):
+                raise FileNotFoundError(f"optimizer state file {path} is missing: the checkpoint is incomplete")
+            readers.append(SafetensorsReader(path))
+            found = readers[-1].metadata.get("save_id")
+            if save_id is not None and found != save_id:
+                raise ValueError(f"optimizer state file {path} was written by save {found}, but the checkpoint file "
+                                 f"refers to save {save_id}: the file and its optimizer state come from different "
+                                 "saves (copied separately?). Refusing to mix them.")
+    except BaseException:
+        for r in readers:
+            r.close()
+        raise
+    return readers
+
+
+def restore_optimizer(off: OffloadedOptimizer, state: Mapping[str, Any], marker: Mapping[str, Any] | None,
+                      parts: OptimizerParts | None) -> None:
+    """Restore one optimizer: from its streamed files (``marker``), or from a plain torch-format state dict."""
     if marker is None:
+        _check_planned(off, {i for i, s in state["state"].items()
+                             if any(torch.is_tensor(v) and v.dim() > 0 for v in s.values())})
         off.load_state_dict(dict(state))
         return
-    if marker.get("format_version") != FORMAT_VERSION:
-        raise ValueError(f"checkpoint optimizer state has format version {marker.get('format_version')}, "
-                         f"this lightning_nvme reads version {FORMAT_VERSION}")
-    directory = checkpoint.get("_lightning_nvme", {}).get("dir")
-    if directory is None:
-        raise ValueError("this optimizer state refers to a streamed checkpoint directory, but the checkpoint was "
-                         "not loaded from one; load it with NVMeOffloadStrategy or convert it first "
-                         "(python -m lightning_nvme.checkpoint.convert)")
-    check_format(off, marker, directory)
+    assert parts is not None
+    if parts.problem is not None:
+        raise RuntimeError(parts.problem)
+    check_format(off, marker, parts.source or parts.directory)
     off.set_param_groups(state["param_groups"])
-    files = marker["files"] if "files" in marker else [marker["file"]]  # "files": one shard per rank
-    readers = [SafetensorsReader(os.path.join(directory, f)) for f in files]
+    readers = open_readers(parts.directory, marker, parts.save_id)
     try:
-        off.import_state(_FileSource(readers, state["state"]), stored=not off.fmt.exact)
+        source = _FileSource(readers, state["state"])
+        _check_planned(off, {index for index, _ in source.entries})
+        off.import_state(source, stored=not off.fmt.exact)
     finally:
         for reader in readers:
             reader.close()
+
+
+def _check_planned(off: OffloadedOptimizer, with_state: set[int]) -> None:
+    """Refuse to drop saved moments: every parameter the checkpoint holds per-element state for must be one this
+    optimizer updates now (single process; a data-parallel rank plans only the ranges it owns)."""
+    if off.owned is not None:
+        return
+    dropped = sorted(with_state - off.planned_indices())
+    if dropped:
+        raise ValueError(f"the checkpoint holds optimizer state of parameters {dropped} of "
+                         f"{type(off.optimizer).__name__}, but they are not trainable in this run's optimizer at "
+                         "restore time (frozen, e.g. by BackboneFinetuning before it unfreezes them), so their "
+                         "moments would silently restart. Resume with the same parameters trainable as when the "
+                         "checkpoint was saved, or convert it and resume with strategy='auto': "
+                         "python -m lightning_nvme.checkpoint.convert to-lightning")

@@ -37,7 +37,7 @@ class GPTConfig:
     dropout: float = 0.0
 
     @classmethod
-    def from_json(cls, path: str | os.PathLike) -> "GPTConfig":
+    def from_json(cls, path: str | os.PathLike) -> GPTConfig:
         with open(path) as f:
             raw = json.load(f)
         model_type = raw.get("model_type", "gpt2")
@@ -149,7 +149,7 @@ class GPT(nn.Module):
         save_file(state, os.path.join(directory, "model.safetensors"), metadata={"format": "pt"})
 
     @classmethod
-    def from_pretrained(cls, directory: str | os.PathLike, activation_checkpointing: bool = False) -> "GPT":
+    def from_pretrained(cls, directory: str | os.PathLike, activation_checkpointing: bool = False) -> GPT:
         """Load a GPT-2 checkpoint directory (single or sharded safetensors) without ``transformers``."""
         cfg = GPTConfig.from_json(os.path.join(directory, "config.json"))
         model = cls(cfg, activation_checkpointing)

@@ -4,7 +4,8 @@ Why by bytes: each rank's store file and update time scale with the state bytes 
 shards are balanced by state bytes (a half-precision param with fp32 master weights costs more per
 element than an fp32 one). Greedy by size: params are taken largest first and given to the rank with
 the least load; a param that would push that rank past its fair share (total / N) is cut into element
-ranges, the rest going to the next least-loaded rank. Every rank computes the same partition from the
+ranges, the rest going to the next least-loaded rank (unless its update is not element-wise: then it
+stays whole). Every rank computes the same partition from the
 same optimizer, so no communication is needed to agree on it.
 """
 
@@ -14,7 +15,7 @@ from dataclasses import dataclass
 
 from torch.optim import Optimizer
 
-from lightning_nvme.optim.plan import bytes_per_element, param_state_keys
+from lightning_nvme.optim.plan import bytes_per_element, describe_params
 from lightning_nvme.optim.state_format import EXACT, StateFormat
 
 Ranges = dict[int, list[tuple[int, int]]]  # param index -> sorted element ranges [start, stop)
@@ -50,19 +51,20 @@ def partition_by_bytes(optimizer: Optimizer, world_size: int, master_weights: bo
     (in format ``fmt``; cuts fall on multiples of ``fmt.align`` elements)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    _, params = param_state_keys(optimizer, master_weights, fmt)
-    items = [(int(p.numel() * bytes_per_element(keys, fmt)), index, p.numel(), bytes_per_element(keys, fmt))
-             for index, (_, p, keys) in enumerate(params) if keys]
+    infos, _ = describe_params(optimizer, master_weights, fmt=fmt)
+    items = [(int(i.param.numel() * bytes_per_element(i.keys, fmt)), i.index, i.param.numel(),
+              bytes_per_element(i.keys, fmt), i.splittable) for i in infos if i.keys]
     total = sum(nbytes for nbytes, *_ in items)
     share = -(-total // world_size)
     load = [0] * world_size
     ranges: list[Ranges] = [{} for _ in range(world_size)]
-    for _, index, numel, per_elem in sorted(items, key=lambda t: (-t[0], t[1])):
+    for _, index, numel, per_elem, splittable in sorted(items, key=lambda t: (-t[0], t[1])):
         start = 0
         while True:
             rank = min(range(world_size), key=lambda r: (load[r], r))
             room = int((share - load[rank]) // per_elem) // fmt.align * fmt.align
-            stop = numel if numel - start <= room or room <= 0 else start + room
+            whole = numel - start <= room or room <= 0 or not splittable  # never cut a non-element-wise update
+            stop = numel if whole else start + room
             ranges[rank].setdefault(index, []).append((start, stop))
             load[rank] += int((stop - start) * per_elem)
             start = stop

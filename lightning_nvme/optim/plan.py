@@ -1,26 +1,25 @@
 """The plan of an offloaded optimizer: which state each parameter has, and how parameters are cut
 into pieces and grouped into chunks, each chunk one store region of bounded size.
 
-Why probe: the strategy wraps *any* optimizer whose state is per-parameter tensors. Instead of a
-table of known optimizers, the plan runs the optimizer's own step once on a two-element dummy per
-param group and reads back which state keys it creates, their dtypes, and which are per-element
-(shaped like the parameter) versus scalar (``step``). Only per-element state goes to the store.
+What state a parameter has comes from probing the optimizer's own step (see ``probe``). Only
+per-element state goes to the store; parameters without any (plain SGD) are "resident": updated whole
+with their (scalar or factored) state in memory, so they still step.
 
 Why pieces: memory must not scale with the largest parameter, so a parameter whose state exceeds
 the chunk budget is cut into element ranges. Updates of AdamW/Adam/SGD/RMSprop/Adagrad are
-element-wise, so running the optimizer on ranges gives the same bits as on the whole tensor.
+element-wise, so running the optimizer on ranges gives the same bits as on the whole tensor; a
+parameter whose update is not element-wise (the probe's split test) is never cut.
 """
 
 from __future__ import annotations
 
-import inspect
-from collections import defaultdict
+from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
 
 import torch
 from torch.optim import Optimizer
 
+from lightning_nvme.optim.probe import StateSpec, UnsupportedOptimizerError, check_supported, probe_state_spec, shape_class
 from lightning_nvme.optim.state_format import EXACT, HALF_DTYPES, MASTER_KEY, Component, StateFormat
 
 SLOT_ALIGN = 64  # bytes; keeps every state view SIMD-aligned inside a chunk buffer
@@ -28,14 +27,6 @@ SLOT_ALIGN = 64  # bytes; keeps every state view SIMD-aligned inside a chunk buf
 
 def _align(n: int, a: int) -> int:
     return (n + a - 1) // a * a
-
-
-@dataclass(frozen=True)
-class StateSpec:
-    """Per-element state keys (name -> dtype) of one param group, and whether fp32 master weights are kept."""
-
-    tensor_keys: tuple[tuple[str, torch.dtype], ...]
-    scalar_keys: tuple[str, ...]
 
 
 @dataclass
@@ -78,59 +69,59 @@ class Chunk:
     nbytes: int
 
 
-def probe_state_spec(optimizer: Optimizer, group: dict, master: bool) -> StateSpec:
-    """Run the optimizer's own step on a dummy parameter with this group's hyperparameters and
-    report the state it creates. The real params and state are restored afterwards."""
-    dtype = torch.float32 if master else next((p.dtype for p in group["params"]), torch.float32)
-    dummy = torch.zeros(2, dtype=dtype)
-    dummy.grad = torch.zeros_like(dummy)
-    saved_groups = optimizer.param_groups
-    saved_state = optimizer.state
-    probe_group = dict(group, params=[dummy])
-    try:
-        optimizer.param_groups = [probe_group]
-        optimizer.state = defaultdict(dict)
-        try:
-            type(optimizer).step(optimizer)
-            created = optimizer.state.get(dummy, {})
-        except KeyError:
-            # Optimizers that create their state in __init__ (Adagrad) fail a step on a fresh param:
-            # build a throwaway instance with this group's hyperparameters instead.
-            accepted = inspect.signature(type(optimizer).__init__).parameters
-            kwargs = {k: v for k, v in group.items() if k in accepted and k != "params"}
-            fresh = type(optimizer)([dummy], **kwargs)
-            fresh.step()
-            created = fresh.state.get(dummy, {})
-    finally:
-        optimizer.param_groups = saved_groups
-        optimizer.state = saved_state
-    tensor_keys, scalar_keys = [], []
-    for key, value in created.items():
-        if torch.is_tensor(value) and value.shape == dummy.shape:
-            tensor_keys.append((key, value.dtype))
-        else:
-            scalar_keys.append(key)
-    if master:
-        tensor_keys.append((MASTER_KEY, torch.float32))
-    return StateSpec(tuple(tensor_keys), tuple(scalar_keys))
+@dataclass
+class Plan:
+    """Where each trainable parameter's optimizer state lives.
+
+    ``chunks`` hold the per-element state in the store; ``resident`` are whole parameters without
+    per-element state (plain SGD, or only factored/scalar state), updated with their state in memory;
+    ``planned`` are the param indices decided on (including those another rank owns), so a parameter
+    that later becomes trainable (``add_param_group``, ``requires_grad_(True)``) is seen as new."""
+
+    chunks: list[Chunk]
+    resident: list[Piece]
+    specs: dict[tuple[int, int], StateSpec]  # (group, shape class) -> spec
+    planned: set[int]
+
+    @property
+    def nbytes(self) -> int:
+        return sum(c.nbytes for c in self.chunks)
 
 
-def param_state_keys(optimizer: Optimizer, master_weights: bool = True, fmt: StateFormat = EXACT
-                     ) -> tuple[list[StateSpec], list[tuple[int, torch.Tensor, tuple[tuple[str, torch.dtype], ...]]]]:
-    """The probed spec of each param group, and ``(group, param, per-element state keys)`` for every
-    parameter in the optimizer's flat order (keys empty for frozen or stateless params; no master key
-    where ``fmt`` rounds bf16 params instead of keeping a master)."""
-    specs: list[StateSpec] = []
-    params: list[tuple[int, torch.Tensor, tuple[tuple[str, torch.dtype], ...]]] = []
+@dataclass(frozen=True)
+class ParamInfo:
+    group: int
+    index: int
+    param: torch.Tensor
+    keys: tuple[tuple[str, torch.dtype], ...]  # per-element state keys; empty: stateless or frozen
+    splittable: bool
+    trainable: bool
+
+
+def describe_params(optimizer: Optimizer, master_weights: bool = True,
+                    specs: dict[tuple[int, int], StateSpec] | None = None,
+                    only: Collection[int] | None = None,
+                    fmt: StateFormat = EXACT) -> tuple[list[ParamInfo], dict[tuple[int, int], StateSpec]]:
+    """Every parameter in the optimizer's flat order (or those in ``only``) with its probed state keys
+    (no master key where ``fmt`` rounds bf16 params instead of keeping a master).
+    ``specs`` caches probes already made (extended in place and returned)."""
+    specs = {} if specs is None else specs
+    infos: list[ParamInfo] = []
+    index = 0
     for g, group in enumerate(optimizer.param_groups):
         master = master_weights and any(p.dtype in HALF_DTYPES for p in group["params"])
-        spec = probe_state_spec(optimizer, group, master)
-        specs.append(spec)
         for p in group["params"]:
-            keep_master = p.dtype in HALF_DTYPES and not fmt.rounds_master(p.dtype)
-            keys = tuple(k for k in spec.tensor_keys if k[0] != MASTER_KEY or keep_master)
-            params.append((g, p, keys if p.requires_grad else ()))
-    return specs, params
+            if only is None or index in only:
+                cls = shape_class(p)
+                if (g, cls) not in specs:
+                    specs[(g, cls)] = probe_state_spec(optimizer, group, master, cls)
+                spec = specs[(g, cls)]
+                keep_master = p.dtype in HALF_DTYPES and not fmt.rounds_master(p.dtype)
+                keys = tuple(k for k in spec.tensor_keys if k[0] != MASTER_KEY or keep_master)
+                trainable = p.requires_grad or p.grad is not None  # torch steps any param with a gradient
+                infos.append(ParamInfo(g, index, p, keys if trainable else (), spec.splittable, trainable))
+            index += 1
+    return infos, specs
 
 
 def bytes_per_element(keys: tuple[tuple[str, torch.dtype], ...], fmt: StateFormat = EXACT) -> float:
@@ -138,28 +129,52 @@ def bytes_per_element(keys: tuple[tuple[str, torch.dtype], ...], fmt: StateForma
     return sum(c.dtype.itemsize / c.per for k, d in keys for c in fmt.components(k, d))
 
 
-def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, master_weights: bool = True,
-                owned: Mapping[int, Sequence[tuple[int, int]]] | None = None,
-                fmt: StateFormat = EXACT) -> tuple[list[Chunk], list[StateSpec]]:
-    """Cut the optimizer's trainable parameters into pieces and pack them into chunks of at most
-    ``chunk_bytes`` of state each (a chunk holds whole small params, big params are split).
+def _refuse_split(optimizer: Optimizer, info: ParamInfo, chunk_bytes: int, why: str, fmt: StateFormat) -> None:
+    p = info.param
+    needed = _align(sum(_align(c.count(p.numel()) * c.dtype.itemsize, SLOT_ALIGN)
+                        for k, d in info.keys for c in fmt.components(k, d)), 4096)
+    raise UnsupportedOptimizerError(
+        f"nvme_offload: {type(optimizer).__name__}'s update of parameter {info.index} ({tuple(p.shape)}) is not "
+        f"element-wise (e.g. it uses the whole parameter's norm or factored state), so it cannot be cut into "
+        f"element ranges, but {why}. Raise chunk_bytes to at least {needed} so it fits whole in one chunk, "
+        f"or use strategy='auto'.")
 
-    ``owned`` (param index -> element ranges) restricts the plan to those ranges: a data-parallel rank
-    plans, stores and updates only its partition (see ``partition.partition_by_bytes``). ``fmt`` says how
-    each key is stored; cuts fall on multiples of ``fmt.align`` elements (int8 blocks)."""
+
+def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, master_weights: bool = True,
+                owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, *,
+                only: Collection[int] | None = None, first_chunk: int = 0,
+                specs: dict[tuple[int, int], StateSpec] | None = None, fmt: StateFormat = EXACT) -> Plan:
+    """Cut the optimizer's trainable parameters into pieces and pack them into chunks of at most
+    ``chunk_bytes`` of state each (a chunk holds whole small params, big element-wise params are split).
+
+    ``owned`` (param index -> element ranges) restricts the stored state to those ranges: a data-parallel
+    rank plans, stores and updates only its partition (see ``partition.partition_by_bytes``); resident
+    (stateless) params are updated by every rank. ``only``/``first_chunk``/``specs`` extend an existing
+    plan with newly trainable params (chunk numbering continues, probes are reused; pass the plan's
+    ``fmt`` again). ``fmt`` says how each key is stored; cuts fall on multiples of ``fmt.align`` elements
+    (int8 blocks)."""
+    check_supported(optimizer)
     chunks: list[Chunk] = []
+    resident: list[Piece] = []
+    planned: set[int] = set()
     current: list[Piece] = []
     used = 0
 
     def close() -> None:
         nonlocal current, used
         if current:
-            chunks.append(Chunk(len(chunks), f"{region_prefix}/chunk{len(chunks)}", current, used))
+            n = first_chunk + len(chunks)
+            chunks.append(Chunk(n, f"{region_prefix}/chunk{n}", current, used))
         current, used = [], 0
 
-    specs, params = param_state_keys(optimizer, master_weights, fmt)
-    for index, (g, p, keys) in enumerate(params):
+    infos, specs = describe_params(optimizer, master_weights, specs, only, fmt)
+    for info in infos:
+        index, p, keys = info.index, info.param, info.keys
+        if not info.trainable:
+            continue
+        planned.add(index)
         if not keys:
+            resident.append(Piece(info.group, index, p, 0, p.numel(), (), rounds_master=fmt.rounds_master(p.dtype)))
             continue
         ranges = [(0, p.numel())] if owned is None else [tuple(r) for r in owned.get(index, ())]
         components = {k: fmt.components(k, d) for k, d in keys}
@@ -167,6 +182,11 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
         slack = SLOT_ALIGN * sum(len(c) for c in components.values())
         # Whole params whenever they fit; only contiguous params can be cut into ranges.
         max_elems = max(fmt.align, int((chunk_bytes - slack) // per_elem) // fmt.align * fmt.align)
+        if not info.splittable:
+            if ranges not in ([(0, p.numel())], []):
+                _refuse_split(optimizer, info, chunk_bytes, "it is split between data-parallel ranks", fmt)
+            if p.numel() > max_elems:
+                _refuse_split(optimizer, info, chunk_bytes, f"its state exceeds chunk_bytes={chunk_bytes}", fmt)
         if (p.numel() > max_elems or ranges != [(0, p.numel())]) and not p.is_contiguous():
             raise ValueError(f"parameter {index} ({tuple(p.shape)}) is non-contiguous and must be cut into "
                              f"ranges (its state exceeds chunk_bytes={chunk_bytes}, or it is split between "
@@ -178,7 +198,7 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
                 if start % fmt.align:
                     raise ValueError(f"parameter {index}: owned range starts at element {start}, not a multiple "
                                      f"of {fmt.align} ({fmt.describe()} stores blocks of {fmt.align})")
-                piece = Piece(g, index, p, start, stop, keys, components=components,
+                piece = Piece(info.group, index, p, start, stop, keys, components=components,
                               rounds_master=fmt.rounds_master(p.dtype))
                 size = piece.state_bytes()
                 if used and used + size > chunk_bytes:
@@ -193,4 +213,4 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
                 if lo == hi:
                     break
     close()
-    return chunks, specs
+    return Plan(chunks, resident, specs, planned)

@@ -32,14 +32,15 @@ to its state after every update. An offloaded run with a format is bitwise equal
 from __future__ import annotations
 
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any, Callable
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
-STATE_FORMATS = ("exact", "bf16", "int8")
-MASTER_FORMATS = ("fp32", "bf16_sr")
+from lightning_nvme.constants import MASTER_FORMATS, STATE_FORMATS
+
 BLOCK = 256  # elements per int8 block (one fp32 absmax each: 1/64 byte per element)
 SCALE_SUFFIX = ".absmax"
 # Entry of a torch-format optimizer state dict (plain checkpoints) recording the format it came from and
@@ -293,7 +294,7 @@ class RoundTripOptimizer:
         self._inner_step = type(optimizer).step
         step: Callable[..., Any] = lambda closure=None: self.step(closure)
         step._wrapped_by_lr_sched = True  # type: ignore[attr-defined]
-        optimizer.step = step
+        setattr(optimizer, "step", step)  # instance attribute, like the offload strategies
 
     def _params(self) -> list[torch.Tensor]:
         return [p for g in self.optimizer.param_groups for p in g["params"]]

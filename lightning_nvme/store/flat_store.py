@@ -20,9 +20,11 @@ import os
 import shutil
 import threading
 import time
+from collections.abc import Callable
 
 import torch
 
+from lightning_nvme.constants import MiB
 from lightning_nvme.store.buffers import StagingPool, aligned_empty, copy_bytes, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
 from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreSpaceError, StoreTimeoutError
@@ -34,7 +36,6 @@ from lightning_nvme.store.stats import IOStats, StatsRecorder
 log = logging.getLogger(__name__)
 
 MAGIC = "lightning-nvme-store"
-MiB = 1 << 20
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -48,7 +49,7 @@ class FlatStore:
     Args:
         directory: where the store file lives (created if missing). Use a local SSD.
         rank: the store file is ``store-rank{rank}.bin``; one store per process.
-        chunk_bytes: requests are split into chunks of this size (multiple of 4 KiB, >= 1 MiB advised).
+        io_chunk_bytes: requests are split into chunks of this size (multiple of 4 KiB, >= 1 MiB advised).
         num_workers: I/O threads; a few give the disk queue depth.
         pool_bytes: the staging pool (used only when a tensor is not page-aligned); bounded.
         direct: force O_DIRECT on (True) or off (False); ``None`` probes the filesystem.
@@ -58,20 +59,20 @@ class FlatStore:
         min_free_bytes: safety margin kept free on the disk when the store grows.
     """
 
-    def __init__(self, directory: str | os.PathLike, rank: int = 0, *, chunk_bytes: int = 8 * MiB,
+    def __init__(self, directory: str | os.PathLike, rank: int = 0, *, io_chunk_bytes: int = 8 * MiB,
                  num_workers: int = 4, pool_bytes: int = 64 * MiB, direct: bool | None = None,
                  reopen: bool = False, io_timeout_s: float = 600.0, min_free_bytes: int = 0,
                  name: str | None = None) -> None:
-        if chunk_bytes <= 0 or chunk_bytes % ALIGN:
-            raise ValueError(f"chunk_bytes must be a positive multiple of {ALIGN}, got {chunk_bytes}")
-        if pool_bytes < chunk_bytes:
-            raise ValueError(f"pool_bytes ({pool_bytes}) must hold at least one chunk ({chunk_bytes})")
+        if io_chunk_bytes <= 0 or io_chunk_bytes % ALIGN:
+            raise ValueError(f"io_chunk_bytes must be a positive multiple of {ALIGN}, got {io_chunk_bytes}")
+        if pool_bytes < io_chunk_bytes:
+            raise ValueError(f"pool_bytes ({pool_bytes}) must hold at least one chunk ({io_chunk_bytes})")
         self.directory = os.path.abspath(os.fspath(directory))
         os.makedirs(self.directory, exist_ok=True)
         base = name or f"store-rank{rank}"
         self.path = os.path.join(self.directory, base + ".bin")
         self.manifest_path = os.path.join(self.directory, base + ".json")
-        self.chunk_bytes = chunk_bytes
+        self.io_chunk_bytes = io_chunk_bytes
         self.io_timeout_s = io_timeout_s
         self.min_free_bytes = min_free_bytes
         self._closing = False  # set by close(): no new requests while it drains
@@ -86,7 +87,7 @@ class FlatStore:
         try:
             self.layout = Layout()
             self._open(direct, reopen)
-            self._pool = StagingPool(max(1, pool_bytes // chunk_bytes), chunk_bytes, pin=torch.cuda.is_available())
+            self._pool = StagingPool(max(1, pool_bytes // io_chunk_bytes), io_chunk_bytes, pin=torch.cuda.is_available())
             self._engine = IOEngine(num_workers)
         except BaseException:
             if self.fd >= 0:
@@ -94,7 +95,7 @@ class FlatStore:
             self._lock.release()
             raise
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d pool=%d MiB", self.path, self.mode,
-                 chunk_bytes // 1024, num_workers, self._pool.total_bytes // MiB)
+                 io_chunk_bytes // 1024, num_workers, self._pool.total_bytes // MiB)
 
     # ---- file, header, manifest -------------------------------------------------------------
     def _open(self, direct: bool | None, reopen: bool) -> None:
@@ -292,31 +293,24 @@ class FlatStore:
             os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
     # ---- chunk jobs ---------------------------------------------------------------------------
-    def _write_job(self, src: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool):
-        def job() -> None:
-            if zero_copy:
-                length = align_up(n) if self.direct else n
-                self._pwrite_full(memview(src.data_ptr() + a, length), file_off, region)
-            else:
-                buf = self._pool.acquire()
-                try:
-                    copy_bytes(buf, 0, src, a, n)
-                    self._pwrite_full(memview(buf.data_ptr(), align_up(n) if self.direct else n), file_off, region)
-                finally:
-                    self._pool.release(buf)
-            self._drop_cache(file_off, n)
-        return job
+    def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool,
+                   write: bool) -> Callable[[], None]:
+        """One disk request for bytes ``[a, a + n)`` of ``tensor``: in place when the tensor is page-aligned
+        (zero copy), else through a buffer of the bounded staging pool."""
+        transfer = self._pwrite_full if write else self._pread_full
 
-    def _read_job(self, dst: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool):
         def job() -> None:
+            length = align_up(n) if self.direct else n
             if zero_copy:
-                length = align_up(n) if self.direct else n
-                self._pread_full(memview(dst.data_ptr() + a, length), file_off, region)
+                transfer(memview(tensor.data_ptr() + a, length), file_off, region)
             else:
                 buf = self._pool.acquire()
                 try:
-                    self._pread_full(memview(buf.data_ptr(), align_up(n) if self.direct else n), file_off, region)
-                    copy_bytes(dst, a, buf, 0, n)
+                    if write:
+                        copy_bytes(buf, 0, tensor, a, n)
+                    transfer(memview(buf.data_ptr(), length), file_off, region)
+                    if not write:
+                        copy_bytes(tensor, a, buf, 0, n)
                 finally:
                     self._pool.release(buf)
             self._drop_cache(file_off, n)
@@ -357,9 +351,9 @@ class FlatStore:
             zero_copy = not self.direct or is_direct_capable(t, nbytes, for_read=kind == "read")
         start = region.offset + offset
         data = _as_bytes(t)
-        spans = [(a, min(self.chunk_bytes, nbytes - a)) for a in range(0, nbytes, self.chunk_bytes)]
-        make = self._write_job if kind == "write" else self._read_job
-        jobs = [make(data if not zero_copy else t, a, n, start + a, name, zero_copy) for a, n in spans]
+        spans = [(a, min(self.io_chunk_bytes, nbytes - a)) for a in range(0, nbytes, self.io_chunk_bytes)]
+        jobs = [self._chunk_job(data if not zero_copy else t, a, n, start + a, name, zero_copy, kind == "write")
+                for a, n in spans]
         # Finding the dependencies, registering the request and queueing its chunks is one step, so two
         # threads submitting at once cannot both miss each other (or queue out of dependency order).
         with self._submit_lock:
@@ -431,12 +425,12 @@ class FlatStore:
         (a torn write-back from a killed run, bit rot, tampering). Record digests when committing a
         checkpoint and compare them before trusting a reused store. Costs one full read."""
         self.fence()
-        buf = self.aligned_empty(self.chunk_bytes)
+        buf = self.aligned_empty(self.io_chunk_bytes)
         out = {}
         for name in (list(self.layout.regions) if regions is None else regions):
             region, h = self.layout[name], hashlib.blake2b(digest_size=16)
-            for off in range(0, region.nbytes, self.chunk_bytes):
-                view = buf[:min(self.chunk_bytes, region.nbytes - off)]
+            for off in range(0, region.nbytes, self.io_chunk_bytes):
+                view = buf[:min(self.io_chunk_bytes, region.nbytes - off)]
                 self.wait(self.read(name, view, off))
                 h.update(view.numpy())
             out[name] = h.hexdigest()
@@ -491,7 +485,7 @@ class FlatStore:
         if error is not None:
             raise error
 
-    def __enter__(self) -> "FlatStore":
+    def __enter__(self) -> FlatStore:
         return self
 
     def __exit__(self, exc_type, exc, tb) -> None:

@@ -5,7 +5,8 @@ from __future__ import annotations
 import asyncio
 import threading
 import time
-from typing import Any, Callable
+from collections.abc import Callable
+from typing import Any
 
 from lightning_nvme.store.errors import StoreError, StoreTimeoutError
 
@@ -15,8 +16,8 @@ class IOHandle:
     I/O error reaches the caller that depends on the data instead of dying in a worker thread."""
 
     def __init__(self, kind: str, region: str, start: int, nbytes: int, nchunks: int,
-                 deps: list["IOHandle"], keepalive: Any = None,
-                 on_done: Callable[["IOHandle"], None] | None = None, default_timeout: float | None = None) -> None:
+                 deps: list[IOHandle], keepalive: Any = None,
+                 on_done: Callable[[IOHandle], None] | None = None, default_timeout: float | None = None) -> None:
         self.kind = kind
         self.region = region
         self.start = start  # absolute file offset
@@ -58,7 +59,7 @@ class IOHandle:
             self._on_done(self)
         self._event.set()
 
-    def wait(self, timeout: float | None = None) -> "IOHandle":
+    def wait(self, timeout: float | None = None) -> IOHandle:
         """Block until done (at most ``timeout`` s, default the store's ``io_timeout_s``); re-raise its error."""
         if timeout is None:
             timeout = self.default_timeout

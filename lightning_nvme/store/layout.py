@@ -11,7 +11,8 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-ALIGN = 4096
+from lightning_nvme.constants import ALIGN
+
 HEADER_BYTES = ALIGN  # the first block of the file holds the header
 FORMAT_VERSION = 1
 
@@ -66,7 +67,7 @@ class Layout:
         return {"end": self.end, "regions": [dict(asdict(r), shape=list(r.shape)) for r in self.regions.values()]}
 
     @classmethod
-    def from_json(cls, data: dict) -> "Layout":
+    def from_json(cls, data: dict) -> Layout:
         layout = cls(end=int(data["end"]))
         for r in data["regions"]:
             layout.regions[r["name"]] = Region(r["name"], int(r["offset"]), int(r["nbytes"]), int(r["capacity"]),

@@ -20,7 +20,7 @@ from lightning_nvme.store.errors import StoreLockedError
 log = logging.getLogger(__name__)
 
 
-_HELD: "weakref.WeakSet[StoreLock]" = weakref.WeakSet()
+_HELD: weakref.WeakSet[StoreLock] = weakref.WeakSet()
 
 
 def _close_in_forked_child() -> None:

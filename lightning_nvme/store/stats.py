@@ -17,10 +17,10 @@ class IOStats:
     wait_seconds: float = 0.0  # time callers spent blocked in wait()/fence(): I/O the overlap failed to hide
     fsyncs: int = 0
 
-    def copy(self) -> "IOStats":
+    def copy(self) -> IOStats:
         return IOStats(**{f.name: getattr(self, f.name) for f in fields(self)})
 
-    def __sub__(self, other: "IOStats") -> "IOStats":
+    def __sub__(self, other: IOStats) -> IOStats:
         return IOStats(**{f.name: getattr(self, f.name) - getattr(other, f.name) for f in fields(self)})
 
 

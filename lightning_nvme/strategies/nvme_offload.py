@@ -1,54 +1,76 @@
 """``NVMeOffloadStrategy`` (``Trainer(strategy="nvme_offload")``): optimizer states on a local SSD.
 
 The strategy owns one ``FlatStore`` per process and wraps each optimizer from
-``configure_optimizers`` in an ``OffloadedOptimizer`` (see ``OffloadMixin``). Timeline of one step::
+``configure_optimizers`` in an ``OffloadedOptimizer`` (see ``OffloadStrategy``). Timeline of one step::
 
     optimizer_step entered ──► reads of the first chunks start (prefetch)
     closure: forward + backward   (writes of step N-1 may still be in flight here)
     fence (per chunk): a chunk's read waits for its last write, then the optimizer's own update runs
     write-back of each chunk is issued asynchronously; the next chunks are already being read
 
-Checkpoints are directories streamed chunk by chunk from the store (see ``lightning_nvme.checkpoint``),
-committed atomically; ``trainer.fit(ckpt_path=...)`` streams them back, moments and step counts included.
+A checkpoint is one file that Lightning's loaders open, with the optimizer state streamed chunk by chunk
+from the store into ``<file>.optim/`` beside it, committed atomically (see ``lightning_nvme.checkpoint``);
+``trainer.fit(ckpt_path=...)`` streams it back, moments and step counts included.
+
+``offload_params=True`` also moves the parameters of each block (a transformer layer) into the store
+between uses (see ``lightning_nvme.params``); ``overlap="backward"`` then updates each block while it is
+resident in backward and writes it back.
 """
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.config import GiB, MiB, OffloadConfig
-from lightning_nvme.strategies.offload_mixin import OffloadMixin
+from lightning_nvme.checkpoint.streamed import write_optimizer
+from lightning_nvme.constants import MiB
+from lightning_nvme.optim import UpdateListener
+from lightning_nvme.params import ParamOffload, ParamSettings
+from lightning_nvme.params.materialize import has_meta_tensors, materialize
+from lightning_nvme.settings import OffloadSettings, with_settings
+from lightning_nvme.store.layout import HEADER_BYTES, align_up
+from lightning_nvme.strategies.offload import OffloadStrategy
 
 
-class NVMeOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
+@with_settings(OffloadSettings)
+class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     """Single-device training with optimizer state (and fp32 master weights of half-precision params)
-    on a flat store on local disk. See ``OffloadConfig`` for the arguments."""
+    on a flat store on local disk, and with ``offload_params=True`` the parameters too.
+
+    Takes the arguments listed below (each defined once in ``lightning_nvme.settings.OffloadSettings``),
+    the parameter-offload arguments ``offload_params``, ``param_prefetch``, ``param_block_classes``,
+    ``restore_params`` (``lightning_nvme.params.ParamSettings``), and ``device``, ``accelerator``,
+    ``checkpoint_io``, ``precision_plugin`` as Lightning's ``SingleDeviceStrategy`` does."""
 
     strategy_name = "nvme_offload"
+    _frees_grads = True
 
-    def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
-                 staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
-                 io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
-                 malloc_mmap_threshold: int | None = 8 * MiB, state_format: str = "exact",
-                 master_format: str = "fp32",
-                 device: torch.device | str | None = None, accelerator: pl.accelerators.Accelerator | None = None,
-                 checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None,
-                 parallel_devices: list[torch.device] | None = None) -> None:
+    def __init__(self, store_dir: str | None = None, *, device: torch.device | str | None = None,
+                 accelerator: pl.accelerators.Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision_plugin: Precision | None = None, parallel_devices: list[torch.device] | None = None,
+                 offload_params: bool = False, param_prefetch: int = 1,
+                 param_block_classes: Sequence[type | str] | None = None, restore_params: bool = True,
+                 **settings: Any) -> None:
+        config = OffloadSettings.from_arguments(self.strategy_name, {"store_dir": store_dir, **settings})
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self._init_offload(OffloadConfig(store_dir, chunk_bytes, io_chunk_bytes, staging_bytes, prefetch_depth,
-                                         io_workers, overlap, io_profile, min_free_bytes,
-                                         malloc_mmap_threshold, state_format, master_format))
+        self._init_offload(config)
+        self.param_settings = ParamSettings(offload_params, param_prefetch,
+                                            None if param_block_classes is None else tuple(param_block_classes),
+                                            restore_params)
+        self.param_offload: ParamOffload | None = None
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices
@@ -60,12 +82,107 @@ class NVMeOffloadStrategy(OffloadMixin, SingleDeviceStrategy):
             return torch.device(self.parallel_devices[0])
         return self._root_device
 
+    # ---- parameter offload -------------------------------------------------------------------------------
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
-                        storage_options: Any | None = None) -> None:
-        if not self.offloaded:
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.param_offload = None
+        if self.param_settings.offload_params and trainer.state.fn == TrainerFn.FITTING:
+            if self.root_device.type != "cpu":
+                raise ValueError(f"{self.strategy_name}: offload_params=True runs on CPU for now; the accelerator "
+                                 f"path ({self.root_device}) is not implemented. Set offload_params=False.")
+            s = self.param_settings
+            self.param_offload = ParamOffload(trainer.lightning_module, s.param_block_classes, s.param_prefetch)
+        super().setup(trainer)
+        if self.param_offload is not None:
+            if self.nvme_store is None:
+                self.param_offload = None  # no optimizer: nothing trains, nothing to offload
+                return
+            planned = [piece.param for off in self.offloaded for c in off.chunks for piece in c.pieces]
+            in_blocks = self.param_offload.layout.block_of()
+            stateless = [piece.index for off in self.offloaded for piece in off.resident if id(piece.param) in in_blocks]
+            if stateless:
+                raise ValueError(f"{self.strategy_name}: offload_params=True needs per-parameter optimizer state for "
+                                 f"every trainable parameter in a block, but parameters {stateless} have none (e.g. "
+                                 "SGD with momentum=0): they would be updated in memory while their values live in the "
+                                 "store. Use an optimizer with state (SGD(momentum>0), AdamW, ...), or offload_params=False.")
+            self.param_offload.start(self.nvme_store, planned)
+            layout = self.param_offload.layout
+            rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
+                           f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
+                           f"resident ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """With ``offload_params``, ``trainer.init_module()`` and ``configure_model`` create parameters on the
+        meta device (no memory); setup initializes them block by block straight into the store.
+        ``empty_init=False`` asks for a model in memory."""
+        if not self.param_settings.offload_params or empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        if has_meta_tensors(self.model):
+            if self.param_offload is None:  # not fitting: the model is needed in memory anyway
+                materialize(self.model, self.root_device)
+            else:
+                assert self.lightning_module is not None
+                trainer = self.lightning_module.trainer
+                store = self._open_new_store(trainer, HEADER_BYTES + self._extra_store_bytes())
+                self.param_offload.materialize(store, self.root_device)
+        super().model_to_device()
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        """With ``offload_params`` the weights are loaded after setup, into the store: a model built on the
+        meta device has nothing to load into before."""
+        return self.param_settings.offload_params
+
+    def _update_listener(self) -> UpdateListener | None:
+        return self.param_offload
+
+    def _extra_store_bytes(self) -> int:
+        return sum(align_up(n) for _, n in self.param_offload.regions()) if self.param_offload else 0
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        params = self.param_offload
+        if params is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        params.hold_for_update = self.config.overlap == "backward" and self.offloaded_for(optimizer) is not None
+        try:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+        finally:
+            params.hold_for_update = False
+            params.finish_step()
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        parts = self._optimizer_parts  # read before super() takes it: no streamed part means a plain checkpoint
+        plain = parts is None or any(marker is None for marker in parts.markers)
+        if self.param_offload is not None and plain:
+            with self.param_offload.resident():  # fp32 masters of a plain checkpoint come from the parameters
+                return super().load_optimizer_state_dict(checkpoint)
+        return super().load_optimizer_state_dict(checkpoint)
+
+    @override
+    def teardown(self) -> None:
+        try:
+            if self.param_offload is not None:
+                self.param_offload.stop(restore=self.param_settings.restore_params)
+        finally:
+            super().teardown()
+
+    @override
+    def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
         with self._open_store() as store:
             store.fence(durable=True)
-            if self.is_global_zero:
-                ckpt.save_streamed(checkpoint, os.fspath(filepath), self.offloaded)
+            ckpt.paired.save(checkpoint, path, lambda directory, save_id: [
+                write_optimizer(off, directory, i, save_id) for i, off in enumerate(self.offloaded)])

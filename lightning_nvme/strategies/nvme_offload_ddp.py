@@ -10,8 +10,9 @@ One step on every rank::
     every rank broadcasts the ranges it owns, in buckets of at most ``broadcast_bucket_bytes``,
     so all replicas hold the same parameters again
 
-Ownership is a ``Partition`` balanced by state bytes (``partition_by_bytes``). Checkpoints are sharded
-directories (``lightning_nvme.checkpoint.sharded``), and resume at any world size.
+Ownership is a ``Partition`` balanced by state bytes (``partition_by_bytes``). A checkpoint is rank 0's file
+plus one optimizer shard per rank beside it (``lightning_nvme.checkpoint.sharded``); it resumes at any
+world size.
 
 ``overlap="backward"``: a gradient is final only once its all-reduce has completed, not when autograd
 accumulates it, so the strategy installs a DDP communication hook (the same averaging all-reduce, with
@@ -23,65 +24,68 @@ k's all-reduce and the rest of backward proceed. The last bucket's chunks are up
 
 from __future__ import annotations
 
-import os
+from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
-from typing import Any, Callable, Literal, Mapping, Sequence
+from typing import Any, Literal
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-import lightning.pytorch as pl
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import sharded
-from lightning_nvme.checkpoint.atomic import recover
-from lightning_nvme.checkpoint.streamed import MARKER
-from lightning_nvme.config import GiB, MiB, OffloadConfig
+from lightning_nvme.checkpoint import atomic, sharded
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
-from lightning_nvme.strategies.offload_mixin import OffloadMixin
+from lightning_nvme.settings import DDPOffloadSettings, with_settings
+from lightning_nvme.strategies.offload import OffloadStrategy
 
 
-class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
+@with_settings(DDPOffloadSettings)
+class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
     """Data-parallel training, each rank keeping the optimizer state of 1/N of the parameters on local disk.
 
-    Takes the arguments of ``NVMeOffloadStrategy`` (see ``OffloadConfig``), ``broadcast_bucket_bytes`` (the
-    buffer updated parameters are shared through) and those of Lightning's ``DDPStrategy``."""
+    Takes the arguments listed below (each defined once in ``lightning_nvme.settings.DDPOffloadSettings``)
+    and those of Lightning's ``DDPStrategy``."""
 
     strategy_name = "nvme_offload_ddp"
     _local_grad_hooks = False
+    config: DDPOffloadSettings
 
-    def __init__(self, store_dir: str | None = None, *, chunk_bytes: int = 32 * MiB, io_chunk_bytes: int = 8 * MiB,
-                 staging_bytes: int = 64 * MiB, prefetch_depth: int = 2, io_workers: int = 4, overlap: str = "step",
-                 io_profile: str | None = None, min_free_bytes: int = 1 * GiB,
-                 malloc_mmap_threshold: int | None = 8 * MiB, state_format: str = "exact",
-                 master_format: str = "fp32", broadcast_bucket_bytes: int = 16 * MiB,
-                 accelerator: pl.accelerators.Accelerator | None = None,
+    def __init__(self, store_dir: str | None = None, *, accelerator: pl.accelerators.Accelerator | None = None,
                  parallel_devices: list[torch.device] | None = None,
                  cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
                  precision_plugin: Precision | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
-                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **ddp_kwargs: Any) -> None:
-        if not isinstance(broadcast_bucket_bytes, int) or broadcast_bucket_bytes < 4096:
-            raise ValueError(f"nvme_offload_ddp: invalid broadcast_bucket_bytes={broadcast_bucket_bytes!r}: must be an "
-                             f"integer >= 4096; {16 * MiB} is typical")
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **kwargs: Any) -> None:
+        if any(kwargs.pop(k, None) not in (None, False) for k in ("offload_params", "param_prefetch",
+                                                                   "param_block_classes")):
+            raise ValueError("nvme_offload_ddp: offload_params is not supported with data parallel yet; use "
+                             "strategy='nvme_offload' (one device) for parameter offload, or offload_params=False")
+        names = DDPOffloadSettings.__dataclass_fields__
+        settings = {k: v for k, v in kwargs.items() if k in names}
+        ddp_kwargs = {k: v for k, v in kwargs.items() if k not in names}  # DDP's own, passed to DistributedDataParallel
+        config = DDPOffloadSettings.from_arguments(self.strategy_name, {"store_dir": store_dir, **settings})
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
                          timeout=timeout, start_method=start_method, **ddp_kwargs)
-        self._init_offload(OffloadConfig(store_dir, chunk_bytes, io_chunk_bytes, staging_bytes, prefetch_depth,
-                                         io_workers, overlap, io_profile, min_free_bytes,
-                                         malloc_mmap_threshold, state_format, master_format))
-        self.broadcast_bucket_bytes = broadcast_bucket_bytes
+        self._init_offload(config)
+        self.broadcast_bucket_bytes = config.broadcast_bucket_bytes
         self.partitions: list[Partition] = []
         self._grad_owner: dict[int, list[tuple[OffloadedOptimizer, int]]] = {}  # id(param) -> (optimizer, index)
         self._reducing: list[tuple[torch.futures.Future, list[torch.Tensor]]] = []  # launched bucket all-reduces
         self._broadcasts: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
+
+    @property
+    @override
+    def _store_rank(self) -> int:
+        return self.global_rank
 
     # ---- ownership ----------------------------------------------------------------------------------------
     @override
@@ -112,9 +116,6 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
         self.partitions.append(partition)
         return partition.owned(self.global_rank)
 
-    def partition_of(self, off: OffloadedOptimizer) -> Partition:
-        return self.partitions[self.offloaded.index(off)]
-
     # ---- overlap="backward": updates start as buckets finish their all-reduce ---------------------------------
     @override
     def configure_ddp(self) -> None:
@@ -125,6 +126,7 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
                              "ddp_comm_hook cannot be given too; use overlap='step' with a custom hook")
         self._ddp_kwargs["gradient_as_bucket_view"] = True
         super().configure_ddp()
+        assert isinstance(self.model, DistributedDataParallel)
         # (unannotated: DDP checks the hook's annotations by identity, which postponed annotations fail)
         self.model.register_comm_hook(None, lambda state, bucket: self._reduce_bucket(bucket))
 
@@ -180,52 +182,50 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if not ckpt.is_streamed(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        path = os.path.abspath(os.fspath(checkpoint_path))
+    def _recover_before_load(self, path: str) -> None:
         if self.is_global_zero:
-            recover(path)  # finish or undo an interrupted commit, once, before any rank reads
+            atomic.recover(path)  # finish or undo an interrupted commit, once, before any rank reads
         self.barrier("nvme_offload_ddp.load_checkpoint")
-        return ckpt.load_streamed(path, recover_first=False)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
-                        storage_options: Any | None = None) -> None:
-        """Every rank streams its shard into one temp directory named by rank 0; rank 0 adds the metadata and
-        commits atomically once every rank reports its shard written (or removes it if any failed)."""
-        if not self.offloaded or "optimizer_states" not in checkpoint:  # weights_only: one plain file
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        path = os.path.abspath(os.fspath(filepath))
+    def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Every rank streams its shard into one temp directory named by rank 0; rank 0 publishes them and
+        switches the checkpoint file in once every rank reports its shard written (or removes them if any
+        failed). See ``lightning_nvme.checkpoint.paired`` for the commit protocol."""
         error: BaseException | None = None
-        begun: tuple[str | None, str | None] = (None, None)
+        begun: tuple[ckpt.paired.Pending | None, str | None] = (None, None)
         if self.is_global_zero:
             try:
-                begun = (sharded.begin(path), None)
+                begun = (ckpt.paired.begin(path), None)
             except OSError as e:  # e.g. the checkpoint directory is not writable: every rank must hear of it
                 error, begun = e, (None, repr(e))
-        tmp, begin_error = self.broadcast(begun)
-        if begin_error is not None:
+        pending, begin_error = self.broadcast(begun)
+        if begin_error is not None or pending is None:
             raise error or RuntimeError(f"nvme_offload_ddp: rank 0 could not create {path}: {begin_error}")
         scalars: list[dict[int, dict[str, Any]]] = []
         try:
             with self._open_store() as store:
                 store.fence(durable=True)
                 for i, off in enumerate(self.offloaded):
-                    sharded.write_shard(off, tmp, i, self.global_rank)
-                    scalars.append(ckpt.optimizer_placeholder(off, i)["state"])
+                    sharded.write_shard(off, pending.tmp, i, self.global_rank, pending.save_id)
+                    scalars.append(off.scalar_state())
         except BaseException as e:  # reported to every rank below, then re-raised
             error = e
         gathered = self._all_gather((repr(error) if error else None, scalars))
         failed = [(r, msg) for r, (msg, _) in enumerate(gathered) if msg is not None]
         if not failed and self.is_global_zero:
             try:
-                self._complete_metadata(checkpoint, [s for _, s in gathered])
-                sharded.commit(checkpoint, tmp, path)
+                states = self._merged_optimizer_states(checkpoint, [s for _, s in gathered])
+                markers = [{**sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params]),
+                            **ckpt.format_entry(off)} for i, off in enumerate(self.offloaded)]
+                main = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+                ckpt.paired.publish(pending)
+                ckpt.paired.write_main({**main, ckpt.paired.REF_KEY: ckpt.paired.reference(pending, states, markers)},
+                                       path)
             except BaseException as e:
                 error, failed = e, [(0, repr(e))]
-        if failed and self.is_global_zero:
-            sharded.abort(tmp)
+        if self.is_global_zero:
+            ckpt.paired.abort(pending) if failed else ckpt.paired.finish(pending)
         failed = self.broadcast(failed)  # after the abort: no rank returns while the temp dir still exists
         if failed:
             if error is not None:
@@ -233,14 +233,16 @@ class NVMeOffloadDDPStrategy(OffloadMixin, DDPStrategy):
             raise RuntimeError(f"nvme_offload_ddp: checkpoint {path} was not written: " +
                                "; ".join(f"rank {r}: {msg}" for r, msg in failed))
 
-    def _complete_metadata(self, checkpoint: dict[str, Any], scalars_by_rank: list[list[dict]]) -> None:
-        for i, (off, state) in enumerate(zip(self.offloaded, checkpoint["optimizer_states"])):
+    def _merged_optimizer_states(self, checkpoint: dict[str, Any],
+                                 scalars_by_rank: list[list[dict]]) -> list[dict[str, Any]]:
+        """Each optimizer's param groups, with the scalar state (``step``) of every param from the rank owning it."""
+        states = []
+        for i, state in enumerate(checkpoint["optimizer_states"]):
             merged: dict[int, dict[str, Any]] = {}
             for per_rank in scalars_by_rank:
                 merged.update(per_rank[i])
-            state["state"] = dict(sorted(merged.items()))
-            state[MARKER] = {**sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params]),
-                             **ckpt.format_entry(off)}
+            states.append({**state, "state": dict(sorted(merged.items()))})
+        return states
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not dist.is_available() or not dist.is_initialized():

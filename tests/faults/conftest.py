@@ -8,8 +8,8 @@ import os
 import shutil
 import subprocess
 import threading
+from collections.abc import Iterator
 from contextlib import contextmanager
-from typing import Iterator
 
 import pytest
 

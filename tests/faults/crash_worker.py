@@ -11,7 +11,9 @@ of one phase (optionally after writing only part of that write: a torn write):
 - ``writeback``  every ``pwrite`` to the store file of regions of the offloaded optimizer (from the
   store's I/O threads, while the training loop runs on);
 - ``checkpoint`` every file-system call made while ``save_checkpoint``/``remove_checkpoint`` run:
-  ``open``, ``mkdir``, ``pwrite``, ``ftruncate``, ``fsync``, ``rename``, ``renameat2``, ``unlink``...;
+  ``open``, ``mkdir``, ``pwrite``, ``ftruncate``, ``fsync``, ``rename``, ``renameat2``, ``unlink``... —
+  i.e. every step of the commit protocol of ``lightning_nvme.checkpoint.paired`` (optimizer files into a
+  temp dir, its rename, the file's temp write and switch, the sweep of the replaced save's state);
 - ``activation`` every ``pwrite`` to an ``activations*`` region (``NVMeActivationOffload``).
 
 The test can also kill a job from outside at a random delay. The job writes JSON lines to
@@ -259,8 +261,11 @@ def run_job(spec: dict) -> None:
             if spec["snapshots"]:
                 self._snapshot(trainer)
 
-        def _snapshot(self, trainer):
-            shutil.copytree(p["last"], os.path.join(p["snapshots"], f"step-{trainer.global_step}"))
+        def _snapshot(self, trainer):  # last.ckpt and its optimizer state, as <snapshots>/step-N/last.ckpt(.optim)
+            dst = os.path.join(p["snapshots"], f"step-{trainer.global_step}")
+            os.makedirs(dst)
+            shutil.copy2(p["last"], os.path.join(dst, "last.ckpt"))
+            shutil.copytree(p["last"] + ".optim", os.path.join(dst, "last.ckpt.optim"))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             hold = spec["hold"]
@@ -326,8 +331,9 @@ def _child(spec: dict) -> int:
 
 def serve() -> None:
     """Fork server: one JSON request per stdin line, one JSON reply per stdout line."""
-    import torch
     import lightning.pytorch  # noqa: F401
+    import torch
+
     import lightning_nvme  # noqa: F401
 
     if TESTS not in sys.path:

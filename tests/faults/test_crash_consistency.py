@@ -14,7 +14,6 @@ the events counted in the reference run, so every trial really dies mid-phase. S
 
 from __future__ import annotations
 
-import filecmp
 import hashlib
 import importlib
 import os
@@ -32,8 +31,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # crash_worker, whether or not faults/ is a package
 import crash_worker as cw  # noqa: E402
-from lightning_nvme.checkpoint import is_streamed, load_streamed
-from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader
+
+from lightning_nvme.checkpoint.convert import load_any
+from lightning_nvme.checkpoint.streamed import open_readers
 
 SEED = int(os.environ.get("CRASH_SEED", "20261129"))
 TRIALS = int(os.environ.get("CRASH_TRIALS", "8"))  # per phase
@@ -63,7 +63,7 @@ class Reference:
     counts: dict[str, dict[int, int]]
     seconds: float
     final: dict[str, torch.Tensor]
-    snapshots: dict[int, str]  # global step -> copy of last.ckpt at that step
+    snapshots: dict[int, str]  # global step -> copy of last.ckpt (and its .optim directory) at that step
 
 
 def _reference(jobs: cw.Jobs, root: str, activations: bool = False) -> Reference:
@@ -73,7 +73,7 @@ def _reference(jobs: cw.Jobs, root: str, activations: bool = False) -> Reference
     started, done = events[0], events[-1]
     counts = {phase: {int(e): n for e, n in by.items()} for phase, by in done["counts"].items()}
     snap = cw.paths(root)["snapshots"]
-    snapshots = {int(d.split("-")[1]): os.path.join(snap, d) for d in os.listdir(snap)}
+    snapshots = {int(d.split("-")[1]): os.path.join(snap, d, "last.ckpt") for d in os.listdir(snap)}
     assert sorted(snapshots) == [STEPS * (e + 1) for e in range(EPOCHS)]
     return Reference(root, counts, done["t"] - started["t"], torch.load(cw.paths(root)["final"]), snapshots)
 
@@ -102,27 +102,43 @@ def _equal(a, b) -> bool:
     return a == b
 
 
+def _load_complete(path: str) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+    """A checkpoint (file + optimizer state, or an old-format directory) loaded completely: its dict and, per
+    optimizer, every streamed tensor (read in full: a truncated file or another save's is refused)."""
+    ckpt, parts = load_any(path)
+    assert parts is not None and parts.problem is None, f"{path}: {parts and parts.problem}"
+    tensors = []
+    for marker in parts.markers:
+        readers = open_readers(parts.directory, marker, parts.save_id)
+        try:
+            tensors.append({name: r.read(name) for r in readers for name in r.entries})
+        finally:
+            for r in readers:
+                r.close()
+    return ckpt, tensors
+
+
 def verify_checkpoint(path: str, ref: Reference) -> int:
     """``path`` loads completely and holds exactly the reference run's state at its step; returns the step."""
-    assert is_streamed(path), f"{path} is visible but is not a complete streamed checkpoint: {os.listdir(path)}"
-    ckpt = load_streamed(path)
+    ckpt, tensors = _load_complete(path)
     step = ckpt["global_step"]
     assert step in ref.snapshots, f"{path}: step {step} is not an epoch end of the reference run"
-    expected = load_streamed(ref.snapshots[step])
+    expected, expected_tensors = _load_complete(ref.snapshots[step])
     for key in ("epoch", "global_step", "state_dict", "lr_schedulers"):
         assert _equal(ckpt[key], expected[key]), f"{path}: {key} differs from the reference at step {step}"
     for state, ref_state in zip(ckpt["optimizer_states"], expected["optimizer_states"], strict=True):
         assert _equal(state, ref_state), f"{path}: optimizer param groups/scalars differ at step {step}"
-        name = state["lightning_nvme"]["file"]
-        reader = SafetensorsReader(os.path.join(path, name))  # refuses a truncated file
-        try:
-            for tensor in reader.entries:
-                reader.read(tensor)
-        finally:
-            reader.close()
-        assert filecmp.cmp(os.path.join(path, name), os.path.join(ref.snapshots[step], name), shallow=False), \
-            f"{path}/{name}: optimizer state differs from the reference at step {step}"
+    assert _equal(tensors, expected_tensors), f"{path}: optimizer state differs from the reference at step {step}"
     return step
+
+
+def _check_parts_dir(path: str) -> list[str]:
+    """A ``NAME.optim`` directory holds complete saves (named by save id) and hidden temps only; returns those."""
+    entries = os.listdir(path)
+    hidden = [e for e in entries if e.startswith(".")]
+    assert all(HIDDEN.match(e) for e in hidden), f"unexpected hidden entries in {path}: {hidden}"
+    assert all(re.match(r"^[0-9a-f]{32}$", e) for e in entries if not e.startswith(".")), entries
+    return hidden
 
 
 def checkpoint_state(root: str, ref: Reference) -> tuple[int | None, int]:
@@ -135,10 +151,14 @@ def checkpoint_state(root: str, ref: Reference) -> tuple[int | None, int]:
     assert resolved <= {os.path.join(ckpts, "last.ckpt")}, f"ckpt_path='last' would consider {resolved}"
     last = None
     for name in names:
-        if not name.startswith("."):
-            step = verify_checkpoint(os.path.join(ckpts, name), ref)
-            if name == "last.ckpt":
-                last = step
+        if name.startswith("."):
+            continue
+        if name.endswith(".optim"):  # the optimizer state of a checkpoint file (or debris a later save sweeps)
+            hidden += _check_parts_dir(os.path.join(ckpts, name))
+            continue
+        step = verify_checkpoint(os.path.join(ckpts, name), ref)
+        if name == "last.ckpt":
+            last = step
     return last, len(hidden)
 
 
@@ -269,7 +289,8 @@ def run_chain(jobs: cw.Jobs, ref: Reference, base: str, phase: str, trials: int,
                 # last.ckpt (see test_kill9_between_fallback_renames_is_recovered) and must resume from it
                 last_step = verify_checkpoint(aside, ref)
                 tally.between_fallback_renames += 1
-            tally.checkpoints_verified += sum(not n.startswith(".") for n in os.listdir(cw.paths(root)["ckpts"])) \
+            tally.checkpoints_verified += sum(not n.startswith(".") and not n.endswith(".optim")
+                                              for n in os.listdir(cw.paths(root)["ckpts"])) \
                 if os.path.isdir(cw.paths(root)["ckpts"]) else 0
             tally.kill_steps.append(last_step)
         if finished:
@@ -327,30 +348,61 @@ def test_kill9_mid_removal_of_previous_checkpoint(jobs, reference, tmp_path):
     assert checkpoint_state(root, reference)[0] == EPOCHS * STEPS
 
 
+@pytest.mark.parametrize("kill,expected_last", [
+    ({"event": "os.rename", "match": "/last.ckpt.optim/.", "nth": 2}, STEPS),  # publishing the new optimizer state
+    ({"event": "os.rename", "match": "/last.ckpt', -1", "nth": 2}, STEPS),  # just before the file's switch
+    ({"event": "shutil.rmtree", "match": "/last.ckpt.optim/.", "nth": 1}, 2 * STEPS),  # deleting the replaced save
+], ids=["before-publish", "before-switch", "mid-sweep"])
+def test_kill9_at_each_commit_step(jobs, reference, tmp_path, kill, expected_last):
+    """Targeted kills at the steps of the commit protocol (``lightning_nvme.checkpoint.paired``) while epoch 1's
+    save replaces ``last.ckpt``: before its optimizer state is renamed into place, just before the file's
+    ``os.replace``, and while the previous save's state is deleted. ``last.ckpt`` is then the old checkpoint or
+    the new one, complete with its own save's state, and the resumed run ends bitwise equal."""
+    root = str(tmp_path / "run")
+    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, kill={**kill, "during": "save_checkpoint"}))
+    assert rc == KILLED, _log(root)
+    assert checkpoint_state(root, reference)[0] == expected_last
+    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True))
+    assert rc == 0, _log(root)
+    assert params_equal(torch.load(cw.paths(root)["final"]), reference.final)
+    assert checkpoint_state(root, reference) == (FINAL_STEP, 0)
+
+
 def test_kill9_between_fallback_renames_is_recovered(jobs, reference, tmp_path):
-    """Without RENAME_EXCHANGE (e.g. NFS) the commit renames the old ``last.ckpt`` aside, then the new one in.
-    Killed between the two renames: ``last.ckpt`` is absent, its previous version is complete under the hidden
-    ``.last.ckpt.old``, and ``atomic.recover`` (run by the next save or load of that path) puts it back.
+    """A checkpoint file replaces an existing file with one ``os.replace``; only replacing a directory (an old-format
+    checkpoint) takes ``RENAME_EXCHANGE``, and without it (e.g. NFS) two renames: the old directory aside, then the
+    new file in. Killed between them: ``last.ckpt`` is absent, its previous version complete under the hidden
+    ``.last.ckpt.old``, and ``atomic.recover`` (run by the next save or load of that path) puts it back; the run
+    resumes from it (old format) bitwise.
 
     Known limit, pinned here: Lightning resolves ``ckpt_path="last"`` before the strategy runs, so on such a
     filesystem call ``lightning_nvme.checkpoint.atomic.recover(<dir>/last.ckpt)`` before ``fit``."""
+    from ckpt_helpers import write_legacy
+
+    from lightning_nvme.checkpoint import convert, paired
     from lightning_nvme.checkpoint.atomic import recover
 
     root = str(tmp_path / "run")
-    ckpts = cw.paths(root)["ckpts"]
-    kill = {"event": "os.rename", "match": "/last.ckpt', -1", "during": "save_checkpoint", "nth": 2}
-    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, kill=kill, exchange=False))
+    ckpts, last = cw.paths(root)["ckpts"], cw.paths(root)["last"]
+    _, rc = jobs.run(cw.job_spec(root, epochs=1, steps_per_epoch=STEPS))
+    assert rc == 0, _log(root)
+    convert.to_lightning(last, str(tmp_path / "plain.ckpt"))  # last.ckpt as an older lightning_nvme wrote it
+    paired.remove(last)
+    write_legacy(tmp_path / "plain.ckpt", last)
+    kill = {"event": "os.rename", "match": "/last.ckpt', -1", "during": "save_checkpoint", "nth": 1}
+    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True, kill=kill, exchange=False))
     assert rc == KILLED, _log(root)
     assert "last.ckpt" not in os.listdir(ckpts)
     assert verify_checkpoint(os.path.join(ckpts, ".last.ckpt.old"), reference) == STEPS
     assert checkpoint_state(root, reference)[0] is None  # the newer epoch=1 checkpoint is visible and exact
     assert ModelCheckpoint(dirpath=ckpts)._find_last_checkpoints(None) == set()  # the limit above
-    recover(os.path.join(ckpts, "last.ckpt"))
-    assert checkpoint_state(root, reference)[0] == STEPS
+    recover(last)
+    assert checkpoint_state(root, reference)[0] == STEPS and os.path.isdir(last)
     pid, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True, exchange=False))
     assert rc == 0, _log(root)
     assert [e["global_step"] for e in cw.read_events(root) if e["event"] == "started" and e["pid"] == pid] == [STEPS]
     assert params_equal(torch.load(cw.paths(root)["final"]), reference.final)
+    assert checkpoint_state(root, reference) == (FINAL_STEP, 0) and os.path.isfile(last)
 
 
 # ---- a live run's store is never touched ------------------------------------------------------------------------
@@ -372,10 +424,10 @@ def test_live_store_is_refused_and_untouched(jobs, reference, tmp_path):
     this process and in another process launched exactly like the first, fails with StoreLockedError naming
     the live pid; no file of the live run changes, and the live run then finishes bitwise equal."""
     from lightning.pytorch import Trainer
+    from models import MLP
 
     from lightning_nvme import NVMeOffloadStrategy
     from lightning_nvme.store import StoreLockedError
-    from models import MLP
 
     root, release = str(tmp_path / "live"), str(tmp_path / "release")
     spec = cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, hold={"step": 7, "file": release})

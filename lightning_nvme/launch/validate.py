@@ -21,13 +21,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
+from lightning_nvme.settings import ConfigError, OffloadSettings
+
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_convert_", "_recursive_"}
 STORE_DIR_KEYS = ("store_dir",)
 _SCALARS = (str, int, float, bool, type(None))
-
-
-class ConfigError(ValueError):
-    """A config problem the user can fix; the message names the key and the fix."""
 
 
 def validate(cfg: DictConfig) -> dict[str, Any]:
@@ -46,14 +44,14 @@ def _resolve(cfg: DictConfig) -> dict[str, Any]:
     try:
         return OmegaConf.to_container(cfg, resolve=True, throw_on_missing=True)  # type: ignore[return-value]
     except MissingMandatoryValue as e:
-        key = e.full_key
-        raise ConfigError(f"'{key}' is required but not set: add {key}=<value> to the command line"
-                          + (" (a directory with config.json + model.safetensors)" if key == "model.path" else ""))
+        key = e.full_key or "config"
+        raise ConfigError(key, f"required but not set: add {key}=<value> to the command line"
+                          + (" (a directory with config.json + model.safetensors)" if key == "model.path" else "")) from None
     except InterpolationResolutionError as e:
-        raise ConfigError(f"'{e.full_key}' refers to a value that does not exist ({e.msg}). "
-                          f"Set {e.full_key} explicitly, or set the key it refers to.")
+        raise ConfigError(e.full_key or "config", f"refers to a value that does not exist ({e.msg}). "
+                          f"Set {e.full_key} explicitly, or set the key it refers to.") from None
     except OmegaConfBaseException as e:
-        raise ConfigError(f"'{getattr(e, 'full_key', '?')}': {getattr(e, 'msg', e)}")
+        raise ConfigError(str(getattr(e, "full_key", "config")), str(getattr(e, "msg", e))) from None
 
 
 def _target_nodes(tree: Any, prefix: str = "") -> Iterator[tuple[str, dict[str, Any]]]:
@@ -70,10 +68,7 @@ def _check_node(key: str, node: dict[str, Any]) -> None:
     try:
         obj = import_target(target)
     except (ImportError, AttributeError) as e:
-        hint = ""
-        if target.startswith("lightning_nvme.strategies"):
-            hint = " This install has no lightning_nvme.strategies yet; use strategy=default."
-        raise ConfigError(f"'{key}._target_': cannot import {target} ({type(e).__name__}).{hint}") from None
+        raise ConfigError(f"{key}._target_", f"cannot import {target} ({type(e).__name__}: {e}).") from None
     params, takes_kwargs, hints = signature_of(obj)
     if params is None:
         return
@@ -86,13 +81,26 @@ def _check_node(key: str, node: dict[str, Any]) -> None:
                 continue
             close = difflib.get_close_matches(arg, list(params), n=1)
             hint = f" (did you mean '{key}.{close[0]}'?)" if close else ""
-            raise ConfigError(f"unknown config key '{full}'{hint}: {target} takes {', '.join(params)}. "
+            raise ConfigError(full, f"unknown config key{hint}: {target} takes {', '.join(params)}. "
                               f"Fix the spelling or remove the key.")
         annotation = hints.get(arg, inspect.Parameter.empty)
         if accepts(value, annotation) is False:
             want = _describe(annotation)
             fix = f"{full}=<{want}>" if len(want) <= 40 else f"{full}=<one of the values above>"
-            raise ConfigError(f"'{full}' must be {want}, got {value!r} ({type(value).__name__}). Fix: {fix}")
+            raise ConfigError(full, f"must be {want}, got {value!r} ({type(value).__name__}). Fix: {fix}")
+    _check_settings(key, obj, node)
+
+
+def _check_settings(key: str, obj: Any, node: dict[str, Any]) -> None:
+    """A target whose arguments are defined in ``lightning_nvme.settings`` is checked by those definitions."""
+    settings_class = getattr(obj, "settings_class", None)
+    if not (isinstance(settings_class, type) and issubclass(settings_class, OffloadSettings)):
+        return
+    names = settings_class.__dataclass_fields__
+    try:
+        settings_class(**{k: v for k, v in node.items() if k in names})
+    except ConfigError as e:
+        raise ConfigError(f"{key}.{e.key}", e.message) from None
 
 
 def import_target(target: str) -> Any:
@@ -187,8 +195,8 @@ def check_store_dir(key: str, path: Any) -> None:
 
     try:
         preflight.check_store_dir(os.path.expanduser(str(path)), 0, key=key)
-    except preflight.ConfigError as e:
-        raise ConfigError(str(e)) from None
+    except ConfigError as e:
+        raise ConfigError(e.key, e.message) from None
 
 
 def ensure_output_dir(resolved: Mapping[str, Any]) -> None:
@@ -199,7 +207,7 @@ def ensure_output_dir(resolved: Mapping[str, Any]) -> None:
     try:
         os.makedirs(out, exist_ok=True)
     except OSError as e:
-        raise ConfigError(f"'paths.output_dir'={out} cannot be created ({e.strerror}). "
+        raise ConfigError("paths.output_dir", f"{out} cannot be created ({e.strerror}). "
                           f"Fix: paths.output_dir=<a writable directory>") from None
 
 
@@ -208,5 +216,5 @@ def _check_model_path(model: Mapping[str, Any]) -> None:
     if not isinstance(path, str) or "HFCausalLM" not in str(model.get("_target_", "")):
         return
     if not os.path.isfile(os.path.join(path, "config.json")):
-        raise ConfigError(f"'model.path'={path!r} has no config.json. Fix: model.path=<a directory saved with "
+        raise ConfigError("model.path", f"{path!r} has no config.json. Fix: model.path=<a directory saved with "
                           f"save_pretrained: config.json + model.safetensors>")

@@ -11,7 +11,8 @@ import lightning.pytorch as pl
 from hydra.utils import instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_nvme.recipes.validate import ConfigError, validate
+from lightning_nvme.launch.validate import validate
+from lightning_nvme.settings import ConfigError
 
 
 def lightning_strategy(name: str = "auto") -> str:
@@ -42,7 +43,7 @@ def build(cfg: DictConfig) -> Run:
     model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer))
     data_vocab, model_vocab = getattr(datamodule, "vocab_size", None), getattr(model, "vocab_size", None)
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
-        raise ConfigError(f"data.tokenizer produces {data_vocab} token ids but the model's vocabulary has "
+        raise ConfigError("model.vocab_size", f"data.tokenizer produces {data_vocab} token ids but the model's vocabulary has "
                           f"{model_vocab}: raise model.vocab_size to {data_vocab}, or use the checkpoint's tokenizer "
                           f"(data.tokenizer=<model dir>)")
     strategy = instantiate(cfg.strategy)

@@ -1,0 +1,213 @@
+"""Checkpoints Lightning's loaders open: one file at the path the user gave, the optimizer state beside it.
+
+Layout::
+
+    last.ckpt                    torch.save of Lightning's checkpoint dict (weights, hyperparameters, loops,
+                                 callbacks, LR schedulers...) without ``optimizer_states``; in its place a
+                                 ``lightning_nvme`` entry: the format version, the save id, where the
+                                 optimizer state is, and each optimizer's param groups and scalar state
+    last.ckpt.optim/<save id>/   optimizer-<i>.safetensors (one per rank: optimizer-<i>-rank<r>.safetensors)
+
+Why a file: ``torch.load``, ``LightningModule.load_from_checkpoint`` and ``Trainer(strategy="auto")``'s
+validate/test/predict open it as any Lightning checkpoint. Why no ``optimizer_states`` in it: a plain
+``Trainer.fit(ckpt_path=...)`` must not restart Adam's moments silently; without the key Lightning
+refuses to resume (``KeyError: Trying to restore optimizer state but checkpoint contains only the
+model``). Why a save id: the file names the directory of the save that wrote it, and every optimizer file
+carries the same id, so a file paired with another save's optimizer state is refused, not mixed.
+
+Commit protocol (a kill -9 at any point leaves the old checkpoint or the new one, never a mix):
+
+1. ``begin``: recover an interrupted commit (``atomic.recover``, ``sweep_orphans``), create ``last.ckpt.optim/.<id>.tmp-<pid>/``;
+2. the optimizer files are streamed into it and fsynced (by every rank, when data parallel);
+3. ``publish``: fsync, rename it to ``last.ckpt.optim/<id>/``: complete, but no file refers to it yet;
+4. ``write_main``: the file goes to ``.last.ckpt.tmp-<pid>``, fsync, then ``os.replace`` over ``last.ckpt``
+   (over an old-format directory: ``RENAME_EXCHANGE``, see ``atomic.commit``): the one switching step;
+5. ``finish``: delete the other saves' directories in ``last.ckpt.optim/``.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import shutil
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from lightning_nvme.checkpoint import atomic
+from lightning_nvme.checkpoint.streamed import OptimizerParts
+
+FORMAT_VERSION = 2
+REF_KEY = "lightning_nvme"
+PARTS_SUFFIX = ".optim"
+_SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
+NOTE = ("The optimizer state of this checkpoint is streamed beside it, in {parts}/. Resume with "
+        "strategy='nvme_offload' (or 'nvme_offload_ddp'); for a plain checkpoint that any Trainer resumes from, "
+        "run: python -m lightning_nvme.checkpoint.convert to-lightning {name} plain.ckpt")
+
+
+def parts_root(path: str) -> str:
+    return os.path.abspath(path) + PARTS_SUFFIX
+
+
+@dataclass
+class Pending:
+    """A save in progress: the target file, this save's id and the temp directory its optimizer files go to."""
+
+    path: str
+    save_id: str
+    tmp: str
+
+    @property
+    def final(self) -> str:
+        return os.path.join(parts_root(self.path), self.save_id)
+
+
+def sweep_orphans(path: str) -> None:
+    """Drop debris of dead writers in ``path``'s directory: temp entries in ``.optim`` directories, and ``.optim``
+    directories whose file is gone (a kill between a removal's two steps). Run by the writer only: a reader
+    could take a concurrent writer's published, not yet referenced state for an orphan."""
+    parent = os.path.dirname(path)
+    for entry in os.listdir(parent) if os.path.isdir(parent) else []:
+        root = os.path.join(parent, entry)
+        if not entry.endswith(PARTS_SUFFIX) or entry.startswith(".") or not os.path.isdir(root):
+            continue
+        atomic.sweep_dead_temps(root)
+        base = root[:-len(PARTS_SUFFIX)]
+        orphan = not os.path.lexists(base) and not os.path.lexists(atomic.aside_name(base))
+        if orphan and all(_SAVE_ID.match(e) for e in os.listdir(root)):  # a live writer's temp: not an orphan
+            atomic.remove(root)
+
+
+def begin(path: str) -> Pending:
+    """Step 1 (rank 0): recover, then create the temp directory this save's optimizer files are written to."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic.recover(path)
+    sweep_orphans(path)
+    root = parts_root(path)
+    os.makedirs(root, exist_ok=True)
+    save_id = uuid.uuid4().hex
+    tmp = os.path.join(root, f".{save_id}.tmp-{os.getpid()}")
+    os.makedirs(tmp)
+    return Pending(path, save_id, tmp)
+
+
+def publish(pending: Pending) -> None:
+    """Step 3: the fsynced optimizer files become ``<path>.optim/<id>/`` (not yet referenced)."""
+    atomic.fsync_path(pending.tmp)
+    os.rename(pending.tmp, pending.final)
+    atomic.fsync_path(parts_root(pending.path))
+    atomic.fsync_path(os.path.dirname(pending.path))
+
+
+def reference(pending: Pending, optimizer_states: list[dict[str, Any]], markers: list[dict[str, Any]]) -> dict:
+    """The entry the main file carries instead of ``optimizer_states``."""
+    name = os.path.basename(pending.path)
+    parts = os.path.join(name + PARTS_SUFFIX, pending.save_id)
+    return {"format_version": FORMAT_VERSION, "save_id": pending.save_id, "parts_dir": parts,
+            "optimizer_states": optimizer_states, "parts": markers, "note": NOTE.format(parts=parts, name=name)}
+
+
+def write_main(checkpoint: dict[str, Any], path: str) -> None:
+    """Step 4: write the file under a temp name, fsync, and switch it in."""
+    tmp = atomic.temp_name(path)
+    try:
+        torch.save(checkpoint, tmp)
+        atomic.commit(tmp, path)
+    except BaseException:
+        if os.path.lexists(tmp):
+            atomic.delete(tmp)
+        raise
+
+
+def finish(pending: Pending) -> None:
+    """Step 5: delete the optimizer state of the saves this one replaced."""
+    root = parts_root(pending.path)
+    for entry in os.listdir(root):
+        if entry != pending.save_id and _SAVE_ID.match(entry):
+            atomic.remove(os.path.join(root, entry))
+
+
+def abort(pending: Pending) -> None:
+    shutil.rmtree(pending.tmp, ignore_errors=True)
+    if os.path.isdir(pending.final):
+        atomic.remove(pending.final)
+
+
+def save(checkpoint: dict[str, Any], path: str, write_parts: Callable[[str, str], list[dict[str, Any]]]) -> None:
+    """The whole protocol in one process: ``write_parts(directory, save_id)`` streams the optimizer files and
+    returns their markers; ``checkpoint["optimizer_states"]`` (without per-element tensors) moves into the
+    reference."""
+    checkpoint = dict(checkpoint)
+    optimizer_states = checkpoint.pop("optimizer_states")
+    pending = begin(path)
+    try:
+        markers = write_parts(pending.tmp, pending.save_id)
+        publish(pending)
+        write_main({**checkpoint, REF_KEY: reference(pending, optimizer_states, markers)}, pending.path)
+    except BaseException:
+        abort(pending)
+        raise
+    finish(pending)
+
+
+def save_plain(checkpoint: dict[str, Any], path: str) -> None:
+    """A checkpoint without optimizer state (weights only), switched in atomically; the optimizer state of the
+    checkpoint it replaces goes afterwards."""
+    path = os.path.abspath(path)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
+    atomic.recover(path)
+    write_main(checkpoint, path)
+    if os.path.isdir(parts_root(path)):
+        atomic.remove(parts_root(path))
+
+
+def read(checkpoint: dict[str, Any], path: str) -> tuple[dict[str, Any], OptimizerParts | None]:
+    """Split a loaded main file into Lightning's usual dict (``optimizer_states`` back in place, without the
+    per-element tensors) and where its optimizer state is. A file of another origin passes through."""
+    ref = checkpoint.pop(REF_KEY, None)
+    if not isinstance(ref, dict) or "save_id" not in ref:
+        if ref is not None:
+            checkpoint[REF_KEY] = ref  # not ours: leave the user's key alone
+        return checkpoint, None
+    if ref.get("format_version") != FORMAT_VERSION:
+        raise ValueError(f"{path}: lightning_nvme checkpoint format version {ref.get('format_version')}; this "
+                         f"lightning_nvme reads version {FORMAT_VERSION} (and the old directory format)")
+    checkpoint["optimizer_states"] = ref["optimizer_states"]
+    save_id = ref["save_id"]
+    parts = OptimizerParts("", save_id, ref["parts"], source=str(path))
+    if not isinstance(path, str) or "://" in path:
+        parts.problem = (f"checkpoint {path} is remote; its optimizer state ({ref['parts_dir']}) is streamed beside "
+                         "it on a local file system. Download the file and its .optim directory, or convert it: "
+                         "python -m lightning_nvme.checkpoint.convert to-lightning")
+        return checkpoint, parts
+    own = os.path.join(parts_root(path), save_id)
+    recorded = os.path.join(os.path.dirname(os.path.abspath(path)), ref["parts_dir"])
+    parts.directory = next((d for d in (own, recorded) if os.path.isdir(d)), "")
+    if not parts.directory:
+        others = sorted(e for e in os.listdir(parts_root(path)) if _SAVE_ID.match(e)) \
+            if os.path.isdir(parts_root(path)) else []
+        found = (f"{parts_root(path)} holds the state of other saves ({', '.join(others)}): the file and that "
+                 "directory come from different saves (copied separately?). Refusing to mix them."
+                 if others else f"neither {own} nor {recorded} exists: copy the {PARTS_SUFFIX} directory along "
+                 "with the file.")
+        parts.problem = (f"checkpoint {path} was saved with its optimizer state streamed beside it (save id "
+                         f"{save_id}), but {found} Without it the optimizer cannot resume; the weights still load "
+                         "(LightningModule.load_from_checkpoint, trainer.validate/test/predict).")
+    return checkpoint, parts
+
+
+def remove(path: str) -> None:
+    """Delete a checkpoint of either format: the file first (one atomic unlink), then its optimizer state. A kill
+    in between leaves an orphaned ``.optim`` directory that the next save in the directory sweeps."""
+    path = os.path.abspath(path)
+    if os.path.islink(path):  # e.g. ModelCheckpoint(save_last="link"): the link only
+        os.unlink(path)
+        return
+    atomic.remove(path)
+    if os.path.isdir(parts_root(path)):
+        atomic.remove(parts_root(path))

@@ -1,0 +1,47 @@
+"""What goes through the user's ``CheckpointIO`` and what the strategy writes itself.
+
+The strategy writes a checkpoint file itself (under a temp name, fsynced, switched in atomically, its
+optimizer state streamed beside it) only where that is what Lightning would have done anyway: the default
+``TorchCheckpointIO``, a local path, no ``storage_options``. Everything else is the plugin's: a checkpoint
+without optimizer state (``save_weights_only``) goes to the plugin unchanged, local or remote (fsspec).
+A checkpoint *with* offloaded optimizer state is refused there with the reason and the fix: a
+``CheckpointIO`` takes the whole checkpoint as one dict in memory (what streaming avoids), and the state is
+never written to a local directory named after a URL.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.types import _PATH
+
+
+def is_local(path: _PATH) -> bool:
+    return _is_local_file_protocol(path)
+
+
+def writes_itself(checkpoint_io: CheckpointIO, path: _PATH, storage_options: Any | None) -> bool:
+    """True where the strategy writes the file itself (atomically), False where the plugin must."""
+    return type(checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local(path)
+
+
+def refuse_streamed(strategy: str, checkpoint_io: CheckpointIO, path: _PATH, storage_options: Any | None) -> None:
+    """Raise the error for a checkpoint with offloaded optimizer state that only the plugin could write."""
+    weights_only = ("Checkpoints without optimizer state go through it: ModelCheckpoint(save_weights_only=True) or "
+                    "trainer.save_checkpoint(path, weights_only=True).")
+    if not is_local(path):
+        reason = (f"{path!r} is a remote URL, and the optimizer state is streamed from the local store to a local "
+                  "file system (never to a local directory named after the URL). Save to a local directory "
+                  "(ModelCheckpoint(dirpath=...)) and upload the file together with its .optim directory, or "
+                  "convert it for upload: python -m lightning_nvme.checkpoint.convert to-lightning. ")
+    elif type(checkpoint_io) is not TorchCheckpointIO:
+        reason = (f"checkpoint_io={type(checkpoint_io).__name__} cannot carry it: a CheckpointIO takes the whole "
+                  "checkpoint as one dict in memory, which is what streaming the optimizer state avoids. Remove the "
+                  "plugin for full checkpoints (the strategy writes them atomically itself). ")
+    else:
+        reason = ("storage_options were given, which only a custom CheckpointIO understands, and that cannot "
+                  "carry streamed optimizer state. Drop storage_options. ")
+    raise ValueError(f"{strategy}: cannot save the offloaded optimizer state of checkpoint {path!r}: "
+                     f"{reason}{weights_only}")

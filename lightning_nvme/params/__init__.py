@@ -1,0 +1,13 @@
+"""Parameter offload: each block's parameters live in the flat store between uses (``offload_params=True``).
+
+One concept per module: ``policy`` (which modules are blocks), ``layout`` (where each parameter lives
+in the store), ``placeholder`` (what the module holds meanwhile), ``residency`` (moving blocks in and
+out), ``schedule`` (module hooks: when), ``offload`` (the whole, for a strategy), ``settings``.
+"""
+
+from lightning_nvme.params.offload import ParamOffload
+from lightning_nvme.params.placeholder import is_placeholder
+from lightning_nvme.params.policy import find_blocks
+from lightning_nvme.params.settings import ParamSettings
+
+__all__ = ["ParamOffload", "ParamSettings", "find_blocks", "is_placeholder"]

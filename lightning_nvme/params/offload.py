@@ -1,0 +1,214 @@
+"""``ParamOffload``: a model whose blocks' parameters live in the flat store between uses.
+
+Ties the pieces together for a strategy: the layout (which parameters, where), the residency (what is
+in memory), the scheduler (module hooks), the optimizer's update listener (make a chunk's parameters
+resident for its update, write them back after), and the module's ``state_dict``/``load_state_dict``
+(always the true values: gathered from the store, or written into it).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_nvme.params.layout import BlockLayout, ParamLayout, plan_layout
+from lightning_nvme.params.materialize import materialize
+from lightning_nvme.params.policy import BlockClasses, find_blocks
+from lightning_nvme.params.residency import BlockResidency, ResidencyStats
+from lightning_nvme.params.schedule import UPDATE, USER, BlockScheduler
+from lightning_nvme.store import FlatStore, StoreIOError
+
+
+class ParamOffload:
+    """Args:
+        model: the module whose parameters leave memory (the LightningModule).
+        block_classes: module classes (or dotted paths) that are blocks; ``None``: the children of the
+            largest ``ModuleList``/``Sequential``.
+        prefetch: blocks read ahead of need, in forward (and reverse, in backward) order.
+    """
+
+    def __init__(self, model: nn.Module, block_classes: BlockClasses = None, prefetch: int = 1) -> None:
+        self.model = model
+        self.prefetch = prefetch
+        self.block_classes = block_classes
+        self._layout: ParamLayout | None = None
+        self._block_of: dict[int, BlockLayout] = {}
+        self.residency: BlockResidency | None = None
+        self.scheduler: BlockScheduler | None = None
+        self._state_hooks: list[Any] = []
+        self._final_stats = ResidencyStats()
+
+    @property
+    def layout(self) -> ParamLayout:
+        """Planned on first use: after the precision plugin has converted the module (dtypes are final)."""
+        if self._layout is None:
+            blocks = find_blocks(self.model, self.block_classes)
+            if not blocks:
+                raise ValueError(f"offload_params=True: no blocks found in {type(self.model).__name__} (no "
+                                 "nn.ModuleList or nn.Sequential with parameters, or no module of "
+                                 f"param_block_classes={self.block_classes}). Name the block module classes with "
+                                 "param_block_classes=[...], e.g. your transformer layer class.")
+            self._layout = plan_layout(self.model, blocks)
+            self._block_of = self._layout.block_of()
+        return self._layout
+
+    @property
+    def blocks(self) -> list[BlockLayout]:
+        return self.layout.blocks
+
+    @property
+    def stats(self) -> ResidencyStats:
+        """Loads, write-backs and peak residency (kept after ``stop``)."""
+        return self.residency.stats if self.residency is not None else self._final_stats
+
+    def regions(self) -> list[tuple[str, int]]:
+        return [(b.region, b.nbytes) for b in self.blocks]
+
+    # ---- lifecycle -----------------------------------------------------------------------------------
+    def attach_store(self, store: FlatStore) -> BlockResidency:
+        """Add the blocks' regions to ``store`` (once)."""
+        if self.residency is None:
+            store.add_regions(self.regions())
+            self.residency = BlockResidency(store, self.blocks, max_pending_writes=self.prefetch + 1)
+        return self.residency
+
+    def materialize(self, store: FlatStore, device: torch.device) -> None:
+        """Initialize a meta-device model module by module; each block goes to the store as soon as its
+        last parameter is initialized, so at most about one block is ever in memory."""
+        residency = self.attach_store(store)
+
+        def place_complete_blocks() -> None:
+            for block in self.blocks:
+                if not residency.placed(block) and not any(s.param.is_meta for s in block.slots):
+                    residency.place(block)
+
+        materialize(self.model, device, place_complete_blocks)
+
+    def start(self, store: FlatStore, planned: Iterable[torch.Tensor] = ()) -> None:
+        """Move the blocks' values into the store (placeholders left behind; blocks already placed by
+        ``materialize`` stay), install the hooks. ``planned``: the parameters offloaded optimizers update
+        (held until updated)."""
+        residency = self.attach_store(store)
+        for block in self.blocks:
+            if not residency.placed(block):
+                residency.place(block)
+        residency.drain()
+        self.scheduler = BlockScheduler(residency, self.prefetch)
+        self.scheduler.planned = {id(p) for p in planned}
+        self.scheduler.install()
+        for block in self.blocks:
+            self._state_hooks.append(block.module._register_state_dict_hook(self._gather_hook(block)))
+            self._state_hooks.append(block.module._register_load_state_dict_pre_hook(
+                self._load_pre_hook(block), with_module=True))
+            self._state_hooks.append(block.module.register_load_state_dict_post_hook(self._load_post_hook(block)))
+
+    def finish_step(self) -> None:
+        if self.scheduler is not None:
+            self.scheduler.finish_step()
+
+    def stop(self, restore: bool) -> None:
+        """End of fit: with ``restore``, every block's values go back into its module (the module is
+        an ordinary one again); otherwise the parameters stay in the store and stay placeholders."""
+        if self.residency is None:
+            return
+        assert self.scheduler is not None
+        self.scheduler.finish_step()
+        self.scheduler.remove()
+        if restore:
+            for block in self.blocks:
+                values = self.residency.read_values(block)
+                for slot in block.slots:
+                    slot.param.data = values[slot.name]
+            for h in self._state_hooks:
+                h.remove()
+            self._state_hooks = []
+        self.residency.drain()
+        if restore:
+            self._final_stats = self.residency.stats
+            self.residency = None
+
+    def attach(self, store: FlatStore) -> None:
+        """Continue on ``store`` (the same file reopened after fit, e.g. to save a checkpoint)."""
+        if self.residency is not None:
+            self.residency.store = store
+
+    # ---- optimizer updates (``UpdateListener``) -----------------------------------------------------
+    def _blocks_of(self, params: Sequence[torch.Tensor]) -> list[BlockLayout]:
+        seen: dict[int, BlockLayout] = {}
+        for p in params:
+            block = self._block_of.get(id(p))
+            if block is not None:
+                seen[block.index] = block
+        return list(seen.values())
+
+    def before_update(self, touched: Sequence[torch.Tensor]) -> None:
+        assert self.residency is not None
+        for block in self._blocks_of(touched):
+            self.residency.acquire(block, UPDATE)
+
+    def after_update(self, touched: Sequence[torch.Tensor], finished: Sequence[torch.Tensor]) -> None:
+        assert self.residency is not None and self.scheduler is not None
+        for block in self._blocks_of(touched):
+            self.residency.mark_dirty(block)
+            self.residency.release(block, UPDATE)
+        for block in self._blocks_of(finished):
+            self.scheduler.updated(block, [p for p in finished if self._block_of.get(id(p)) is block])
+
+    @property
+    def hold_for_update(self) -> bool:
+        return self.scheduler is not None and self.scheduler.hold_for_update
+
+    @hold_for_update.setter
+    def hold_for_update(self, value: bool) -> None:
+        if self.scheduler is not None:
+            self.scheduler.hold_for_update = value
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Every block in memory at once (a memory spike: for rare paths such as loading a plain
+        optimizer checkpoint whose master weights come from the parameters)."""
+        assert self.residency is not None
+        for block in self.blocks:
+            self.residency.acquire(block, USER)
+        try:
+            yield
+        finally:
+            for block in self.blocks:
+                self.residency.release(block, USER)
+
+    # ---- state_dict / load_state_dict ---------------------------------------------------------------
+    def _gather_hook(self, block: BlockLayout) -> Any:
+        local = [(s.name[len(block.name) + 1:], s) for s in block.slots]
+
+        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+            if self.residency is None:
+                return
+            try:
+                values = self.residency.read_values(block)
+            except StoreIOError as e:
+                raise RuntimeError(f"the parameters of {block.name} live only in the store "
+                                   f"{self.residency.store.path} and could not be read ({e}). After fit the store "
+                                   "is closed: save checkpoints during fit, or keep restore_params=True so the "
+                                   "weights return to the module at the end of fit.") from e
+            for name, slot in local:
+                key = prefix + name
+                if key in state_dict:
+                    state_dict[key] = values[slot.name]
+        return hook
+
+    def _load_pre_hook(self, block: BlockLayout) -> Any:
+        def hook(module: nn.Module, *args: Any) -> None:
+            if self.residency is not None:
+                self.residency.acquire(block, USER)
+        return hook
+
+    def _load_post_hook(self, block: BlockLayout) -> Any:
+        def hook(module: nn.Module, incompatible: Any) -> None:
+            if self.residency is not None:
+                self.residency.mark_dirty(block)
+                self.residency.release(block, USER)
+        return hook

@@ -1,0 +1,190 @@
+"""``BlockResidency``: which blocks' parameters are in memory, and moving them to and from the store.
+
+A block is resident while anyone holds a reference to it (its forward, its backward, an optimizer
+update waiting for it); the last release writes it back if an update changed it and swaps its
+parameters' ``.data`` for placeholders. Reads are issued ahead (``prefetch``) into fresh page-aligned
+buffers; memory is bounded by the hold/prefetch rules of ``BlockScheduler`` plus ``max_pending_writes``
+buffers whose write-back is still in flight.
+"""
+
+from __future__ import annotations
+
+from collections import Counter, deque
+from dataclasses import dataclass, field
+
+import torch
+
+from lightning_nvme.params.layout import BlockLayout
+from lightning_nvme.params.placeholder import placeholder
+from lightning_nvme.store import FlatStore, IOHandle
+
+
+@dataclass
+class ResidencyStats:
+    loads: int = 0  # block reads issued
+    sync_loads: int = 0  # reads a forward/backward/update had to wait for from the start (not prefetched)
+    writebacks: int = 0
+    bytes_read: int = 0
+    bytes_written: int = 0
+    resident_blocks: int = 0
+    peak_resident_blocks: int = 0
+    peak_resident_bytes: int = 0
+
+
+@dataclass
+class _State:
+    buffer: torch.Tensor | None = None  # uint8, page-aligned
+    read: IOHandle | None = None
+    bound: bool = False  # parameters point into ``buffer``
+    dirty: bool = False
+    placed: bool = False  # its values are in the store
+    refs: Counter = field(default_factory=Counter)
+
+
+class BlockResidency:
+    def __init__(self, store: FlatStore, blocks: list[BlockLayout], max_pending_writes: int = 2) -> None:
+        self.store = store
+        self.blocks = blocks
+        self.max_pending_writes = max_pending_writes
+        self.stats = ResidencyStats()
+        self._state = [_State() for _ in blocks]
+        self._writes: deque[tuple[IOHandle, torch.Tensor]] = deque()
+        self._resident_bytes = 0
+
+    # ---- first placement -----------------------------------------------------------------------------
+    def place(self, block: BlockLayout) -> None:
+        """Copy the block's current values into the store and leave placeholders (setup)."""
+        buf = self._new_buffer(block)
+        for slot in block.slots:
+            self._view(buf, slot).copy_(slot.param.detach())
+        self._write(block, buf)
+        self._unbind(block)
+        self._state[block.index].placed = True
+
+    def placed(self, block: BlockLayout) -> bool:
+        return self._state[block.index].placed
+
+    def write_values(self, block: BlockLayout, values: dict[str, torch.Tensor]) -> None:
+        """Replace a non-resident block's stored values (checkpoint restore, initialization)."""
+        st = self._state[block.index]
+        if st.buffer is not None:
+            raise RuntimeError(f"block {block.name} is resident; its values cannot be replaced in the store")
+        buf = self._new_buffer(block)
+        for slot in block.slots:
+            self._view(buf, slot).copy_(values[slot.name].reshape(slot.shape))
+        self._write(block, buf)
+
+    def read_values(self, block: BlockLayout) -> dict[str, torch.Tensor]:
+        """Copies of a block's true values (from memory if resident, else read from the store)."""
+        st = self._state[block.index]
+        if st.buffer is not None:
+            self._wait_read(block)
+            return {s.name: self._view(st.buffer, s).clone() for s in block.slots}
+        buf = self._new_buffer(block)
+        self.store.wait(self.store.read(block.region, buf))
+        return {s.name: self._view(buf, s).clone() for s in block.slots}
+
+    # ---- residency ---------------------------------------------------------------------------------
+    def is_resident(self, block: BlockLayout) -> bool:
+        return self._state[block.index].buffer is not None
+
+    def holders(self, block: BlockLayout) -> Counter:
+        return self._state[block.index].refs
+
+    def prefetch(self, block: BlockLayout) -> None:
+        st = self._state[block.index]
+        if st.buffer is None:
+            st.buffer = self._new_buffer(block)
+            st.read = self.store.read(block.region, st.buffer)
+            self.stats.loads += 1
+            self.stats.bytes_read += block.nbytes
+            self._count(block, +1)
+
+    def acquire(self, block: BlockLayout, why: str) -> None:
+        st = self._state[block.index]
+        if st.buffer is None:
+            self.stats.sync_loads += 1
+            self.prefetch(block)
+        self._wait_read(block)
+        if not st.bound:
+            assert st.buffer is not None  # loaded just above
+            for slot in block.slots:
+                slot.param.data = self._view(st.buffer, slot)
+            st.bound = True
+        st.refs[why] += 1
+
+    def release(self, block: BlockLayout, why: str) -> None:
+        st = self._state[block.index]
+        if st.refs[why] <= 0:
+            raise RuntimeError(f"block {block.name}: release({why!r}) without a matching acquire (a bug)")
+        st.refs[why] -= 1
+        if not +st.refs:
+            self.evict(block)
+
+    def mark_dirty(self, block: BlockLayout) -> None:
+        self._state[block.index].dirty = True
+
+    def evict(self, block: BlockLayout) -> None:
+        """Write back if changed, then placeholders. A prefetched block never used is simply dropped."""
+        st = self._state[block.index]
+        if st.buffer is None:
+            return
+        self._wait_read(block)
+        if st.dirty:
+            self._write(block, st.buffer, block.writable_offset)
+        self._unbind(block)
+        st.buffer, st.read, st.bound, st.dirty = None, None, False, False
+        st.refs.clear()
+        self._count(block, -1)
+
+    def evict_unheld(self) -> None:
+        """Drop prefetched blocks nobody holds (end of a pass whose order differed from the prediction)."""
+        for block in self.blocks:
+            if not +self._state[block.index].refs:
+                self.evict(block)
+
+    def drain(self) -> None:
+        """Wait for every write-back in flight (their buffers are then freed)."""
+        while self._writes:
+            handle, _ = self._writes.popleft()
+            self.store.wait(handle)
+
+    @property
+    def resident_blocks(self) -> list[BlockLayout]:
+        return [b for b in self.blocks if self._state[b.index].buffer is not None]
+
+    # ---- helpers -------------------------------------------------------------------------------------
+    def _new_buffer(self, block: BlockLayout) -> torch.Tensor:
+        """Page-aligned and as long as the region: the store moves it with O_DIRECT, no staging copy."""
+        return self.store.aligned_empty(self.store.region(block.region).capacity)
+
+    @staticmethod
+    def _view(buf: torch.Tensor, slot) -> torch.Tensor:
+        return buf[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+    def _wait_read(self, block: BlockLayout) -> None:
+        st = self._state[block.index]
+        if st.read is not None:
+            self.store.wait(st.read)
+            st.read = None
+
+    def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0) -> None:
+        """Write ``buf[start:]`` (``start`` page-aligned) to the block's region at ``start``."""
+        if start >= buf.numel():
+            return
+        self._writes.append((self.store.write(block.region, buf[start:], offset=start), buf))
+        self.stats.writebacks += 1
+        self.stats.bytes_written += buf.numel() - start
+        while len(self._writes) > self.max_pending_writes:
+            handle, _ = self._writes.popleft()
+            self.store.wait(handle)
+
+    def _unbind(self, block: BlockLayout) -> None:
+        for slot in block.slots:
+            slot.param.data = placeholder(slot.shape, slot.dtype, slot.param.device)
+
+    def _count(self, block: BlockLayout, sign: int) -> None:
+        self.stats.resident_blocks += sign
+        self._resident_bytes += sign * block.nbytes
+        self.stats.peak_resident_blocks = max(self.stats.peak_resident_blocks, self.stats.resident_blocks)
+        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._resident_bytes)

@@ -1,0 +1,253 @@
+"""The offload strategies' arguments, each defined once: name, type, default, valid values and a one-line doc.
+
+Everything else derives from or is checked against these dataclasses: the strategies' signatures and
+docstrings (``with_settings``), validation (``__post_init__``: one ``ConfigError(key, message)`` per bad
+value), the Hydra configs ``conf/strategy/nvme_offload*.yaml`` and README's argument table (both checked by
+``tests/test_settings.py``). To add an argument, add one ``setting(...)`` line to ``OffloadSettings`` (both
+strategies) or ``DDPOffloadSettings`` (data parallel only), read it as ``self.config.<name>``, and add the
+key to the YAML and README rows the test asks for.
+
+Names mean one thing at every layer: ``io_chunk_bytes`` is the size of one disk request (strategy, I/O
+profile, ``FlatStore``), ``chunk_bytes`` the optimizer-state chunk.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import inspect
+import os
+import textwrap
+from collections.abc import Callable
+from typing import TYPE_CHECKING, Any, TypeVar
+
+from lightning_nvme.constants import ALIGN, MASTER_FORMATS, STATE_FORMATS, STORE_DIR_ENV, GiB, MiB
+
+if TYPE_CHECKING:
+    from lightning_nvme.optim.state_format import StateFormat
+
+T = TypeVar("T")
+Check = Callable[[Any], "str | None"]  # returns why the value is invalid (and the fix), None when it is valid
+OVERLAP_MODES = ("step", "backward")
+
+
+class ConfigError(ValueError):
+    """A configuration value that cannot work. ``key`` names the setting; the message says the fix."""
+
+    def __init__(self, key: str, message: str) -> None:
+        super().__init__(f"{key}: {message}")
+        self.key = key
+        self.message = message
+
+
+# ---- checks: each returns the problem and the fix, or None ------------------------------------------------
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def count(minimum: int, typical: str) -> Check:
+    def check(value: Any) -> str | None:
+        if not _is_int(value) or value < minimum:
+            return f"must be an integer >= {minimum}, got {value!r}. Fix: use {typical}."
+        return None
+    return check
+
+
+def nbytes(minimum: int = 1, *, aligned: bool = False, typical: str = "") -> Check:
+    def check(value: Any) -> str | None:
+        if not _is_int(value) or value < minimum:
+            return f"must be an integer number of bytes >= {minimum}, got {value!r}." + (
+                f" Fix: use {typical}." if typical else "")
+        if aligned and value % ALIGN:
+            up = (value + ALIGN - 1) // ALIGN * ALIGN
+            return f"must be a multiple of {ALIGN} (O_DIRECT alignment), got {value}. Fix: use {up}."
+        return None
+    return check
+
+
+def optional(inner: Check, meaning: str) -> Check:
+    def check(value: Any) -> str | None:
+        problem = None if value is None else inner(value)
+        return None if problem is None else f"{problem} Or null: {meaning}."
+    return check
+
+
+def one_of(*values: str) -> Check:
+    def check(value: Any) -> str | None:
+        return None if value in values else f"must be one of {', '.join(map(repr, values))}, got {value!r}."
+    return check
+
+
+def _existing_file(value: Any) -> str | None:
+    if value is None or (isinstance(value, str) and os.path.isfile(value)):
+        return None
+    return (f"file {value!r} not found. Fix: create one with `lightning-nvme doctor STORE_DIR --write-profile "
+            f"FILE`, or leave it null.")
+
+
+def _directory(value: Any) -> str | None:
+    return None if value is None or isinstance(value, (str, os.PathLike)) else f"must be a path, got {value!r}."
+
+
+def setting(default: T, doc: str, check: Check | None = None) -> T:
+    """One argument: its default, its one-line doc and its check (``None``: any value of its type)."""
+    return dataclasses.field(default=default, metadata={"doc": doc, "check": check})
+
+
+# ---- the arguments -------------------------------------------------------------------------------------
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class OffloadSettings:
+    """Arguments of both offload strategies (``nvme_offload`` and ``nvme_offload_ddp``)."""
+
+    store_dir: str | None = setting(
+        None, f"Directory on a local SSD for the store file; None: ``${STORE_DIR_ENV}``, else "
+              "``<default_root_dir>/nvme_store``.", _directory)
+    chunk_bytes: int = setting(
+        32 * MiB, "Optimizer state per chunk, the unit that is read, updated and written back; resident "
+                  "memory is ``(prefetch_depth + 2) x chunk_bytes``.", nbytes(ALIGN, typical="16-64 MiB"))
+    io_chunk_bytes: int = setting(
+        8 * MiB, "Size of one disk request (``FlatStore(io_chunk_bytes=)``); overridden by ``io_profile``.",
+        nbytes(ALIGN, aligned=True, typical=str(8 * MiB)))
+    staging_bytes: int = setting(
+        64 * MiB, "Pool of page-aligned buffers for tensors that cannot be read or written in place; holds at "
+                  "least one ``io_chunk_bytes``.", nbytes(1, typical=str(64 * MiB)))
+    prefetch_depth: int = setting(
+        2, "Chunks read ahead of the one being updated.", count(1, "2 (prefetch the next chunk while one is in use)"))
+    io_workers: int = setting(
+        4, "I/O threads per store (queue depth); overridden by ``io_profile``.", count(1, "1-8 (4 is a good default)"))
+    overlap: str = setting(
+        "step", "``\"step\"``: state I/O overlaps forward and backward; ``\"backward\"``: chunks are also updated "
+                "during backward as their gradients become final.", one_of(*OVERLAP_MODES))
+    io_profile: str | None = setting(
+        None, "JSON written by ``lightning-nvme doctor PATH --write-profile FILE``: tuned ``io_chunk_bytes`` "
+              "and ``io_workers`` for this disk.", _existing_file)
+    min_free_bytes: int = setting(
+        1 * GiB, "Free space that must remain on the SSD after the store is allocated (checked before training).",
+        nbytes(0, typical="0 to disable the margin"))
+    malloc_mmap_threshold: int | None = setting(
+        8 * MiB, "glibc's mmap threshold, fixed so freed chunk temporaries return to the OS (bounded RSS); None "
+                 "leaves the allocator alone.", optional(nbytes(4096), "leave the allocator alone"))
+    state_format: str = setting(
+        "exact", "How per-element optimizer state (Adam's moments, momentum...) is stored: ``\"exact\"``, "
+                 "``\"bf16\"`` or ``\"int8\"`` (blockwise 8-bit); see docs/state_format.md.",
+        one_of(*STATE_FORMATS))
+    master_format: str = setting(
+        "fp32", "``\"fp32\"`` masters of half-precision params, or ``\"bf16_sr\"``: none, the bf16 update is "
+                "rounded stochastically (``precision=\"bf16-true\"``); see docs/state_format.md.",
+        one_of(*MASTER_FORMATS))
+
+    def __post_init__(self) -> None:
+        for f in dataclasses.fields(self):
+            check = f.metadata.get("check")
+            problem = check(getattr(self, f.name)) if check else None
+            if problem:
+                raise ConfigError(f.name, problem)
+        if self.staging_bytes < self.io_chunk_bytes:
+            raise ConfigError("staging_bytes", f"staging_bytes={self.staging_bytes} cannot hold one io_chunk_bytes="
+                                               f"{self.io_chunk_bytes}. Fix: set staging_bytes >= io_chunk_bytes.")
+
+    @classmethod
+    def from_arguments(cls: type[S], owner: str, arguments: dict[str, Any]) -> S:
+        """Build from keyword arguments, refusing an unknown name with the closest known one."""
+        known = [f.name for f in dataclasses.fields(cls)]
+        for name in arguments:
+            if name not in known:
+                close = difflib.get_close_matches(name, known, n=1)
+                hint = f" (did you mean {close[0]!r}?)" if close else ""
+                raise TypeError(f"{owner}: unexpected argument {name!r}{hint}; it takes {', '.join(known)}")
+        return cls(**arguments)
+
+    @property
+    def state_format_spec(self) -> StateFormat:
+        """``state_format`` and ``master_format`` as the ``StateFormat`` that stores and decodes the state."""
+        from lightning_nvme.optim.state_format import StateFormat
+
+        return StateFormat(self.state_format, self.master_format)
+
+    def resolve_store_dir(self, default_root_dir: str) -> str:
+        """``store_dir``, else ``$LIGHTNING_NVME_STORE_DIR``, else ``<default_root_dir>/nvme_store``."""
+        return os.path.abspath(self.store_dir or os.environ.get(STORE_DIR_ENV) or
+                               os.path.join(default_root_dir, "nvme_store"))
+
+    def io_request(self) -> tuple[int, int]:
+        """``(io_chunk_bytes, io_workers)``: from the tuned ``io_profile`` if given, else the arguments."""
+        if self.io_profile:
+            from lightning_nvme.io_profile import IOProfile
+
+            profile = IOProfile.load(self.io_profile)
+            return profile.io_chunk_bytes, profile.io_workers
+        return self.io_chunk_bytes, self.io_workers
+
+
+S = TypeVar("S", bound=OffloadSettings)
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class DDPOffloadSettings(OffloadSettings):
+    """Arguments of ``nvme_offload_ddp`` beyond those of both strategies."""
+
+    broadcast_bucket_bytes: int = setting(
+        16 * MiB, "Most bytes of updated parameters one broadcast carries from their owner rank to the others.",
+        nbytes(ALIGN, typical=str(16 * MiB)))
+
+
+def check_values(**values: Any) -> None:
+    """Check some settings on their own (e.g. those an I/O profile holds), by the checks defined above."""
+    fields = {f.name: f for f in dataclasses.fields(DDPOffloadSettings)}
+    for name, value in values.items():
+        check = fields[name].metadata.get("check")
+        problem = check(value) if check else None
+        if problem:
+            raise ConfigError(name, problem)
+
+
+def defaults(settings: type[OffloadSettings]) -> dict[str, Any]:
+    return {f.name: f.default for f in dataclasses.fields(settings)}
+
+
+def docs(settings: type[OffloadSettings]) -> dict[str, str]:
+    return {f.name: f.metadata["doc"] for f in dataclasses.fields(settings)}
+
+
+def with_settings(settings: type[OffloadSettings]) -> Callable[[type[T]], type[T]]:
+    """Class decorator for a strategy whose ``__init__`` takes ``**settings``: its signature (what ``inspect``,
+    ``help`` and the config validator see) lists every setting with its type and default, and its docstring's
+    ``Args:`` section documents them, both from ``settings``."""
+
+    def decorate(cls: type[T]) -> type[T]:
+        init = cls.__init__
+        own = inspect.signature(init)
+        params = [p for p in own.parameters.values() if p.kind is not p.VAR_KEYWORD and p.name != "store_dir"]
+        hints = {f.name: f.type for f in dataclasses.fields(settings)}
+        added = [inspect.Parameter(f.name, inspect.Parameter.KEYWORD_ONLY, default=f.default, annotation=f.type)
+                 for f in dataclasses.fields(settings) if f.name != "store_dir"]
+        store_dir = inspect.Parameter("store_dir", inspect.Parameter.POSITIONAL_OR_KEYWORD, default=None,
+                                      annotation=hints["store_dir"])
+        rest = [p for p in params[1:] if p.kind is not p.KEYWORD_ONLY]
+        kw = [p for p in params[1:] if p.kind is p.KEYWORD_ONLY]
+        var_kw = [p for p in own.parameters.values() if p.kind is p.VAR_KEYWORD and p.name != "settings"]
+        setattr(init, "__signature__", own.replace(parameters=[params[0], store_dir, *rest, *added, *kw, *var_kw]))
+        init.__annotations__ = {**hints, **init.__annotations__}  # what typing.get_type_hints reads
+        lines = [textwrap.fill(f"{name}: {doc}", 110, initial_indent=" " * 8, subsequent_indent=" " * 12)
+                 for name, doc in docs(settings).items()]
+        cls.__doc__ = (cls.__doc__ or "").rstrip() + "\n\n    Args:\n" + "\n".join(lines) + "\n"
+        setattr(cls, "settings_class", settings)  # read by the config validator
+        return cls
+
+    return decorate
+
+
+def _shown(value: Any) -> str:
+    if _is_int(value) and value >= MiB and value % MiB == 0:
+        return f"`{value}` ({value // GiB} GiB)" if value % GiB == 0 else f"`{value}` ({value // MiB} MiB)"
+    return "`null`" if value is None else f"`{value}`"
+
+
+def markdown_table() -> str:
+    """README's argument table; ``tests/test_settings.py`` checks that README holds exactly this (and prints it)."""
+    rows = ["| argument | default | meaning |", "|---|---|---|"]
+    for settings, where in ((OffloadSettings, ""), (DDPOffloadSettings, " (`nvme_offload_ddp` only)")):
+        parent = settings.__mro__[1]
+        own = [f for f in dataclasses.fields(settings) if f.name not in getattr(parent, "__dataclass_fields__", {})]
+        rows += [f"| `{f.name}`{where} | {_shown(f.default)} | {f.metadata['doc']} |" for f in own]
+    return "\n".join(rows)

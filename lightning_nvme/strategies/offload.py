@@ -1,0 +1,285 @@
+"""``OffloadStrategy``: what every offload strategy does around its Lightning base strategy.
+
+The common base of ``NVMeOffloadStrategy`` (``OffloadStrategy, SingleDeviceStrategy``) and
+``NVMeOffloadDDPStrategy`` (``OffloadStrategy, DDPStrategy``), a ``Strategy`` itself so that each
+override reaches the Lightning strategy next in the method resolution order through ``super()``: one
+``FlatStore`` per process, each optimizer from ``configure_optimizers`` wrapped in an
+``OffloadedOptimizer``, reads started on entry to the step, the store drained on teardown and
+reopened for checkpoints saved after ``fit``, checkpoints loaded and routed between the strategy and the
+user's ``CheckpointIO``. A subclass says which parameter ranges its process owns (``_owned_ranges``), what
+follows an update (``_after_update``) and how its optimizer state is saved (``_save_streamed``).
+"""
+
+from __future__ import annotations
+
+import os
+import uuid
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.strategies import _StrategyRegistry
+from lightning.fabric.utilities.types import _PATH
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import Strategy
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_nvme import checkpoint as ckpt
+from lightning_nvme.checkpoint import atomic, plugin_io
+from lightning_nvme.constants import GiB, MiB
+from lightning_nvme.memory import release_freed_memory
+from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
+from lightning_nvme.optim.store_ref import StoreRef
+from lightning_nvme.preflight import check_store_dir
+from lightning_nvme.settings import OffloadSettings
+from lightning_nvme.store import ALIGN, FlatStore
+from lightning_nvme.store.layout import HEADER_BYTES, align_up
+from lightning_nvme.strategies.store_claim import claim_store_name, owner_region
+
+
+class OffloadStrategy(Strategy):
+    """List first among the bases, before the Lightning strategy; call ``_init_offload`` from ``__init__``."""
+
+    strategy_name: str
+    # overlap="backward": a gradient is final when its post-accumulate-grad hook fires (single process);
+    # False where the subclass signals it itself (data parallel: after the all-reduce).
+    _local_grad_hooks: bool = True
+    # overlap="backward": free each gradient once its chunk is updated (single process; data parallel keeps
+    # them for now), so gradient memory is bounded by the chunks not yet updated.
+    _frees_grads: bool = False
+    config: OffloadSettings
+    nvme_store: FlatStore | None
+    offloaded: list[OffloadedOptimizer]
+
+    def _init_offload(self, config: OffloadSettings) -> None:
+        self.config = config
+        self.nvme_store = None
+        self.offloaded = []
+        self._run_token = uuid.uuid4().hex[:12]  # names this instance's store (see store_claim)
+
+    @property
+    def _store_rank(self) -> int:
+        """The rank that names this process's store file."""
+        return 0
+
+    # ---- what a subclass decides --------------------------------------------------------------------
+    def _owned_ranges(self, index: int, optimizer: Optimizer) -> Mapping[int, Sequence[tuple[int, int]]] | None:
+        """The element ranges whose state this process keeps (``None``: all of them)."""
+        return None
+
+    def _after_update(self, off: OffloadedOptimizer) -> None:
+        """Runs after each completed step of ``off`` (data parallel: share the updated parameters)."""
+
+    def _update_listener(self) -> UpdateListener | None:
+        """Told around each chunk update (parameter offload makes the chunk's parameters resident)."""
+        return None
+
+    def _extra_store_bytes(self) -> int:
+        """Store bytes beyond the optimizer state (parameter regions), for the free-space check."""
+        return 0
+
+    # ---- setup / teardown -----------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.optimizers:
+            self._check_overlap_supported(trainer)
+            self._offload_optimizers(trainer)
+
+    def _check_overlap_supported(self, trainer: pl.Trainer) -> None:
+        if self.config.overlap != "backward":
+            return
+        algorithm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower()
+        if trainer.gradient_clip_val and "norm" in algorithm:
+            raise ValueError(f"{self.strategy_name}: overlap='backward' updates each chunk as its gradients become "
+                             "final, before the global gradient norm is known, so norm clipping "
+                             f"(gradient_clip_val={trainer.gradient_clip_val}) would change the maths. Use "
+                             "overlap='step', or gradient_clip_algorithm='value'.")
+        if getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(f"{self.strategy_name}: overlap='backward' cannot be used with a loss scaler "
+                             "(precision='16-mixed'): the inf check needs all gradients first. Use overlap='step' "
+                             "or precision='bf16-mixed'.")
+        if self._frees_grads:
+            from lightning.pytorch.callbacks import Callback
+
+            hooked = [type(obj).__name__ for obj in (trainer.lightning_module, *getattr(trainer, "callbacks", []))
+                      if type(obj).on_before_optimizer_step is not (
+                          pl.LightningModule if isinstance(obj, pl.LightningModule) else Callback
+                      ).on_before_optimizer_step]
+            if hooked:
+                raise ValueError(f"{self.strategy_name}: overlap='backward' consumes each gradient during backward "
+                                 f"(freed once its chunk is updated), so {hooked[0]}.on_before_optimizer_step would "
+                                 "see no gradients (e.g. gradient-norm logging) and already-updated parameters. "
+                                 "Use overlap='step', or remove that hook.")
+
+    def _open_new_store(self, trainer: pl.Trainer, planned: int) -> FlatStore:
+        """This process's store, created once; ``planned`` bytes (beyond what it already holds) are
+        checked against the free space first: writable, enough free space (+ margin), warn on tmpfs/NFS."""
+        store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
+        check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
+        if self.nvme_store is not None:
+            return self.nvme_store
+        io_chunk_bytes, io_workers = self.config.io_request()
+        if self.config.malloc_mmap_threshold is not None:
+            release_freed_memory(self.config.malloc_mmap_threshold)  # see lightning_nvme.memory: bounded RSS
+        name = claim_store_name(store_dir, self._store_rank, self, self._run_token)
+        self.nvme_store = FlatStore(store_dir, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
+                                    num_workers=io_workers, pool_bytes=max(self.config.staging_bytes, io_chunk_bytes),
+                                    min_free_bytes=self.config.min_free_bytes, name=name)
+        self.nvme_store.add_region(owner_region(self._run_token), ALIGN)
+        return self.nvme_store
+
+    def _offload_optimizers(self, trainer: pl.Trainer) -> None:
+        owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
+        fmt = self.config.state_format_spec
+        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i], fmt=fmt)
+                 for i, opt in enumerate(self.optimizers)]
+        planned = HEADER_BYTES + ALIGN + sum(align_up(c.nbytes) for plan in plans for c in plan.chunks) + \
+            self._extra_store_bytes()
+        self._open_new_store(trainer, planned)
+        assert self.nvme_store is not None
+        store_ref = StoreRef.of(self.nvme_store, owner_region(self._run_token))
+        clip_value = None
+        if self.config.overlap == "backward" and trainer.gradient_clip_val:
+            clip_value = float(trainer.gradient_clip_val)
+        self.offloaded = [
+            OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
+                               prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
+                               clip_value=clip_value, owned=owned[i], plan=plans[i],
+                               grad_hooks=self._local_grad_hooks, store_ref=store_ref,
+                               free_grads=self._frees_grads and self.config.overlap == "backward",
+                               listener=self._update_listener(), fmt=fmt)
+            for i, opt in enumerate(self.optimizers)
+        ]
+        state = sum(o.state_bytes for o in self.offloaded)
+        resident = sum(o.ring.total_bytes for o in self.offloaded) + self.nvme_store.pool_bytes
+        rank_zero_info(f"{self.strategy_name}: optimizer state store {self.nvme_store.path} ({self.nvme_store.mode} "
+                       f"I/O): {state / GiB:.2f} GiB on disk in {sum(len(o.chunks) for o in self.offloaded)} "
+                       f"chunks; {resident / MiB:.0f} MiB of resident buffers; overlap={self.config.overlap}; "
+                       f"{fmt.describe()}")
+
+    @override
+    def teardown(self) -> None:
+        """Drain I/O, stop the workers and release the store's lock. The store file and the offloaded
+        optimizers' bookkeeping stay, so ``trainer.save_checkpoint`` still works after ``fit``."""
+        try:
+            for off in self.offloaded:
+                off.close()
+            if self.nvme_store is not None:
+                self.nvme_store.close()
+        finally:
+            self.nvme_store = None
+            super().teardown()
+
+    @contextmanager
+    def _open_store(self) -> Iterator[FlatStore]:
+        """The live store, or (after teardown) the same store file reopened and checked for the call."""
+        if self.nvme_store is not None:
+            yield self.nvme_store
+            return
+        store = self.offloaded[0].store_ref.open()
+        try:
+            for off in self.offloaded:
+                off.attach(store)
+            yield store
+        finally:
+            store.close()
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Picklable and deep-copyable during fit, like Lightning's strategies: the open store (threads, lock,
+        file handle) stays with this instance; a copy reopens the store file when it reads the state."""
+        state = dict(super().__getstate__() or {})
+        state["nvme_store"] = None
+        return state
+
+    def offloaded_for(self, optimizer: Optimizer | LightningOptimizer) -> OffloadedOptimizer | None:
+        if isinstance(optimizer, LightningOptimizer):
+            optimizer = optimizer.optimizer
+        return next((o for o in self.offloaded if o.optimizer is optimizer), None)
+
+    # ---- the step ---------------------------------------------------------------------------------------
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
+                       model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        off = self.offloaded_for(optimizer)
+        if off is not None:
+            off.prefetch()  # reads overlap the closure's forward and backward
+        out = super().optimizer_step(optimizer, closure, model, **kwargs)
+        if off is not None:
+            self._after_update(off)
+        return out
+
+    # ---- checkpoints ------------------------------------------------------------------------------------
+    # A checkpoint is one file Lightning's loaders open, with the optimizer state streamed beside it
+    # (``lightning_nvme.checkpoint.paired``). Loading keeps Lightning's order: ``load_checkpoint`` (before setup)
+    # hands Lightning its usual dict and keeps where the streamed state is on the strategy, not in the dict;
+    # ``load_optimizer_state_dict`` (after setup, when the offloaded optimizers exist) streams it back.
+    _optimizer_parts: ckpt.OptimizerParts | None = None
+
+    def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
+        """Write ``checkpoint`` (with ``optimizer_states``) and the offloaded state to local ``path``."""
+        raise NotImplementedError
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
+                        storage_options: Any | None = None) -> None:
+        streamed = bool(self.offloaded) and "optimizer_states" in checkpoint
+        if not plugin_io.writes_itself(self.checkpoint_io, filepath, storage_options):
+            if streamed:
+                plugin_io.refuse_streamed(self.strategy_name, self.checkpoint_io, filepath, storage_options)
+            return super().save_checkpoint(checkpoint, filepath, storage_options)
+        if streamed:
+            return self._save_streamed(checkpoint, os.path.abspath(os.fspath(filepath)))
+        if self.is_global_zero:
+            ckpt.paired.save_plain(checkpoint, os.fspath(filepath))
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        off = self.offloaded_for(optimizer)
+        if off is None:
+            return super().optimizer_state(optimizer)
+        return ckpt.optimizer_placeholder(off)
+
+    def _recover_before_load(self, path: str) -> None:
+        """Finish or undo an interrupted commit of ``path`` before reading it (once: data-parallel overrides)."""
+        atomic.recover(path)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        self._optimizer_parts = None
+        if plugin_io.is_local(checkpoint_path):
+            path = os.path.abspath(os.fspath(checkpoint_path))
+            self._recover_before_load(path)
+            if ckpt.is_legacy_dir(path):
+                checkpoint, self._optimizer_parts = ckpt.legacy.load_legacy(path)
+                return checkpoint
+        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        checkpoint, self._optimizer_parts = ckpt.paired.read(checkpoint, os.fspath(checkpoint_path))
+        return checkpoint
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        parts, self._optimizer_parts = self._optimizer_parts, None
+        if not self.offloaded:
+            return super().load_optimizer_state_dict(checkpoint)
+        for i, (off, state) in enumerate(zip(self.offloaded, checkpoint["optimizer_states"])):
+            marker = parts.markers[i] if parts is not None and i < len(parts.markers) else None
+            ckpt.restore_optimizer(off, state, marker, parts)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        if not plugin_io.writes_itself(self.checkpoint_io, filepath, None):
+            return super().remove_checkpoint(filepath)
+        if self.is_global_zero:
+            ckpt.paired.remove(os.fspath(filepath))
+
+    @classmethod
+    @override
+    def register_strategies(cls, strategy_registry: _StrategyRegistry) -> None:
+        if cls.strategy_name not in strategy_registry:
+            strategy_registry.register(cls.strategy_name, cls, description=(cls.__doc__ or "").splitlines()[0])

@@ -122,17 +122,23 @@ def last_json(stdout: str) -> dict:
     return json.loads(next(line for line in reversed(stdout.splitlines()) if line.startswith("{")))
 
 
-def main() -> None:
-    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--params-m", type=float, default=150.0, help="model size in millions of fp32 params")
-    p.add_argument("--width", type=int, default=2048)
-    p.add_argument("--tokens", type=int, default=384, help="rows per batch: sets backward time vs I/O")
+def add_offload_arguments(p: argparse.ArgumentParser, params_m: float, width: int, dtype: str) -> None:
+    """The model size, repetitions and store settings of an offloaded-optimizer benchmark (this one and
+    state_format_offload.py)."""
+    p.add_argument("--params-m", type=float, default=params_m, help=f"model size in millions of {dtype} params")
+    p.add_argument("--width", type=int, default=width)
     p.add_argument("--steps", type=int, default=3)
     p.add_argument("--pairs", type=int, default=3)
     p.add_argument("--chunk-mib", type=int, default=32)
     p.add_argument("--io-chunk-mib", type=int, default=8)
     p.add_argument("--workers", type=int, default=4)
     p.add_argument("--prefetch", type=int, default=2)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    add_offload_arguments(p, 150.0, 2048, "fp32")
+    p.add_argument("--tokens", type=int, default=384, help="rows per batch: sets backward time vs I/O")
     p.add_argument("--fused", action="store_true", help="AdamW(fused=True) in every configuration")
     p.add_argument("--dir", default=None, help="store directory (default: a temp dir beside the checkout)")
     p.add_argument("--profile", action="store_true",

@@ -5,3 +5,5 @@ MiB = 1 << 20
 GiB = 1 << 30
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers: store regions start on this boundary
 STORE_DIR_ENV = "LIGHTNING_NVME_STORE_DIR"  # the store directory when no store_dir is given
+STATE_FORMATS = ("exact", "bf16", "int8")  # how per-element optimizer state is stored (optim/state_format.py)
+MASTER_FORMATS = ("fp32", "bf16_sr")  # fp32 masters of half-precision params, or none (stochastic rounding)

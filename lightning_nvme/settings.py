@@ -19,9 +19,12 @@ import inspect
 import os
 import textwrap
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
-from lightning_nvme.constants import ALIGN, STORE_DIR_ENV, GiB, MiB
+from lightning_nvme.constants import ALIGN, MASTER_FORMATS, STATE_FORMATS, STORE_DIR_ENV, GiB, MiB
+
+if TYPE_CHECKING:
+    from lightning_nvme.optim.state_format import StateFormat
 
 T = TypeVar("T")
 Check = Callable[[Any], "str | None"]  # returns why the value is invalid (and the fix), None when it is valid
@@ -124,6 +127,14 @@ class OffloadSettings:
     malloc_mmap_threshold: int | None = setting(
         8 * MiB, "glibc's mmap threshold, fixed so freed chunk temporaries return to the OS (bounded RSS); None "
                  "leaves the allocator alone.", optional(nbytes(4096), "leave the allocator alone"))
+    state_format: str = setting(
+        "exact", "How per-element optimizer state (Adam's moments, momentum...) is stored: ``\"exact\"``, "
+                 "``\"bf16\"`` or ``\"int8\"`` (blockwise 8-bit); see docs/state_format.md.",
+        one_of(*STATE_FORMATS))
+    master_format: str = setting(
+        "fp32", "``\"fp32\"`` masters of half-precision params, or ``\"bf16_sr\"``: none, the bf16 update is "
+                "rounded stochastically (``precision=\"bf16-true\"``); see docs/state_format.md.",
+        one_of(*MASTER_FORMATS))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):
@@ -145,6 +156,13 @@ class OffloadSettings:
                 hint = f" (did you mean {close[0]!r}?)" if close else ""
                 raise TypeError(f"{owner}: unexpected argument {name!r}{hint}; it takes {', '.join(known)}")
         return cls(**arguments)
+
+    @property
+    def state_format_spec(self) -> StateFormat:
+        """``state_format`` and ``master_format`` as the ``StateFormat`` that stores and decodes the state."""
+        from lightning_nvme.optim.state_format import StateFormat
+
+        return StateFormat(self.state_format, self.master_format)
 
     def resolve_store_dir(self, default_root_dir: str) -> str:
         """``store_dir``, else ``$LIGHTNING_NVME_STORE_DIR``, else ``<default_root_dir>/nvme_store``."""

@@ -12,6 +12,7 @@ OPTIMIZERS = {
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9, "nesterov": True}),
     "rmsprop": (torch.optim.RMSprop, {"lr": 1e-3, "momentum": 0.5, "centered": True}),
     "adagrad": (torch.optim.Adagrad, {"lr": 0.05}),
+    "sgd_plain": (torch.optim.SGD, {"lr": 0.05}),  # no per-element state: resident params
 }
 
 
@@ -35,12 +36,15 @@ def dataset(n: int = 256, dim: int = 32, seed: int = 1234) -> TensorDataset:
 
 
 class MLP(LightningModule):
-    """Two param groups (decay / no decay), an LR scheduler, a frozen layer and an unused parameter."""
+    """Two param groups (decay / no decay), an LR scheduler, a frozen layer and an unused parameter.
+    ``ref_state_format``/``ref_master_format``: wrap the optimizer in the in-memory ``RoundTripOptimizer``
+    of that format (the reference an offloaded run with that format must equal)."""
 
     def __init__(self, optimizer: str = "adamw", dim: int = 32, hidden: int = 96, scheduler: bool = True,
-                 batch_size: int = 8) -> None:
+                 batch_size: int = 8, ref_state_format: str | None = None, ref_master_format: str = "fp32") -> None:
         super().__init__()
         torch.manual_seed(0)
+        self.ref_format = (ref_state_format, ref_master_format) if ref_state_format else None
         self.optimizer_name = optimizer
         self.use_scheduler = scheduler
         self.batch_size = batch_size
@@ -66,6 +70,10 @@ class MLP(LightningModule):
         if "weight_decay" in kwargs:
             groups[1]["weight_decay"] = 0.0
         opt = cls(groups, **kwargs)
+        if self.ref_format:
+            from lightning_nvme.optim.state_format import RoundTripOptimizer, StateFormat
+
+            RoundTripOptimizer(opt, StateFormat(*self.ref_format))
         if not self.use_scheduler:
             return opt
         sched = torch.optim.lr_scheduler.LambdaLR(opt, lambda step: 1.0 / (1 + 0.1 * step))

@@ -208,12 +208,15 @@ def _train(run: dict, world: int) -> None:
     elif run.get("model") == "master_weights_reference":
         model = _MasterWeightsMLP(batch_size=batch)
     else:
-        model = MLP(run.get("optimizer", "adamw"), batch_size=batch)
+        model = MLP(run.get("optimizer", "adamw"), batch_size=batch, ref_state_format=run.get("ref_state_format"),
+                    ref_master_format=run.get("ref_master_format", "fp32"))
     if run["strategy"] == "ddp":
         strategy = DDPStrategy(find_unused_parameters=True, **run.get("ddp_kwargs", {}))
     else:
         strategy = NVMeOffloadDDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
                                           overlap=run.get("overlap", "step"), find_unused_parameters=True,
+                                          state_format=run.get("state_format", "exact"),
+                                          master_format=run.get("master_format", "fp32"),
                                           **run.get("ddp_kwargs", {}))
     norms: list[float] = []
 

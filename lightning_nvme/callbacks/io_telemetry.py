@@ -4,7 +4,8 @@ Per training step it records bytes read and written, the achieved store throughp
 wall time), the time spent blocked at fences (``IOStats.wait_seconds``: the I/O the overlap failed to
 hide) and the projected SSD wear. It shows them in the progress bar, logs them to the logger, prints a
 summary table at the end of ``fit`` and saves a PNG (throughput and fence wait per step) plus a JSON
-summary next to the logs. Totals are aggregated with torchmetrics.
+summary next to the logs. Totals are aggregated with torchmetrics. The summary names the optimizer state
+format (``state_format``/``master_format``), which sets the bytes written per step and so the wear.
 """
 
 from __future__ import annotations
@@ -82,6 +83,7 @@ class IOTelemetry(Callback):
         self.mean_gbps, self.peak_gbps = MeanMetric(), MaxMetric()
         self.history = StepHistory(self.max_history)
         self.stores: list[tuple[str, Any]] = []
+        self.state_format: str | None = None
         self._prev: dict[int, IOStats] = {}
         self._t_prev = 0.0
         self._t_val = 0.0
@@ -108,6 +110,8 @@ class IOTelemetry(Callback):
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
         self._delta(trainer)  # baseline
+        fmt = getattr(getattr(trainer.strategy, "config", None), "state_format_spec", None)
+        self.state_format = fmt.describe() if fmt is not None else None
         if not self.stores and not self._said_none:
             rank_zero_info("IOTelemetry: no nvme_store on the strategy or the callbacks (plain Lightning strategy?); "
                            "I/O figures will be zero.")
@@ -167,6 +171,7 @@ class IOTelemetry(Callback):
         per_day, days = self._wear()
         return {
             "stores": [f"{owner}:{getattr(s, 'path', '?')}" for owner, s in self.stores],
+            "state_format": self.state_format,
             "steps": self._steps, "train_seconds": seconds,
             "bytes_read": float(self.read_bytes.compute()) if self._steps else 0.0,
             "bytes_written": float(self.written_bytes.compute()) if self._steps else 0.0,
@@ -231,6 +236,7 @@ def format_summary(s: dict[str, Any], plot_path: str | None, summary_path: str |
             + (f"{days:,.0f} days to the {s['tbw_tb']:g} TBW rating" if days is not None else "no wear (nothing written)"))
     rows = [
         ("stores", ", ".join(s["stores"]) or "none (figures are zero)"),
+        ("optimizer state format", s.get("state_format") or "-"),
         ("steps / train time", f"{s['steps']} steps, {s['train_seconds']:.1f} s"),
         ("read", f"{s['bytes_read'] / GB:.3f} GB ({s['bytes_read'] / steps / 1e6:.1f} MB/step)"),
         ("written", f"{s['bytes_written'] / GB:.3f} GB ({s['bytes_written'] / steps / 1e6:.1f} MB/step)"),

@@ -4,7 +4,7 @@ conversion to and from plain Lightning checkpoints (``convert``)."""
 
 from lightning_nvme.checkpoint import legacy, paired, sharded
 from lightning_nvme.checkpoint.legacy import is_legacy_dir
-from lightning_nvme.checkpoint.streamed import OptimizerParts, optimizer_placeholder, restore_optimizer
+from lightning_nvme.checkpoint.streamed import OptimizerParts, format_entry, optimizer_placeholder, restore_optimizer
 
-__all__ = ["OptimizerParts", "is_legacy_dir", "legacy", "optimizer_placeholder", "paired", "restore_optimizer",
-           "sharded"]
+__all__ = ["OptimizerParts", "format_entry", "is_legacy_dir", "legacy", "optimizer_placeholder", "paired",
+           "restore_optimizer", "sharded"]

@@ -15,6 +15,7 @@ ahead of time. The result resumes at any world size: each rank reads only the el
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import sys
 from typing import Any
@@ -31,6 +32,7 @@ from lightning_nvme.checkpoint.streamed import (
     parse_tensor_name,
     tensor_name,
 )
+from lightning_nvme.optim.state_format import BLOCK, SCALE_SUFFIX, STATE_DICT_KEY, StateFormat, decode_entries
 
 
 def load_any(src: str) -> tuple[dict[str, Any], OptimizerParts | None]:
@@ -56,7 +58,19 @@ def to_lightning(src: str, dst_file: str) -> None:
         finally:
             for reader in readers:
                 reader.close()
+        _dequantize(state, marker.get("state_format"))
     paired.save_plain(checkpoint, dst_file)
+
+
+def _dequantize(state: dict, saved: dict | None) -> None:
+    """State stored compressed (``state_format`` bf16/int8) -> torch-format fp32 values; the format and the
+    bf16_sr step count stay recorded under ``STATE_DICT_KEY``."""
+    if not saved:
+        return
+    fmt = StateFormat(saved["state_format"], saved["master_format"])
+    for entries in state["state"].values():
+        decode_entries(fmt, entries)
+    state[STATE_DICT_KEY] = dict(saved)
 
 
 def _gather(state: dict, reader: SafetensorsReader, name: str, shapes: list | None) -> None:
@@ -68,7 +82,10 @@ def _gather(state: dict, reader: SafetensorsReader, name: str, shapes: list | No
         entries[key] = reader.read(name).view(reader.entries[name][1])
         return
     if key not in entries:
-        entries[key] = torch.empty(tuple(shapes[index]), dtype=reader.entries[name][0])
+        shape = tuple(shapes[index])
+        if key.endswith(SCALE_SUFFIX):  # one int8 block scale per BLOCK elements
+            shape = (-(-math.prod(shape) // BLOCK),)
+        entries[key] = torch.empty(shape, dtype=reader.entries[name][0])
     entries[key].view(-1)[start:stop] = reader.read(name)
 
 

@@ -40,4 +40,4 @@ def load_legacy(path: str) -> tuple[dict[str, Any], OptimizerParts | None]:
                              f"lightning_nvme reads version {FORMAT_VERSION} of the directory format")
     if not any(m is not None for m in markers):
         return checkpoint, None
-    return checkpoint, OptimizerParts(path, None, markers)
+    return checkpoint, OptimizerParts(path, None, markers, source=path)

@@ -179,7 +179,7 @@ def read(checkpoint: dict[str, Any], path: str) -> tuple[dict[str, Any], Optimiz
                          f"lightning_nvme reads version {FORMAT_VERSION} (and the old directory format)")
     checkpoint["optimizer_states"] = ref["optimizer_states"]
     save_id = ref["save_id"]
-    parts = OptimizerParts("", save_id, ref["parts"])
+    parts = OptimizerParts("", save_id, ref["parts"], source=str(path))
     if not isinstance(path, str) or "://" in path:
         parts.problem = (f"checkpoint {path} is remote; its optimizer state ({ref['parts_dir']}) is streamed beside "
                          "it on a local file system. Download the file and its .optim directory, or convert it: "

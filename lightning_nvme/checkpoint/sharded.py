@@ -52,20 +52,21 @@ class _RangeSink:
         self.writer = writer
         self.runs = runs
 
-    def put(self, piece: Piece, key: str, values: torch.Tensor) -> None:
+    def put(self, piece: Piece, key: str, values: torch.Tensor, per: int = 1) -> None:
         start, stop = self.runs[(piece.index, piece.start)]
-        self.writer.write(tensor_name(piece.index, key, start, stop), piece.start - start, values)
+        self.writer.write(tensor_name(piece.index, key, start // per, -(-stop // per)), (piece.start - start) // per,
+                          values)
 
 
 def write_shard(off: OffloadedOptimizer, directory: str, i: int, rank: int, save_id: str) -> str:
     """Stream this rank's state of optimizer ``i`` into ``directory`` (fsynced); returns the file name."""
     runs = _runs(off)
-    keys = {p.index: p.keys for c in off.chunks for p in c.pieces}
+    stored = {p.index: p.stored() for c in off.chunks for p in c.pieces}
     entries = []
     for (index, start), (run_start, run_stop) in sorted(runs.items()):
         if start == run_start:
-            entries += [(tensor_name(index, k, run_start, run_stop), d, (run_stop - run_start,))
-                        for k, d in keys[index]]
+            entries += [(tensor_name(index, c.name, run_start // c.per, -(-run_stop // c.per)), c.dtype,
+                         (-(-run_stop // c.per) - run_start // c.per,)) for c in stored[index]]
     name = shard_file(i, rank)
     writer = SafetensorsWriter(os.path.join(directory, name), entries, file_metadata(save_id, rank=str(rank)))
     try:

@@ -3,14 +3,19 @@
 One file per optimizer (``optimizer-<i>.safetensors``; a data-parallel rank writes
 ``optimizer-<i>-rank<r>.safetensors``, see ``sharded``), one tensor per parameter:
 ``state.<param index>.<key>`` shaped like the parameter (``master_param`` = fp32 master weights), or
-``state.<param index>.<key>[<start>:<stop>]`` for an element range a rank owned. Saving streams from the
-store (memory bounded by the optimizer's ring buffers); loading streams back the same way, restoring
-moments, step counts and master weights exactly. Where the files live and how they are tied to the
-checkpoint file is ``paired`` (and ``legacy`` for the old directory format).
+``state.<param index>.<key>[<start>:<stop>]`` for an element range a rank owned. The tensors are what the
+store holds: with a compressed ``state_format`` bf16 values, or int8/uint8 codes plus
+``state.<param index>.<key>.absmax`` (one fp32 per block of ``BLOCK`` elements; its ranges count blocks);
+the marker records the format (``format_entry``) and a resume in another format is refused
+(``check_format``). Saving streams from the store (memory bounded by the optimizer's ring buffers);
+loading streams back the same way, restoring moments, step counts and master weights exactly. Where the
+files live and how they are tied to the checkpoint file is ``paired`` (and ``legacy`` for the old
+directory format).
 """
 
 from __future__ import annotations
 
+import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -21,6 +26,7 @@ import torch
 
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
 from lightning_nvme.optim import OffloadedOptimizer, Piece
+from lightning_nvme.optim.state_format import StateFormat, StateFormatError
 
 MARKER = "lightning_nvme"
 PARTS_VERSION = "1"  # of the safetensors layout (names, metadata); unchanged since the directory format
@@ -65,6 +71,24 @@ def optimizer_placeholder(off: OffloadedOptimizer) -> dict[str, Any]:
     return {"state": off.scalar_state(), "param_groups": groups}
 
 
+def format_entry(off: OffloadedOptimizer) -> dict[str, Any]:
+    """The marker's record of how the state files store the state (and the bf16_sr step count)."""
+    return {"state_format": {**off.fmt.to_dict(), "steps": off.steps_done}}
+
+
+def check_format(off: OffloadedOptimizer, marker: Mapping[str, Any], path: str) -> None:
+    """Refuse to resume from state stored in another format than this run's, naming both and the way out."""
+    saved = marker.get("state_format") or {}
+    stored = StateFormat(saved.get("state_format", "exact"), saved.get("master_format", "fp32"))
+    if (stored.state, stored.master) != (off.fmt.state, off.fmt.master):
+        raise StateFormatError(
+            f"checkpoint {path} stores optimizer state with {stored.describe()}, but this run uses "
+            f"{off.fmt.describe()}. Resume with the checkpoint's settings, or convert it: "
+            f"`python -m lightning_nvme.checkpoint.convert to-lightning {path} plain.ckpt` (dequantizes) and "
+            "resume from plain.ckpt, whose state is stored in this run's format on load")
+    off.steps_done = int(saved.get("steps", 0))
+
+
 @dataclass
 class OptimizerParts:
     """Where the streamed state of a loaded checkpoint is: its directory, the id of the save that wrote it
@@ -74,25 +98,27 @@ class OptimizerParts:
     save_id: str | None
     markers: list[dict[str, Any] | None]
     problem: str | None = None  # why the state cannot be read (missing, another save's, remote)
+    source: str = ""  # the checkpoint as the user named it (its file, or the old format's directory)
 
 
 class _FileSink:
     def __init__(self, writer: SafetensorsWriter) -> None:
         self.writer = writer
 
-    def put(self, piece: Piece, key: str, values: torch.Tensor) -> None:
-        self.writer.write(tensor_name(piece.index, key), piece.start, values)
+    def put(self, piece: Piece, key: str, values: torch.Tensor, per: int = 1) -> None:
+        self.writer.write(tensor_name(piece.index, key), piece.start // per, values)
 
 
 def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: str) -> dict[str, Any]:
-    """Stream optimizer ``i``'s state into ``directory`` (fsynced); returns its marker."""
-    entries = [(tensor_name(index, k), d, shape) for index, shape, keys in off.stored_state() for k, d in keys]
+    """Stream optimizer ``i``'s state into ``directory`` (fsynced); returns its marker (file and state format)."""
+    entries = [(tensor_name(index, c.name), c.dtype, shape if c.per == 1 else (c.count(math.prod(shape)),))
+               for index, shape, comps in off.stored_state() for c in comps]
     writer = SafetensorsWriter(os.path.join(directory, optimizer_file(i)), entries, file_metadata(save_id))
     try:
         off.export_state(_FileSink(writer))
     finally:
         writer.close()
-    return {"file": optimizer_file(i)}
+    return {"file": optimizer_file(i), **format_entry(off)}
 
 
 class _FileSource:
@@ -171,12 +197,13 @@ def restore_optimizer(off: OffloadedOptimizer, state: Mapping[str, Any], marker:
     assert parts is not None
     if parts.problem is not None:
         raise RuntimeError(parts.problem)
+    check_format(off, marker, parts.source or parts.directory)
     off.set_param_groups(state["param_groups"])
     readers = open_readers(parts.directory, marker, parts.save_id)
     try:
         source = _FileSource(readers, state["state"])
         _check_planned(off, {index for index, _ in source.entries})
-        off.import_state(source)
+        off.import_state(source, stored=not off.fmt.exact)
     finally:
         for reader in readers:
             reader.close()

@@ -19,6 +19,7 @@ Torch's step hooks fire once per ``optimizer.step()``, kwargs reach the optimize
 
 from __future__ import annotations
 
+import math
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -31,6 +32,7 @@ from lightning_nvme.memory import keep_freed_heap, temporaries_on_heap
 from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, Plan, plan_chunks
 from lightning_nvme.optim.probe import UnsupportedOptimizerError, raw_step
+from lightning_nvme.optim.state_format import EXACT, STATE_DICT_KEY, Component, StateFormat
 from lightning_nvme.optim.step_hooks import call_with_step_hooks, hooks_silenced
 from lightning_nvme.optim.store_ref import StoreRef
 from lightning_nvme.settings import OVERLAP_MODES, OffloadSettings
@@ -56,15 +58,16 @@ class UpdateListener(Protocol):
 
 
 class StateSink(Protocol):
-    """Where ``export_state`` writes per-parameter state to, one piece at a time."""
+    """Where ``export_state`` writes per-parameter state to, one piece at a time. ``values`` start at
+    element ``piece.start // per`` of the entry ``key`` (``per`` > 1: per-block scales of a compressed key)."""
 
-    def put(self, piece: Piece, key: str, values: torch.Tensor) -> None: ...
+    def put(self, piece: Piece, key: str, values: torch.Tensor, per: int = 1) -> None: ...
 
 
 def _view(buf: ChunkBuffer, piece: Piece, key: str, dtype: torch.dtype, shape: torch.Size | tuple) -> torch.Tensor:
     size = torch.empty((), dtype=dtype).element_size()
     off = piece.slots[key]
-    return buf.data[off:off + piece.numel * size].view(dtype).view(shape)
+    return buf.data[off:off + math.prod(shape) * size].view(dtype).view(shape)
 
 
 def _flat(t: torch.Tensor) -> torch.Tensor:
@@ -89,12 +92,14 @@ class OffloadedOptimizer:
         grad_hooks: with ``overlap="backward"``, learn that a parameter's gradient is final from its
             post-accumulate-grad hook. ``False``: the caller says so with ``grad_ready`` (data parallel:
             a gradient is final only once its all-reduce has completed).
-        plan: the result of ``plan_chunks(optimizer, chunk_bytes, name, owned=owned)`` when the caller
-            already made it (e.g. to size the store before allocating it).
+        plan: the result of ``plan_chunks(optimizer, chunk_bytes, name, owned=owned, fmt=fmt)`` when the
+            caller already made it (e.g. to size the store before allocating it).
         store_ref: how to reopen ``store`` once it is closed (default: the same file).
         free_grads: set each parameter's ``.grad`` to ``None`` as soon as every piece of it is updated,
             so with ``overlap="backward"`` the whole model's gradients never coexist.
         listener: told before and after each chunk update (see ``UpdateListener``).
+        fmt: how the state is stored (``StateFormat``: exact, bf16 or int8 state; fp32 or bf16_sr masters);
+            a plan grown mid-run uses the same format.
     """
 
     def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0",
@@ -102,7 +107,7 @@ class OffloadedOptimizer:
                  overlap: str = OffloadSettings.overlap, clip_value: float | None = None,
                  owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, grad_hooks: bool = True,
                  plan: Plan | None = None, store_ref: StoreRef | None = None, free_grads: bool = False,
-                 listener: UpdateListener | None = None) -> None:
+                 listener: UpdateListener | None = None, fmt: StateFormat = EXACT) -> None:
         if overlap not in OVERLAP_MODES:
             raise ValueError(f"overlap must be one of {OVERLAP_MODES}, got {overlap!r}")
         if prefetch_depth < 1:
@@ -118,7 +123,9 @@ class OffloadedOptimizer:
         self.listener = listener
         self.chunk_bytes = chunk_bytes
         self.store_ref = store_ref or StoreRef.of(store)
-        self.plan = plan or plan_chunks(optimizer, chunk_bytes, name, owned=owned)
+        self.fmt = fmt
+        self.steps_done = 0  # completed steps: part of the bf16_sr rounding noise, saved in checkpoints
+        self.plan = plan or plan_chunks(optimizer, chunk_bytes, name, owned=owned, fmt=fmt)
         self.chunks, self.resident, self.specs = self.plan.chunks, self.plan.resident, self.plan.specs
         # param index -> its pieces and their chunks (``None`` for a resident param)
         self.pieces_of: dict[int, list[tuple[Chunk | None, Piece]]] = defaultdict(list)
@@ -216,14 +223,24 @@ class OffloadedOptimizer:
             return
         params: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
         state: defaultdict = defaultdict(dict)
+        targets = []
         for piece in work:
-            params[piece.group].append(piece.param)
+            target = piece.param
+            if piece.rounds_master:  # bf16_sr: the update runs on an fp32 copy, rounded back stochastically
+                target = piece.param.detach().float()
+                target.grad = piece.param.grad.float()
+            targets.append(target)
+            params[piece.group].append(target)
             if (piece.index, 0) in self.scalars:
-                state[piece.param] = self.scalars[(piece.index, 0)]
+                state[target] = self.scalars[(piece.index, 0)]
         self._step_on(params, state)
-        for piece in work:
-            if state.get(piece.param):  # stateless optimizers (plain SGD) leave none, like torch's state_dict
-                self.scalars[(piece.index, 0)] = state[piece.param]
+        for piece, target in zip(work, targets):
+            if state.get(target):  # stateless optimizers (plain SGD) leave none, like torch's state_dict
+                self.scalars[(piece.index, 0)] = state[target]
+            if target is not piece.param:
+                with torch.no_grad():
+                    self.fmt.write_param(piece.param.detach(), target, self.steps_done, piece.index, 0)
+                target.grad = None
 
     def _step_on(self, params: list[list[torch.Tensor]], state: defaultdict) -> None:
         """The optimizer's own step with ``params`` (per group) in its param groups and ``state`` as its state."""
@@ -279,7 +296,7 @@ class OffloadedOptimizer:
             chunk_params[piece.group].append(target)
         self._step_on(chunk_params, state)
         for piece, target, host, working in work:
-            self._finish_piece(piece, target, host, working, state[target])
+            self._finish_piece(piece, target, host, working, state[target], buf)
         return True
 
     def _prepare_piece(self, piece: Piece, buf: ChunkBuffer, state: defaultdict):
@@ -289,7 +306,7 @@ class OffloadedOptimizer:
         if p.grad is None:
             return None
         shape = p.shape if piece.whole else (piece.numel,)
-        host = {k: _view(buf, piece, k, d, shape) for k, d in piece.keys}
+        host = {k: self._load(buf, piece, k, d).view(shape) for k, d in piece.keys}
         working = host if p.device.type == "cpu" else {
             k: v.to(p.device, non_blocking=True) for k, v in host.items()}
         working = dict(working)
@@ -297,6 +314,8 @@ class OffloadedOptimizer:
         if self.clip_value is not None:
             grad.clamp_(min=-self.clip_value, max=self.clip_value)
         master = working.pop(MASTER_KEY, None)
+        if piece.rounds_master:  # bf16_sr: no stored master, the update runs on an fp32 copy of the param
+            master = (p.detach() if piece.whole else _flat(p.detach())[piece.start:piece.stop]).float()
         if master is not None:
             if not self._initialized(piece):
                 master.copy_(p.detach() if piece.whole else _flat(p.detach())[piece.start:piece.stop])
@@ -314,21 +333,20 @@ class OffloadedOptimizer:
         return piece, target, host, working
 
     def _finish_piece(self, piece: Piece, target: torch.Tensor, host: dict[str, torch.Tensor],
-                      working: dict[str, torch.Tensor], new: dict[str, Any]) -> None:
+                      working: dict[str, torch.Tensor], new: dict[str, Any], buf: ChunkBuffer) -> None:
         """Bring the updated state back into the chunk buffer and keep the scalar state in memory."""
         scalars = {}
         for key, value in new.items():
             if key in host:
-                if value is not host[key]:
-                    host[key].copy_(value)
+                self._store(buf, piece, key, value)
             else:
                 scalars[key] = value
         self.scalars[(piece.index, piece.start)] = scalars
-        if MASTER_KEY in piece.slots:
-            if working[MASTER_KEY] is not host[MASTER_KEY]:
-                host[MASTER_KEY].copy_(working[MASTER_KEY])
+        if MASTER_KEY in working:
+            if MASTER_KEY in host:
+                self._store(buf, piece, MASTER_KEY, working[MASTER_KEY])
             dst = piece.param.detach() if piece.whole else _flat(piece.param.detach())[piece.start:piece.stop]
-            dst.copy_(target)
+            self.fmt.write_param(dst, target, self.steps_done, piece.index, piece.start)
             target.grad = None
         elif not piece.whole:
             target.grad = None
@@ -363,6 +381,7 @@ class OffloadedOptimizer:
                     self._update_chunk(c)
             self._update_resident()
         self._step_kwargs = {}
+        self.steps_done += 1
         return loss
 
     # ---- the plan follows the optimizer -------------------------------------------------------------
@@ -394,7 +413,7 @@ class OffloadedOptimizer:
                 "the blocks written back after each update are fixed at setup. Make them trainable (and in the "
                 "optimizer) from the start, or set offload_params=False.")
         extra = plan_chunks(self.optimizer, self.chunk_bytes, self.name, only=new, first_chunk=len(self.chunks),
-                            specs=self.specs)
+                            specs=self.specs, fmt=self.fmt)  # the same state format as the rest of the plan
         self._drain_reads()
         self.store.add_regions([(c.region, c.nbytes) for c in extra.chunks])
         self.capacity.update({c.index: self.store.region(c.region).capacity for c in extra.chunks})
@@ -439,13 +458,25 @@ class OffloadedOptimizer:
                 with keep_freed_heap(trim=False):  # pieces of this chunk share temporaries; backward's heap kept
                     self._update_chunk(chunk.index)
 
+    # ---- state format hooks: the chunk buffer holds each key as stored (see state_format) ----------------
+    def _raws(self, buf: ChunkBuffer, piece: Piece, key: str) -> list[torch.Tensor]:
+        return [_view(buf, piece, c.name, c.dtype, (c.count(piece.numel),)) for c in piece.components[key]]
+
+    def _load(self, buf: ChunkBuffer, piece: Piece, key: str, dtype: torch.dtype) -> torch.Tensor:
+        """Key ``key`` of ``piece`` as the optimizer sees it (1-D; a view into ``buf`` when stored as is)."""
+        return self.fmt.decode(key, dtype, self._raws(buf, piece, key))
+
+    def _store(self, buf: ChunkBuffer, piece: Piece, key: str, value: torch.Tensor) -> None:
+        self.fmt.encode(key, _flat(value), self._raws(buf, piece, key), f" of parameter {piece.index}")
+
     # ---- moving state in and out ----------------------------------------------------------------------
     def fence(self, durable: bool = False) -> None:
         self.store.fence([c.region for c in self.chunks], durable=durable)
 
-    def export_state(self, sink: StateSink) -> None:
+    def export_state(self, sink: StateSink, decoded: bool = False) -> None:
         """Stream every initialized piece's state to ``sink``, one chunk buffer at a time, reading the
-        next chunks while the sink consumes this one."""
+        next chunks while the sink consumes this one. ``decoded``: the optimizer's view of each key
+        (torch format) instead of what the store holds (compressed formats: codes and scales)."""
         self.fence()
         order = [c for c, chunk in enumerate(self.chunks) if any(self._initialized(p) for p in chunk.pieces)]
         for i, c in enumerate(order):
@@ -455,21 +486,31 @@ class OffloadedOptimizer:
             buf = self._take(c)
             try:
                 for piece in self.chunks[c].pieces:
-                    if self._initialized(piece):
+                    if not self._initialized(piece):
+                        continue
+                    if decoded:
                         for key, dtype in piece.keys:
-                            sink.put(piece, key, _view(buf, piece, key, dtype, (piece.numel,)))
+                            sink.put(piece, key, self._load(buf, piece, key, dtype))
+                    else:
+                        for comp in piece.stored():
+                            sink.put(piece, comp.name, _view(buf, piece, comp.name, comp.dtype,
+                                                             (comp.count(piece.numel),)), comp.per)
             finally:
                 self.ring.release(buf)
 
-    def import_state(self, source: StateSource) -> None:
+    def import_state(self, source: StateSource, stored: bool = False) -> None:
         """Replace the stored state with ``source``'s, one chunk at a time (pieces absent from the
-        source become uninitialized, as in a fresh optimizer)."""
+        source become uninitialized, as in a fresh optimizer). ``stored``: the source holds the state as
+        this optimizer's format stores it (a checkpoint of the same format), else in torch's format."""
         self.fence()
         for c, chunk in enumerate(self.chunks):
             buf = self.ring.acquire()
             wrote = False
             for piece in chunk.pieces:
                 self.scalars.pop((piece.index, piece.start), None)
+                if stored:
+                    wrote = self._import_stored(source, piece, buf) or wrote
+                    continue
                 tensors = {k: source.tensor(piece.index, k, piece.start, piece.stop) for k, _ in piece.keys}
                 if MASTER_KEY in tensors and tensors[MASTER_KEY] is None and any(
                         v is not None for k, v in tensors.items() if k != MASTER_KEY):
@@ -478,7 +519,7 @@ class OffloadedOptimizer:
                 if any(v is None for v in tensors.values()):
                     continue
                 for key, dtype in piece.keys:
-                    _view(buf, piece, key, dtype, (piece.numel,)).copy_(_flat(tensors[key]))
+                    self._store(buf, piece, key, tensors[key].to(dtype))
                 self.scalars[(piece.index, piece.start)] = dict(source.scalars(piece.index, set(tensors)))
                 wrote = True
             handle = self.store.write(chunk.region, buf.data[:self.capacity[c]]) if wrote else None
@@ -490,13 +531,24 @@ class OffloadedOptimizer:
                 self.scalars[(piece.index, 0)] = dict(state)
         self.fence()
 
+    def _import_stored(self, source: StateSource, piece: Piece, buf: ChunkBuffer) -> bool:
+        comps = piece.stored()
+        tensors = [source.tensor(piece.index, c.name, piece.start // c.per, -(-piece.stop // c.per)) for c in comps]
+        if any(t is None for t in tensors):
+            return False
+        for comp, t in zip(comps, tensors):
+            _view(buf, piece, comp.name, comp.dtype, (comp.count(piece.numel),)).copy_(_flat(t))
+        names = {k for k, _ in piece.keys} | {c.name for c in comps}
+        self.scalars[(piece.index, piece.start)] = dict(source.scalars(piece.index, names))
+        return True
+
     def state_dict(self) -> dict[str, Any]:
         """The optimizer's state dict in torch's own format, materialized in memory (for users who call
         ``optimizer.state_dict()`` or convert to a plain checkpoint; Lightning checkpoints stream instead).
         Works after ``fit`` too: the closed store is reopened for the call."""
         sink = _DictSink()
         with self.store_open():
-            self.export_state(sink)
+            self.export_state(sink, decoded=True)
         params = self.params
         opt = self.optimizer
         try:
@@ -507,7 +559,10 @@ class OffloadedOptimizer:
             for piece in self.resident:
                 if (piece.index, 0) in self.scalars:
                     opt.state[params[piece.index]] = dict(self.scalars[(piece.index, 0)])
-            return type(opt).state_dict(opt)
+            out = type(opt).state_dict(opt)
+            if not self.fmt.exact:  # values are decoded; this records where they came from
+                out[STATE_DICT_KEY] = {**self.fmt.to_dict(), "steps": self.steps_done}
+            return out
         finally:
             opt.state = self._empty_state
 
@@ -524,6 +579,7 @@ class OffloadedOptimizer:
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """Load torch-format optimizer state (hyperparameters into the param groups, state into the store)."""
         position = self.set_param_groups(state_dict["param_groups"])
+        self.steps_done = int(state_dict.get(STATE_DICT_KEY, {}).get("steps", 0))
         self.import_state(_DictSource({position[k]: v for k, v in state_dict["state"].items()}))
 
     # ---- read by checkpoints (public: checkpoint code never touches the bookkeeping above) ---------------
@@ -549,14 +605,15 @@ class OffloadedOptimizer:
                 out[index] = dict(self.scalars[key])
         return out
 
-    def stored_state(self) -> list[tuple[int, tuple[int, ...], tuple[tuple[str, torch.dtype], ...]]]:
-        """``(param index, param shape, per-element keys)`` of each param whose state is stored and
-        initialized: the tensors a checkpoint of this optimizer holds."""
+    def stored_state(self) -> list[tuple[int, tuple[int, ...], tuple[Component, ...]]]:
+        """``(param index, param shape, stored components)`` of each param whose state is stored and
+        initialized: the tensors a checkpoint of this optimizer holds (with a compressed ``state_format``
+        the codes and per-block scales, as the store holds them; see ``Piece.stored``)."""
         out = []
         for index, pieces in sorted(self.pieces_of.items()):
             first = pieces[0][1]
             if first.keys and self._initialized(first):
-                out.append((index, tuple(first.param.shape), tuple(first.keys)))
+                out.append((index, tuple(first.param.shape), tuple(first.stored())))
         return out
 
     def attach(self, store: FlatStore) -> None:
@@ -639,8 +696,8 @@ class _DictSink:
     def __init__(self) -> None:
         self.parts: dict[int, dict[str, list[tuple[int, torch.Tensor]]]] = defaultdict(lambda: defaultdict(list))
 
-    def put(self, piece: Piece, key: str, values: torch.Tensor) -> None:
-        self.parts[piece.index][key].append((piece.start, values.clone()))
+    def put(self, piece: Piece, key: str, values: torch.Tensor, per: int = 1) -> None:
+        self.parts[piece.index][key].append((piece.start // per, values.clone()))
 
     def full(self, params: list[torch.Tensor]) -> dict[int, dict[str, torch.Tensor]]:
         out: dict[int, dict[str, torch.Tensor]] = {}

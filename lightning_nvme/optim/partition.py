@@ -16,6 +16,7 @@ from dataclasses import dataclass
 from torch.optim import Optimizer
 
 from lightning_nvme.optim.plan import bytes_per_element, describe_params
+from lightning_nvme.optim.state_format import EXACT, StateFormat
 
 Ranges = dict[int, list[tuple[int, int]]]  # param index -> sorted element ranges [start, stop)
 
@@ -44,13 +45,15 @@ class Partition:
                 "ranges": [{i: [list(x) for x in rs] for i, rs in r.items()} for r in self.ranges]}
 
 
-def partition_by_bytes(optimizer: Optimizer, world_size: int, master_weights: bool = True) -> Partition:
-    """Split the optimizer's per-element state into ``world_size`` shards of about equal bytes."""
+def partition_by_bytes(optimizer: Optimizer, world_size: int, master_weights: bool = True,
+                       fmt: StateFormat = EXACT) -> Partition:
+    """Split the optimizer's per-element state into ``world_size`` shards of about equal stored bytes
+    (in format ``fmt``; cuts fall on multiples of ``fmt.align`` elements)."""
     if world_size < 1:
         raise ValueError(f"world_size must be >= 1, got {world_size}")
-    infos, _ = describe_params(optimizer, master_weights)
-    items = [(i.param.numel() * bytes_per_element(i.keys), i.index, i.param.numel(), bytes_per_element(i.keys),
-              i.splittable) for i in infos if i.keys]
+    infos, _ = describe_params(optimizer, master_weights, fmt=fmt)
+    items = [(int(i.param.numel() * bytes_per_element(i.keys, fmt)), i.index, i.param.numel(),
+              bytes_per_element(i.keys, fmt), i.splittable) for i in infos if i.keys]
     total = sum(nbytes for nbytes, *_ in items)
     share = -(-total // world_size)
     load = [0] * world_size
@@ -59,11 +62,11 @@ def partition_by_bytes(optimizer: Optimizer, world_size: int, master_weights: bo
         start = 0
         while True:
             rank = min(range(world_size), key=lambda r: (load[r], r))
-            room = (share - load[rank]) // per_elem
+            room = int((share - load[rank]) // per_elem) // fmt.align * fmt.align
             whole = numel - start <= room or room <= 0 or not splittable  # never cut a non-element-wise update
             stop = numel if whole else start + room
             ranges[rank].setdefault(index, []).append((start, stop))
-            load[rank] += (stop - start) * per_elem
+            load[rank] += int((stop - start) * per_elem)
             start = stop
             if start >= numel:
                 break

@@ -19,10 +19,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import Optimizer
 
-from lightning_nvme.optim.probe import MASTER_KEY, StateSpec, UnsupportedOptimizerError, check_supported, probe_state_spec, shape_class
+from lightning_nvme.optim.probe import StateSpec, UnsupportedOptimizerError, check_supported, probe_state_spec, shape_class
+from lightning_nvme.optim.state_format import EXACT, HALF_DTYPES, MASTER_KEY, Component, StateFormat
 
 SLOT_ALIGN = 64  # bytes; keeps every state view SIMD-aligned inside a chunk buffer
-HALF_DTYPES = (torch.float16, torch.bfloat16)
 
 
 def _align(n: int, a: int) -> int:
@@ -39,7 +39,10 @@ class Piece:
     start: int
     stop: int
     keys: tuple[tuple[str, torch.dtype], ...]  # includes MASTER_KEY for half-precision params
-    slots: dict[str, int] = field(default_factory=dict)  # key -> byte offset within the chunk buffer
+    slots: dict[str, int] = field(default_factory=dict)  # component name -> byte offset within the chunk buffer
+    # what the store holds for each key (see state_format): the key itself unless compressed
+    components: dict[str, tuple[Component, ...]] = field(default_factory=dict)
+    rounds_master: bool = False  # bf16 param without a stored fp32 master (master_format="bf16_sr")
 
     @property
     def numel(self) -> int:
@@ -49,8 +52,11 @@ class Piece:
     def whole(self) -> bool:
         return self.start == 0 and self.stop == self.param.numel()
 
+    def stored(self) -> list[Component]:
+        return [c for k, _ in self.keys for c in self.components.get(k, ())]
+
     def state_bytes(self) -> int:
-        return sum(_align(self.numel * torch.empty((), dtype=d).element_size(), SLOT_ALIGN) for _, d in self.keys)
+        return sum(_align(c.count(self.numel) * c.dtype.itemsize, SLOT_ALIGN) for c in self.stored())
 
 
 @dataclass
@@ -94,8 +100,10 @@ class ParamInfo:
 
 def describe_params(optimizer: Optimizer, master_weights: bool = True,
                     specs: dict[tuple[int, int], StateSpec] | None = None,
-                    only: Collection[int] | None = None) -> tuple[list[ParamInfo], dict[tuple[int, int], StateSpec]]:
-    """Every parameter in the optimizer's flat order (or those in ``only``) with its probed state keys.
+                    only: Collection[int] | None = None,
+                    fmt: StateFormat = EXACT) -> tuple[list[ParamInfo], dict[tuple[int, int], StateSpec]]:
+    """Every parameter in the optimizer's flat order (or those in ``only``) with its probed state keys
+    (no master key where ``fmt`` rounds bf16 params instead of keeping a master).
     ``specs`` caches probes already made (extended in place and returned)."""
     specs = {} if specs is None else specs
     infos: list[ParamInfo] = []
@@ -108,21 +116,23 @@ def describe_params(optimizer: Optimizer, master_weights: bool = True,
                 if (g, cls) not in specs:
                     specs[(g, cls)] = probe_state_spec(optimizer, group, master, cls)
                 spec = specs[(g, cls)]
-                keys = tuple(k for k in spec.tensor_keys if k[0] != MASTER_KEY or p.dtype in HALF_DTYPES)
+                keep_master = p.dtype in HALF_DTYPES and not fmt.rounds_master(p.dtype)
+                keys = tuple(k for k in spec.tensor_keys if k[0] != MASTER_KEY or keep_master)
                 trainable = p.requires_grad or p.grad is not None  # torch steps any param with a gradient
                 infos.append(ParamInfo(g, index, p, keys if trainable else (), spec.splittable, trainable))
             index += 1
     return infos, specs
 
 
-def bytes_per_element(keys: tuple[tuple[str, torch.dtype], ...]) -> int:
-    return sum(torch.empty((), dtype=d).element_size() for _, d in keys)
+def bytes_per_element(keys: tuple[tuple[str, torch.dtype], ...], fmt: StateFormat = EXACT) -> float:
+    """Stored bytes per element of these state keys in format ``fmt`` (int8 scales: 4 / BLOCK)."""
+    return sum(c.dtype.itemsize / c.per for k, d in keys for c in fmt.components(k, d))
 
 
-def _refuse_split(optimizer: Optimizer, info: ParamInfo, chunk_bytes: int, why: str) -> None:
+def _refuse_split(optimizer: Optimizer, info: ParamInfo, chunk_bytes: int, why: str, fmt: StateFormat) -> None:
     p = info.param
-    needed = _align(sum(_align(p.numel() * torch.empty((), dtype=d).element_size(), SLOT_ALIGN)
-                        for _, d in info.keys), 4096)
+    needed = _align(sum(_align(c.count(p.numel()) * c.dtype.itemsize, SLOT_ALIGN)
+                        for k, d in info.keys for c in fmt.components(k, d)), 4096)
     raise UnsupportedOptimizerError(
         f"nvme_offload: {type(optimizer).__name__}'s update of parameter {info.index} ({tuple(p.shape)}) is not "
         f"element-wise (e.g. it uses the whole parameter's norm or factored state), so it cannot be cut into "
@@ -133,14 +143,16 @@ def _refuse_split(optimizer: Optimizer, info: ParamInfo, chunk_bytes: int, why: 
 def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, master_weights: bool = True,
                 owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, *,
                 only: Collection[int] | None = None, first_chunk: int = 0,
-                specs: dict[tuple[int, int], StateSpec] | None = None) -> Plan:
+                specs: dict[tuple[int, int], StateSpec] | None = None, fmt: StateFormat = EXACT) -> Plan:
     """Cut the optimizer's trainable parameters into pieces and pack them into chunks of at most
     ``chunk_bytes`` of state each (a chunk holds whole small params, big element-wise params are split).
 
     ``owned`` (param index -> element ranges) restricts the stored state to those ranges: a data-parallel
     rank plans, stores and updates only its partition (see ``partition.partition_by_bytes``); resident
     (stateless) params are updated by every rank. ``only``/``first_chunk``/``specs`` extend an existing
-    plan with newly trainable params (chunk numbering continues, probes are reused)."""
+    plan with newly trainable params (chunk numbering continues, probes are reused; pass the plan's
+    ``fmt`` again). ``fmt`` says how each key is stored; cuts fall on multiples of ``fmt.align`` elements
+    (int8 blocks)."""
     check_supported(optimizer)
     chunks: list[Chunk] = []
     resident: list[Piece] = []
@@ -155,24 +167,26 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
             chunks.append(Chunk(n, f"{region_prefix}/chunk{n}", current, used))
         current, used = [], 0
 
-    infos, specs = describe_params(optimizer, master_weights, specs, only)
+    infos, specs = describe_params(optimizer, master_weights, specs, only, fmt)
     for info in infos:
         index, p, keys = info.index, info.param, info.keys
         if not info.trainable:
             continue
         planned.add(index)
         if not keys:
-            resident.append(Piece(info.group, index, p, 0, p.numel(), ()))
+            resident.append(Piece(info.group, index, p, 0, p.numel(), (), rounds_master=fmt.rounds_master(p.dtype)))
             continue
         ranges = [(0, p.numel())] if owned is None else [tuple(r) for r in owned.get(index, ())]
-        per_elem = bytes_per_element(keys)
+        components = {k: fmt.components(k, d) for k, d in keys}
+        per_elem = bytes_per_element(keys, fmt)
+        slack = SLOT_ALIGN * sum(len(c) for c in components.values())
         # Whole params whenever they fit; only contiguous params can be cut into ranges.
-        max_elems = max(1, (chunk_bytes - SLOT_ALIGN * len(keys)) // per_elem)
+        max_elems = max(fmt.align, int((chunk_bytes - slack) // per_elem) // fmt.align * fmt.align)
         if not info.splittable:
             if ranges not in ([(0, p.numel())], []):
-                _refuse_split(optimizer, info, chunk_bytes, "it is split between data-parallel ranks")
+                _refuse_split(optimizer, info, chunk_bytes, "it is split between data-parallel ranks", fmt)
             if p.numel() > max_elems:
-                _refuse_split(optimizer, info, chunk_bytes, f"its state exceeds chunk_bytes={chunk_bytes}")
+                _refuse_split(optimizer, info, chunk_bytes, f"its state exceeds chunk_bytes={chunk_bytes}", fmt)
         if (p.numel() > max_elems or ranges != [(0, p.numel())]) and not p.is_contiguous():
             raise ValueError(f"parameter {index} ({tuple(p.shape)}) is non-contiguous and must be cut into "
                              f"ranges (its state exceeds chunk_bytes={chunk_bytes}, or it is split between "
@@ -181,14 +195,18 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
             start = lo
             while start < hi or (lo == hi and start == lo):
                 stop = min(hi, start + max_elems)
-                piece = Piece(info.group, index, p, start, stop, keys)
+                if start % fmt.align:
+                    raise ValueError(f"parameter {index}: owned range starts at element {start}, not a multiple "
+                                     f"of {fmt.align} ({fmt.describe()} stores blocks of {fmt.align})")
+                piece = Piece(info.group, index, p, start, stop, keys, components=components,
+                              rounds_master=fmt.rounds_master(p.dtype))
                 size = piece.state_bytes()
                 if used and used + size > chunk_bytes:
                     close()
                 offset = used
-                for key, dtype in keys:
-                    piece.slots[key] = offset
-                    offset += _align(piece.numel * torch.empty((), dtype=dtype).element_size(), SLOT_ALIGN)
+                for c in piece.stored():
+                    piece.slots[c.name] = offset
+                    offset += _align(c.count(piece.numel) * c.dtype.itemsize, SLOT_ALIGN)
                 current.append(piece)
                 used = offset
                 start = stop

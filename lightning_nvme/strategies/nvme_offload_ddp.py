@@ -103,7 +103,7 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
 
     @override
     def _owned_ranges(self, index: int, optimizer: Optimizer) -> Mapping[int, Sequence[tuple[int, int]]]:
-        partition = partition_by_bytes(optimizer, self.world_size)
+        partition = partition_by_bytes(optimizer, self.world_size, fmt=self.config.state_format_spec)
         for i, p in enumerate(p for g in optimizer.param_groups for p in g["params"]):
             if p.requires_grad and not p.is_contiguous():
                 raise ValueError(f"nvme_offload_ddp: parameter {i} of optimizer {index} ({tuple(p.shape)}) is not "
@@ -216,8 +216,8 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
         if not failed and self.is_global_zero:
             try:
                 states = self._merged_optimizer_states(checkpoint, [s for _, s in gathered])
-                markers = [sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params])
-                           for i, off in enumerate(self.offloaded)]
+                markers = [{**sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params]),
+                            **ckpt.format_entry(off)} for i, off in enumerate(self.offloaded)]
                 main = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
                 ckpt.paired.publish(pending)
                 ckpt.paired.write_main({**main, ckpt.paired.REF_KEY: ckpt.paired.reference(pending, states, markers)},

@@ -136,7 +136,8 @@ class OffloadStrategy(Strategy):
 
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
-        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i])
+        fmt = self.config.state_format_spec
+        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i], fmt=fmt)
                  for i, opt in enumerate(self.optimizers)]
         planned = HEADER_BYTES + ALIGN + sum(align_up(c.nbytes) for plan in plans for c in plan.chunks) + \
             self._extra_store_bytes()
@@ -152,14 +153,15 @@ class OffloadStrategy(Strategy):
                                clip_value=clip_value, owned=owned[i], plan=plans[i],
                                grad_hooks=self._local_grad_hooks, store_ref=store_ref,
                                free_grads=self._frees_grads and self.config.overlap == "backward",
-                               listener=self._update_listener())
+                               listener=self._update_listener(), fmt=fmt)
             for i, opt in enumerate(self.optimizers)
         ]
         state = sum(o.state_bytes for o in self.offloaded)
         resident = sum(o.ring.total_bytes for o in self.offloaded) + self.nvme_store.pool_bytes
         rank_zero_info(f"{self.strategy_name}: optimizer state store {self.nvme_store.path} ({self.nvme_store.mode} "
                        f"I/O): {state / GiB:.2f} GiB on disk in {sum(len(o.chunks) for o in self.offloaded)} "
-                       f"chunks; {resident / MiB:.0f} MiB of resident buffers; overlap={self.config.overlap}")
+                       f"chunks; {resident / MiB:.0f} MiB of resident buffers; overlap={self.config.overlap}; "
+                       f"{fmt.describe()}")
 
     @override
     def teardown(self) -> None:

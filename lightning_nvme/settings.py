@@ -18,7 +18,7 @@ import difflib
 import inspect
 import os
 import textwrap
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lightning_nvme.constants import ALIGN, MASTER_FORMATS, STATE_FORMATS, STORE_DIR_ENV, GiB, MiB
@@ -89,6 +89,18 @@ def _directory(value: Any) -> str | None:
     return None if value is None or isinstance(value, (str, os.PathLike)) else f"must be a path, got {value!r}."
 
 
+def _boolean(value: Any) -> str | None:
+    return None if isinstance(value, bool) else f"must be true or false, got {value!r}."
+
+
+def _block_classes(value: Any) -> str | None:
+    if value is None or (isinstance(value, Sequence) and not isinstance(value, str) and len(value) > 0
+                         and all(isinstance(v, (str, type)) for v in value)):
+        return None
+    return (f"must be a non-empty list of module classes or dotted import paths (e.g. "
+            f"['transformers.models.gpt2.modeling_gpt2.GPT2Block']), or null for the default policy; got {value!r}.")
+
+
 def setting(default: T, doc: str, check: Check | None = None) -> T:
     """One argument: its default, its one-line doc and its check (``None``: any value of its type)."""
     return dataclasses.field(default=default, metadata={"doc": doc, "check": check})
@@ -135,6 +147,18 @@ class OffloadSettings:
         "fp32", "``\"fp32\"`` masters of half-precision params, or ``\"bf16_sr\"``: none, the bf16 update is "
                 "rounded stochastically (``precision=\"bf16-true\"``); see docs/state_format.md.",
         one_of(*MASTER_FORMATS))
+    offload_params: bool = setting(
+        False, "Parameters of each block (e.g. a transformer layer) live in the store between uses and are "
+               "loaded just in time (``nvme_offload`` only; see docs/params.md).", _boolean)
+    param_prefetch: int = setting(
+        1, "With ``offload_params``: blocks read ahead of need (forward order, then reverse order in backward).",
+        count(0, "1 (read the next block while one computes)"))
+    param_block_classes: list[str] | None = setting(
+        None, "With ``offload_params``: module classes (or dotted import paths) that are blocks; None: each child "
+              "of the largest ``nn.ModuleList``/``nn.Sequential``.", _block_classes)
+    restore_params: bool = setting(
+        True, "With ``offload_params``: at the end of fit, bring the weights back into the module (memory: the "
+              "whole model); false keeps them in the store and ``state_dict()`` after fit raises.", _boolean)
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

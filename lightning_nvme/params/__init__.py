@@ -2,12 +2,12 @@
 
 One concept per module: ``policy`` (which modules are blocks), ``layout`` (where each parameter lives
 in the store), ``placeholder`` (what the module holds meanwhile), ``residency`` (moving blocks in and
-out), ``schedule`` (module hooks: when), ``offload`` (the whole, for a strategy), ``settings``.
+out), ``schedule`` (module hooks: when), ``offload`` (the whole, for a strategy). Its arguments
+(``offload_params``, ``param_prefetch``, ``param_block_classes``, ``restore_params``) are in ``lightning_nvme.settings``.
 """
 
 from lightning_nvme.params.offload import ParamOffload
 from lightning_nvme.params.placeholder import is_placeholder
 from lightning_nvme.params.policy import find_blocks
-from lightning_nvme.params.settings import ParamSettings
 
-__all__ = ["ParamOffload", "ParamSettings", "find_blocks", "is_placeholder"]
+__all__ = ["ParamOffload", "find_blocks", "is_placeholder"]

@@ -19,7 +19,7 @@ resident in backward and writes it back.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -37,7 +37,7 @@ from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint.streamed import write_optimizer
 from lightning_nvme.constants import MiB
 from lightning_nvme.optim import UpdateListener
-from lightning_nvme.params import ParamOffload, ParamSettings
+from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
 from lightning_nvme.settings import OffloadSettings, with_settings
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
@@ -49,10 +49,9 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     """Single-device training with optimizer state (and fp32 master weights of half-precision params)
     on a flat store on local disk, and with ``offload_params=True`` the parameters too.
 
-    Takes the arguments listed below (each defined once in ``lightning_nvme.settings.OffloadSettings``),
-    the parameter-offload arguments ``offload_params``, ``param_prefetch``, ``param_block_classes``,
-    ``restore_params`` (``lightning_nvme.params.ParamSettings``), and ``device``, ``accelerator``,
-    ``checkpoint_io``, ``precision_plugin`` as Lightning's ``SingleDeviceStrategy`` does."""
+    Takes the arguments listed below (each defined once in ``lightning_nvme.settings.OffloadSettings``)
+    and ``device``, ``accelerator``, ``checkpoint_io``, ``precision_plugin`` as Lightning's
+    ``SingleDeviceStrategy`` does."""
 
     strategy_name = "nvme_offload"
     _frees_grads = True
@@ -60,16 +59,11 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     def __init__(self, store_dir: str | None = None, *, device: torch.device | str | None = None,
                  accelerator: pl.accelerators.Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
                  precision_plugin: Precision | None = None, parallel_devices: list[torch.device] | None = None,
-                 offload_params: bool = False, param_prefetch: int = 1,
-                 param_block_classes: Sequence[type | str] | None = None, restore_params: bool = True,
                  **settings: Any) -> None:
         config = OffloadSettings.from_arguments(self.strategy_name, {"store_dir": store_dir, **settings})
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._init_offload(config)
-        self.param_settings = ParamSettings(offload_params, param_prefetch,
-                                            None if param_block_classes is None else tuple(param_block_classes),
-                                            restore_params)
         self.param_offload: ParamOffload | None = None
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
@@ -86,12 +80,13 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.param_offload = None
-        if self.param_settings.offload_params and trainer.state.fn == TrainerFn.FITTING:
+        if self.config.offload_params and trainer.state.fn == TrainerFn.FITTING:
             if self.root_device.type != "cpu":
                 raise ValueError(f"{self.strategy_name}: offload_params=True runs on CPU for now; the accelerator "
                                  f"path ({self.root_device}) is not implemented. Set offload_params=False.")
-            s = self.param_settings
-            self.param_offload = ParamOffload(trainer.lightning_module, s.param_block_classes, s.param_prefetch)
+            s = self.config
+            classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
+            self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch)
         super().setup(trainer)
         if self.param_offload is not None:
             if self.nvme_store is None:
@@ -117,7 +112,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         """With ``offload_params``, ``trainer.init_module()`` and ``configure_model`` create parameters on the
         meta device (no memory); setup initializes them block by block straight into the store.
         ``empty_init=False`` asks for a model in memory."""
-        if not self.param_settings.offload_params or empty_init is False:
+        if not self.config.offload_params or empty_init is False:
             with super().tensor_init_context(empty_init):
                 yield
             return
@@ -142,7 +137,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     def restore_checkpoint_after_setup(self) -> bool:
         """With ``offload_params`` the weights are loaded after setup, into the store: a model built on the
         meta device has nothing to load into before."""
-        return self.param_settings.offload_params
+        return self.config.offload_params
 
     def _update_listener(self) -> UpdateListener | None:
         return self.param_offload
@@ -176,7 +171,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     def teardown(self) -> None:
         try:
             if self.param_offload is not None:
-                self.param_offload.stop(restore=self.param_settings.restore_params)
+                self.param_offload.stop(restore=self.config.restore_params)
         finally:
             super().teardown()
 

@@ -42,7 +42,7 @@ from typing_extensions import override
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import atomic, sharded
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
-from lightning_nvme.settings import DDPOffloadSettings, with_settings
+from lightning_nvme.settings import ConfigError, DDPOffloadSettings, with_settings
 from lightning_nvme.strategies.offload import OffloadStrategy
 
 
@@ -63,14 +63,13 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
                  precision_plugin: Precision | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **kwargs: Any) -> None:
-        if any(kwargs.pop(k, None) not in (None, False) for k in ("offload_params", "param_prefetch",
-                                                                   "param_block_classes")):
-            raise ValueError("nvme_offload_ddp: offload_params is not supported with data parallel yet; use "
-                             "strategy='nvme_offload' (one device) for parameter offload, or offload_params=False")
         names = DDPOffloadSettings.__dataclass_fields__
         settings = {k: v for k, v in kwargs.items() if k in names}
         ddp_kwargs = {k: v for k, v in kwargs.items() if k not in names}  # DDP's own, passed to DistributedDataParallel
         config = DDPOffloadSettings.from_arguments(self.strategy_name, {"store_dir": store_dir, **settings})
+        if config.offload_params:
+            raise ConfigError("offload_params", "nvme_offload_ddp does not offload parameters yet. Fix: use "
+                              "strategy='nvme_offload' (one device) for parameter offload, or offload_params=False.")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,

@@ -68,6 +68,8 @@ def _dequantize(state: dict, saved: dict | None) -> None:
     if not saved:
         return
     fmt = StateFormat(saved["state_format"], saved["master_format"])
+    if fmt.exact:  # nothing to decode or record: the plain checkpoint is torch's own format (as state_dict() gives)
+        return
     for entries in state["state"].values():
         decode_entries(fmt, entries)
     state[STATE_DICT_KEY] = dict(saved)

@@ -139,8 +139,9 @@ class OffloadStrategy(Strategy):
         fmt = self.config.state_format_spec
         plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i], fmt=fmt)
                  for i, opt in enumerate(self.optimizers)]
-        planned = HEADER_BYTES + ALIGN + sum(align_up(c.nbytes) for plan in plans for c in plan.chunks) + \
-            self._extra_store_bytes()
+        planned = sum(align_up(c.nbytes) for plan in plans for c in plan.chunks)
+        if self.nvme_store is None:  # else header, owner region and parameter blocks are allocated already
+            planned += HEADER_BYTES + ALIGN + self._extra_store_bytes()
         self._open_new_store(trainer, planned)
         assert self.nvme_store is not None
         store_ref = StoreRef.of(self.nvme_store, owner_region(self._run_token))

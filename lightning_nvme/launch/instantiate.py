@@ -4,11 +4,12 @@ callbacks, loggers and the Trainer, each from its config group."""
 from __future__ import annotations
 
 import warnings
+from contextlib import nullcontext
 from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
-from hydra.utils import instantiate
+from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
 from lightning_nvme.launch.validate import validate
@@ -40,16 +41,20 @@ def build(cfg: DictConfig) -> Run:
     validate(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
     datamodule = instantiate(cfg.data)
-    model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer))
+    strategy = instantiate(cfg.strategy)
+    callbacks = _instantiate_group(cfg.get("callbacks"))
+    loggers = _instantiate_group(cfg.get("logger"))
+    trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
+    # A model whose weights all come from a checkpoint is built without a random init; with
+    # offload_params=True it is built on the meta device and streamed into the store at setup.
+    init_empty = getattr(get_class(cfg.model._target_), "init_empty", False)
+    with trainer.init_module(empty_init=True) if init_empty else nullcontext():
+        model = instantiate(cfg.model, optimizer=instantiate(cfg.optimizer))
     data_vocab, model_vocab = getattr(datamodule, "vocab_size", None), getattr(model, "vocab_size", None)
     if data_vocab is not None and model_vocab is not None and data_vocab > model_vocab:
         raise ConfigError("model.vocab_size", f"data.tokenizer produces {data_vocab} token ids but the model's vocabulary has "
                           f"{model_vocab}: raise model.vocab_size to {data_vocab}, or use the checkpoint's tokenizer "
                           f"(data.tokenizer=<model dir>)")
-    strategy = instantiate(cfg.strategy)
-    callbacks = _instantiate_group(cfg.get("callbacks"))
-    loggers = _instantiate_group(cfg.get("logger"))
-    trainer = instantiate(cfg.trainer, strategy=strategy, callbacks=callbacks, logger=loggers or False)
     return Run(cfg, trainer, model, datamodule)
 
 

@@ -15,9 +15,12 @@ from dataclasses import asdict, dataclass, fields
 
 import torch
 import torch.nn.functional as F
-from safetensors.torch import load_file, save_file
+from safetensors import safe_open
+from safetensors.torch import save_file
 from torch import nn
 from torch.utils.checkpoint import checkpoint
+
+from lightning_nvme.params.materialize import copy_checked
 
 # Hub GPT-2 keeps these as Conv1D (weight shape [in, out]); nn.Linear wants [out, in].
 _CONV1D_SUFFIXES = ("attn.c_attn.weight", "attn.c_proj.weight", "mlp.c_fc.weight", "mlp.c_proj.weight")
@@ -150,24 +153,65 @@ class GPT(nn.Module):
 
     @classmethod
     def from_pretrained(cls, directory: str | os.PathLike, activation_checkpointing: bool = False) -> GPT:
-        """Load a GPT-2 checkpoint directory (single or sharded safetensors) without ``transformers``."""
-        cfg = GPTConfig.from_json(os.path.join(directory, "config.json"))
-        model = cls(cfg, activation_checkpointing)
-        state = {}
-        for file in _safetensors_files(directory):
-            state.update(load_file(file))
-        fixed = {}
-        for k, v in state.items():
-            if k.endswith(_IGNORED_SUFFIXES):
-                continue
-            key = k if k.startswith(("transformer.", "lm_head.")) else "transformer." + k
-            fixed[key] = v.t() if key.endswith(_CONV1D_SUFFIXES) else v
-        fixed.setdefault("lm_head.weight", fixed.get("transformer.wte.weight"))
-        missing, unexpected = model.load_state_dict(fixed, strict=False)
-        if missing or unexpected:
-            raise ValueError(f"{directory}: checkpoint does not match its config.json "
-                             f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+        """Load a GPT-2 checkpoint directory (single or sharded safetensors) without ``transformers``, one
+        tensor at a time (``PretrainedWeights``): the file is never loaded whole."""
+        weights = PretrainedWeights(directory)
+        model = cls(weights.config, activation_checkpointing)
+        weights.check(model)
+        weights.load_into(model)
         return model
+
+
+class PretrainedWeights:
+    """A GPT-2 checkpoint directory read tensor by tensor (``safetensors.safe_open``), under ``GPT``'s names.
+
+    Why its own object: a model too big for memory is built on the meta device and its blocks are
+    initialized straight into the parameter store from here (``lightning_nvme.params.materialize``), while
+    an in-memory model is filled from the same mapping (``GPT.from_pretrained``). The Hub layout differs
+    from ``GPT``'s in three ways: keys may lack the ``transformer.`` prefix, ``Conv1D`` weights are stored
+    transposed, and the tied ``lm_head.weight`` is stored once (as ``wte.weight``).
+    """
+
+    def __init__(self, directory: str | os.PathLike, prefix: str = "") -> None:
+        self.directory = str(directory)
+        self.prefix = prefix  # where the GPT sits in the module that asks (e.g. "model." in a LightningModule)
+        self.config = GPTConfig.from_json(os.path.join(directory, "config.json"))
+        self._where: dict[str, tuple[str, str]] = {}  # GPT name -> (file, key in that file)
+        for file in _safetensors_files(directory):
+            with safe_open(file, framework="pt") as f:
+                for key in f.keys():
+                    if not key.endswith(_IGNORED_SUFFIXES):
+                        ours = key if key.startswith(("transformer.", "lm_head.")) else "transformer." + key
+                        self._where[ours] = (file, key)
+        if "lm_head.weight" not in self._where and "transformer.wte.weight" in self._where:
+            self._where["lm_head.weight"] = self._where["transformer.wte.weight"]  # tied, stored once
+
+    def names(self) -> set[str]:
+        """Every tensor name it provides, with ``prefix``."""
+        return {self.prefix + name for name in self._where}
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.startswith(self.prefix) and name[len(self.prefix):] in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        """The value of ``name`` (with ``prefix``), in ``GPT``'s layout; only this tensor is read."""
+        file, key = self._where[name[len(self.prefix):]]
+        with safe_open(file, framework="pt") as f:
+            value = f.get_tensor(key)
+        return value.t() if name.endswith(_CONV1D_SUFFIXES) else value
+
+    def check(self, model: GPT) -> None:
+        """Raise if the checkpoint's tensors are not exactly ``model``'s (a config.json that does not match)."""
+        expected = set(model.state_dict().keys())
+        missing, unexpected = expected - set(self._where), set(self._where) - expected
+        if missing or unexpected:
+            raise ValueError(f"{self.directory}: checkpoint does not match its config.json "
+                             f"(missing {sorted(missing)[:5]}, unexpected {sorted(unexpected)[:5]})")
+
+    def load_into(self, model: GPT) -> None:
+        """Copy every tensor into an in-memory ``model``, one at a time."""
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            copy_checked(self.prefix + name, self.get(self.prefix + name), tensor)
 
 
 def _safetensors_files(directory: str | os.PathLike) -> list[str]:

@@ -20,7 +20,9 @@ from torch import nn
 from torchmetrics.text import Perplexity
 from typing_extensions import override
 
-from lightning_nvme.models.gpt import GPT, GPTConfig
+from lightning_nvme.models.gpt import GPT, GPTConfig, PretrainedWeights
+from lightning_nvme.models.lora import add_lora
+from lightning_nvme.params.materialize import InitialWeights
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -35,8 +37,9 @@ class CausalLMModule(pl.LightningModule):
     def __init__(self, optimizer: OptimizerFactory | None = None) -> None:
         super().__init__()
         self.optimizer_factory = optimizer or _default_optimizer
-        self.train_ppl = Perplexity()
-        self.val_ppl = Perplexity()
+        with torch.device("cpu"):  # tiny states, never on the meta device of init_module(empty_init=True)
+            self.train_ppl = Perplexity()
+            self.val_ppl = Perplexity()
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -71,7 +74,7 @@ class CausalLMModule(pl.LightningModule):
 
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
-        return self.optimizer_factory(self.parameters())
+        return self.optimizer_factory(p for p in self.parameters() if p.requires_grad)  # frozen: no state
 
 
 class GPTLightningModule(CausalLMModule):
@@ -114,10 +117,22 @@ class HFCausalLM(CausalLMModule):
             (GPT-2 checkpoints through the built-in ``GPT``; no extra dependency) or ``"auto"``
             (transformers when installed, else native).
         activation_checkpointing: per-block recompute (``gradient_checkpointing_enable`` under transformers).
+        lora_rank: ``0``: finetune every weight; ``r > 0``: freeze the model and train rank-``r`` adapters on
+            its attention and MLP projections (``lightning_nvme.models.lora``; native backend).
+        lora_alpha: adapter scale numerator (``alpha / rank``); ``None``: ``rank`` (scale 1).
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial).
+
+    Built inside ``trainer.init_module(empty_init=True)`` with ``offload_params=True`` (what the ``train``
+    command does), the native model is created on the meta device and its weights are streamed from the
+    checkpoint into the parameter store block by block at setup (``initial_weights``), never all in memory.
     """
 
+    # Every weight comes from the checkpoint (adapters from their own init): building under
+    # ``trainer.init_module(empty_init=True)`` skips a random init that would be overwritten anyway.
+    init_empty = True
+
     def __init__(self, path: str, block_size: int = 128, backend: str = "auto", activation_checkpointing: bool = False,
+                 lora_rank: int = 0, lora_alpha: float | None = None,
                  optimizer: OptimizerFactory | None = None) -> None:
         super().__init__(optimizer)
         self.save_hyperparameters(ignore=["optimizer"])
@@ -126,13 +141,28 @@ class HFCausalLM(CausalLMModule):
                                     f"with save_pretrained (config.json + model.safetensors)")
         if backend not in ("auto", "native", "transformers"):
             raise ValueError(f"model.backend must be 'auto', 'native' or 'transformers', got {backend!r}")
+        on_meta = torch.empty(()).is_meta  # inside init_module(empty_init=True) of a parameter-offload strategy
         if backend == "auto":
-            backend = "transformers" if importlib.util.find_spec("transformers") else "native"
+            backend = "transformers" if importlib.util.find_spec("transformers") and not on_meta else "native"
         self.backend = backend
+        self._initial: PretrainedWeights | None = None
         if backend == "native":
-            self.model: nn.Module = GPT.from_pretrained(path, activation_checkpointing)
+            weights = PretrainedWeights(path, prefix="model.")
+            self.model: nn.Module = GPT(weights.config, activation_checkpointing)
+            weights.check(self.model)
+            if on_meta:
+                self._initial = weights  # streamed into the store at setup (initial_weights)
+            else:
+                weights.load_into(self.model)  # one tensor at a time
             self._vocab = self.model.config.vocab_size
         else:
+            if on_meta:
+                raise ValueError("model.backend='transformers' loads the checkpoint in memory; it cannot stream into "
+                                 "the parameter store (offload_params=True with trainer.init_module(empty_init=True)). "
+                                 "Use model.backend=native (GPT-2 checkpoints), or strategy.offload_params=false.")
+            if lora_rank:
+                raise ValueError("model.lora_rank needs model.backend=native (GPT-2 checkpoints); with transformers "
+                                 "use the peft library, or set model.lora_rank=0")
             from transformers import AutoModelForCausalLM
 
             self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True)
@@ -141,10 +171,16 @@ class HFCausalLM(CausalLMModule):
                 enable = getattr(self.model, "activation_checkpointing_enable", None)  # transformers >= 5
                 (enable or self.model.gradient_checkpointing_enable)()
             self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
+        if lora_rank:
+            add_lora(self.model, lora_rank, lora_alpha)
         max_positions = _max_positions(self.model)
         if max_positions is not None and block_size > max_positions:
             raise ValueError(f"model.block_size={block_size} exceeds the checkpoint's maximum of {max_positions} "
                              f"positions: set model.block_size={max_positions} or less")
+
+    def initial_weights(self) -> InitialWeights | None:
+        """The checkpoint, read tensor by tensor, for a model built on the meta device (``None`` once loaded)."""
+        return self._initial
 
     @property
     def vocab_size(self) -> int:

@@ -5,16 +5,46 @@ Initialization follows Lightning's convention for meta-device models (``_materia
 as for FSDP/DeepSpeed): module order, ``reset_parameters()`` of each module holding meta tensors.
 Conversion swaps tensors in place (``swap_module_params_on_conversion``), so the ``nn.Parameter``
 objects stay the same and tied parameters (GPT-2's wte / lm_head) stay tied.
+
+A pretrained model's values come from its checkpoint instead: a LightningModule that defines
+``initial_weights()`` returns ``InitialWeights`` (e.g. ``lightning_nvme.models.gpt.PretrainedWeights``, a
+safetensors directory read tensor by tensor); every tensor it names is copied from there, one at a time,
+so the checkpoint is never loaded whole. Modules it does not cover (adapters added for finetuning) are
+initialized by ``reset_parameters()`` as above.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Protocol
 
 import torch
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize
 from torch import nn
+
+
+class InitialWeights(Protocol):
+    """Where a model's initial values come from, tensor by tensor; names are the model's ``state_dict`` keys."""
+
+    def __contains__(self, name: object) -> bool: ...
+
+    def get(self, name: str) -> torch.Tensor: ...
+
+
+def initial_weights(model: nn.Module) -> InitialWeights | None:
+    """The model's own source of initial values, if it says it has one (``model.initial_weights()``)."""
+    source = getattr(model, "initial_weights", None)
+    return source() if callable(source) else None
+
+
+def copy_checked(name: str, value: torch.Tensor, into: torch.Tensor) -> None:
+    """``into.copy_(value)``, refusing a shape mismatch (a copy would broadcast silently)."""
+    if value.shape != into.shape:
+        raise ValueError(f"{name}: the checkpoint holds shape {tuple(value.shape)}, the model {tuple(into.shape)} "
+                         "(a config.json that does not match its weights)")
+    with torch.no_grad():
+        into.copy_(value)
 
 
 def has_meta_tensors(model: nn.Module) -> bool:
@@ -32,11 +62,26 @@ def _swap_on_conversion() -> Iterator[None]:
 
 
 def materialize(model: nn.Module, device: torch.device, after_module: Callable[[], None] | None = None) -> None:
-    """Initialize every meta tensor of ``model`` on ``device``; ``after_module`` runs after each module
-    (a parameter offload places the blocks that are now complete)."""
+    """Initialize every meta tensor of ``model`` on ``device`` (from ``initial_weights(model)`` where it
+    has them); ``after_module`` runs after each module (a parameter offload places the blocks that are
+    now complete)."""
+    source = initial_weights(model)
     with _swap_on_conversion():
-        for module in model.modules():
+        for prefix, module in model.named_modules():
             if _has_meta_device_parameters_or_buffers(module, recurse=False):
-                _materialize(module, device)
+                _initialize(module, prefix + "." if prefix else "", device, source)
             if after_module is not None:
                 after_module()
+
+
+def _initialize(module: nn.Module, prefix: str, device: torch.device, source: InitialWeights | None) -> None:
+    own = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
+    given = [n for n in own if source is not None and prefix + n in source]
+    if len(given) < len(own):
+        _materialize(module, device)  # to_empty + reset_parameters() (for what the source does not cover)
+    else:
+        module.to_empty(device=device, recurse=False)  # every value comes from the source: no init to run
+    for n in given:
+        assert source is not None
+        tensor = module._parameters.get(n)
+        copy_checked(prefix + n, source.get(prefix + n), module._buffers[n] if tensor is None else tensor)

@@ -1,5 +1,5 @@
 """A small GPT LightningModule for the parameter-offload tests: tied embeddings (GPT-2's wte/lm_head),
-a layer list of blocks, optional activation checkpointing, optional frozen base + LoRA-like adapters."""
+a layer list of blocks, optional activation checkpointing, optional frozen base + LoRA adapters."""
 
 from __future__ import annotations
 
@@ -9,26 +9,13 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nvme.models.gpt import GPT, GPTConfig
+from lightning_nvme.models.lora import add_lora
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "sgd_plain": (torch.optim.SGD, {"lr": 0.05}),  # no per-parameter state
 }
-
-
-class LoRALinear(nn.Module):
-    """``base(x) + up(down(x))`` with the base frozen (the adapter pattern)."""
-
-    def __init__(self, base: nn.Linear, rank: int = 4) -> None:
-        super().__init__()
-        self.base = base
-        self.down = nn.Linear(base.in_features, rank, bias=False)
-        self.up = nn.Linear(rank, base.out_features, bias=False)
-        nn.init.normal_(self.up.weight, std=0.02)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.base(x) + self.up(self.down(x))
 
 
 def tokens(n: int = 64, t: int = 16, vocab: int = 64, seed: int = 7) -> TensorDataset:
@@ -61,11 +48,8 @@ class TinyGPT(LightningModule):
     def _build(self, checkpointing: bool, lora: bool, n_layer: int) -> None:
         self.model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=n_layer, n_head=4),
                          activation_checkpointing=checkpointing)
-        if lora:
-            self.model.requires_grad_(False)
-            for block in self.model.transformer.h:
-                block.attn.c_attn = LoRALinear(block.attn.c_attn)
-                block.mlp.c_fc = LoRALinear(block.mlp.c_fc)
+        if lora:  # the package's adapters (lightning_nvme.models.lora), on two projections per block
+            add_lora(self.model, rank=4, targets=("attn.c_attn", "mlp.c_fc"))
 
     def training_step(self, batch, batch_idx):
         x, y = batch

@@ -28,9 +28,9 @@ class LoRALinear(nn.Linear):
         base.requires_grad_(False)
         self.weight = base.weight
         self.register_parameter("bias", base.bias)
-        kw = {"device": base.weight.device, "dtype": base.weight.dtype}
-        self.lora_down = nn.Parameter(torch.empty(rank, self.in_features, **kw))
-        self.lora_up = nn.Parameter(torch.empty(self.out_features, rank, **kw))
+        device, dtype = base.weight.device, base.weight.dtype
+        self.lora_down = nn.Parameter(torch.empty(rank, self.in_features, device=device, dtype=dtype))
+        self.lora_up = nn.Parameter(torch.empty(self.out_features, rank, device=device, dtype=dtype))
         self.scale = (alpha if alpha is not None else rank) / rank
         self.reset_adapters()
 

@@ -83,5 +83,8 @@ def _initialize(module: nn.Module, prefix: str, device: torch.device, source: In
         module.to_empty(device=device, recurse=False)  # every value comes from the source: no init to run
     for n in given:
         assert source is not None
-        tensor = module._parameters.get(n)
-        copy_checked(prefix + n, source.get(prefix + n), module._buffers[n] if tensor is None else tensor)
+        tensor: torch.Tensor | None = module._parameters.get(n)
+        if tensor is None:
+            tensor = module._buffers[n]
+        assert tensor is not None  # listed above as a meta tensor
+        copy_checked(prefix + n, source.get(prefix + n), tensor)

@@ -14,7 +14,9 @@ of one phase (optionally after writing only part of that write: a torn write):
   ``open``, ``mkdir``, ``pwrite``, ``ftruncate``, ``fsync``, ``rename``, ``renameat2``, ``unlink``... —
   i.e. every step of the commit protocol of ``lightning_nvme.checkpoint.paired`` (optimizer files into a
   temp dir, its rename, the file's temp write and switch, the sweep of the replaced save's state);
-- ``activation`` every ``pwrite`` to an ``activations*`` region (``NVMeActivationOffload``).
+- ``activation`` every ``pwrite`` to an ``activations*`` region (``NVMeActivationOffload``);
+- ``params``     every ``pwrite`` to a ``params/*`` region: a block's parameters written back with
+  ``offload_params=True`` (``param_kill_worker.py`` arms it mid-step).
 
 The test can also kill a job from outside at a random delay. The job writes JSON lines to
 ``<root>/events.jsonl``: ``started`` (pid, step and checkpoint it resumed from, whether it took over
@@ -44,7 +46,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 STORE_FILE = "store-rank0.bin"
-PHASES = ("writeback", "checkpoint", "activation")
+PHASES = ("writeback", "checkpoint", "activation", "params")
 # File-system audit events counted as checkpoint events (pwrite/fsync have no audit event: wrapped).
 CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree",
                            "os.truncate", "ctypes.dlsym"}
@@ -130,6 +132,8 @@ class _Injector:
         if store is not None:
             for region in list(store.layout.regions.values()):
                 if region.offset <= offset < region.end:
+                    if region.name.startswith("params/"):
+                        return "params"
                     return "activation" if region.name.startswith("activations") else "writeback"
         return "writeback"
 

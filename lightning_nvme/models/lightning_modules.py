@@ -9,7 +9,8 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -27,6 +28,18 @@ from lightning_nvme.params.materialize import InitialWeights
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
 
+@contextmanager
+def _plain_tensors() -> Iterator[None]:
+    """New tensors on the CPU in fp32, whatever device/dtype context the module is built in."""
+    dtype = torch.get_default_dtype()
+    torch.set_default_dtype(torch.float32)
+    try:
+        with torch.device("cpu"):
+            yield
+    finally:
+        torch.set_default_dtype(dtype)
+
+
 def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
@@ -37,7 +50,7 @@ class CausalLMModule(pl.LightningModule):
     def __init__(self, optimizer: OptimizerFactory | None = None) -> None:
         super().__init__()
         self.optimizer_factory = optimizer or _default_optimizer
-        with torch.device("cpu"):  # tiny states, never on the meta device of init_module(empty_init=True)
+        with _plain_tensors():  # tiny fp32 states, also inside trainer.init_module() (meta device, bf16 default)
             self.train_ppl = Perplexity()
             self.val_ppl = Perplexity()
 

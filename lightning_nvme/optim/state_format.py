@@ -31,9 +31,8 @@ to its state after every update. An offloaded run with a format is bitwise equal
 
 from __future__ import annotations
 
-import functools
 from collections import defaultdict
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -173,33 +172,16 @@ def decode_entries(fmt: StateFormat, entries: dict[str, Any]) -> None:
         entries[key] = fmt.decode(key, torch.float32, raws).view(value.shape)
 
 
-# The codecs work through a tensor SPAN elements at a time (a multiple of BLOCK): each pass reads the
-# input from memory once and its temporaries (one bounded scratch of SPAN elements) stay in cache,
-# instead of four or five full-size passes over memory. Every op is elementwise and correctly rounded,
-# so the cut changes no bit. SPAN stays below torch's parallel grain (32768 elements; 4096, SQRT_PIECE,
-# for sqrt): each op then runs on the calling thread, because a multi-threaded op waits for its second
-# thread to be scheduled, which on a loaded 2-core machine costs milliseconds per op (measured).
-SPAN = 1 << 14
-SQRT_PIECE = 1 << 12
-_ROUNDER = 1.5 * 2 ** 23  # x + 1.5*2**23 - 1.5*2**23 rounds |x| <= 2**22 half to even, like round(), single-threaded
-
-
-def _spans(n: int) -> Iterator[tuple[int, int]]:
-    """(start, stop) of each SPAN-sized pass over ``n`` elements, the last partial int8 block on its own."""
-    full = n // BLOCK * BLOCK
-    for s in range(0, full, SPAN):
-        yield s, min(s + SPAN, full)
-    if full < n:  # the last, partial block: its absmax covers only the elements it has
-        yield full, n
-
-
 def _encode_int8(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, unsigned: bool,
                  what: str) -> None:
     n = values.numel()
-    scratch = torch.empty(min(n, SPAN), dtype=torch.float32, device=values.device)
-    for s, e in _spans(n):
-        _encode_blocks(values[s:e].view(-1, min(BLOCK, e - s)), codes[s:e], scales[s // BLOCK:-(-e // BLOCK)],
-                       unsigned, what, s, scratch[:e - s])
+    full = n // BLOCK * BLOCK
+    if full:
+        _encode_blocks(values[:full].view(-1, BLOCK), codes[:full].view(-1, BLOCK), scales[:full // BLOCK],
+                       unsigned, what, 0)
+    if full < n:  # the last, partial block: its absmax covers only the elements it has
+        _encode_blocks(values[full:].view(1, -1), codes[full:].view(1, -1), scales[full // BLOCK:],
+                       unsigned, what, full)
 
 
 # Codes: value = absmax * (q / 127) (signed, linear) or absmax * (q / 255) ** 4 (unsigned). Encoding
@@ -210,28 +192,23 @@ _FACTOR_SAFE = _UNSIGNED_Q / torch.finfo(torch.float32).max * 4
 
 
 def _encode_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, unsigned: bool, what: str,
-                   offset: int, scratch: torch.Tensor) -> None:
-    hi, lo = x.amax(dim=1), x.amin(dim=1)  # (the span is in cache for the second; torch.aminmax is 8x slower here)
+                   offset: int) -> None:
+    hi, lo = x.amax(dim=1), x.amin(dim=1)
     absmax = torch.maximum(hi, lo.neg())
     if not bool(torch.isfinite(absmax).all()) or (unsigned and bool((lo < 0).any())):
         _report(x, what, offset, unsigned)
     scales.copy_(absmax)
     q = _UNSIGNED_Q if unsigned else _SIGNED_Q
-    safe = absmax > _FACTOR_SAFE
-    factor = torch.where(safe, q / absmax, torch.zeros_like(absmax)).unsqueeze(1)
-    t = torch.mul(x, factor, out=scratch.view(x.shape))
-    if not bool(safe.all()):
-        tiny = ((absmax > 0) & ~safe).nonzero().flatten()
-        if len(tiny):  # denormal-range blocks: divide first so that nothing overflows
-            t[tiny] = x[tiny] / absmax[tiny].unsqueeze(1) * q
+    factor = torch.where(absmax > _FACTOR_SAFE, q / absmax, torch.zeros_like(absmax)).unsqueeze(1)
+    t = x * factor
+    tiny = ((absmax > 0) & (absmax <= _FACTOR_SAFE)).nonzero().flatten()
+    if len(tiny):  # denormal-range blocks: divide first so that nothing overflows
+        t[tiny] = x[tiny] / absmax[tiny].unsqueeze(1) * q
     if unsigned:
-        flat = t.view(-1)
-        for p in range(0, flat.numel(), SQRT_PIECE):
-            flat[p:p + SQRT_PIECE].sqrt_().sqrt_()
-        t.add_(0.5)  # in [0.5, 255.5]: the integer conversion truncates, i.e. rounds
+        t.sqrt_().sqrt_().add_(0.5)  # in [0.5, 255.5]: the integer conversion truncates, i.e. rounds
     else:
-        t.add_(_ROUNDER).sub_(_ROUNDER)  # = t.round_() on [-127, 127] (a zero may lose its sign: the code is 0)
-    codes.copy_(t.view(-1))
+        t.round_()
+    codes.copy_(t)
 
 
 def _report(x: torch.Tensor, what: str, offset: int, unsigned: bool) -> None:
@@ -252,25 +229,24 @@ def _report(x: torch.Tensor, what: str, offset: int, unsigned: bool) -> None:
 
 def _decode_int8(codes: torch.Tensor, scales: torch.Tensor, unsigned: bool) -> torch.Tensor:
     n = codes.numel()
-    out = torch.empty(n, dtype=torch.float32, device=codes.device)
-    for s, e in _spans(n):
-        o = out[s:e]
-        o.copy_(codes[s:e])
-        if unsigned:
-            o.square_().square_()
-        _scale_blocks(o.view(-1, min(BLOCK, e - s)), scales[s // BLOCK:-(-e // BLOCK)], unsigned)
+    out = codes.to(torch.float32)
+    if unsigned:
+        out.square_().square_()
+    full = n // BLOCK * BLOCK
+    if full:
+        _scale_blocks(out[:full].view(-1, BLOCK), scales[:full // BLOCK], unsigned)
+    if full < n:
+        _scale_blocks(out[full:].view(1, -1), scales[full // BLOCK:], unsigned)
     return out
 
 
 def _scale_blocks(out: torch.Tensor, scales: torch.Tensor, unsigned: bool) -> None:
     q = _UNSIGNED_Q if unsigned else _SIGNED_Q
-    tiny = None
-    if not bool((scales > _FACTOR_SAFE).all()):
-        tiny = ((scales > 0) & (scales <= _FACTOR_SAFE)).nonzero().flatten()
-    if tiny is not None and len(tiny):  # denormal-range blocks: multiply by the scale first, or absmax / q underflows
+    tiny = ((scales > 0) & (scales <= _FACTOR_SAFE)).nonzero().flatten()
+    if len(tiny):  # denormal-range blocks: multiply by the scale first, or absmax / q underflows to 0
         fixed = out[tiny] * scales[tiny].unsqueeze(1) / q
     out.mul_((scales * (1 / q)).unsqueeze(1))
-    if tiny is not None and len(tiny):
+    if len(tiny):
         out[tiny] = fixed
 
 
@@ -283,37 +259,21 @@ def _sr_key(step: int, index: int) -> int:
     return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
-_GOLDEN = 0x9E3779B1
-
-
-@functools.cache
-def _golden_steps(device: torch.device) -> torch.Tensor:
-    """``i * golden mod 2**32`` for i < SPAN, as int32 bits: element i's noise offset within a pass."""
-    steps = torch.arange(SPAN, dtype=torch.int64).mul_(_GOLDEN).bitwise_and_(0xFFFFFFFF)
-    return torch.where(steps >= 1 << 31, steps - (1 << 32), steps).to(torch.int32).to(device)
-
-
-def _int32(v: int) -> int:
-    v &= 0xFFFFFFFF
-    return v - (1 << 32) if v >= 1 << 31 else v
-
-
 def stochastic_round_bf16(x: torch.Tensor, key: int, start: int = 0) -> torch.Tensor:
     """fp32 -> bf16, rounding away from zero with probability (dropped bits) / 2**16. The 16 noise bits
     of element ``start + i`` are the top half of ``(start + i) * golden + key`` mod 2**32: a pure function
-    of the element index, so any cut of a tensor into pieces rounds identically. Computed SPAN elements
-    at a time in int32 (wrapping is arithmetic mod 2**32): one table add per element instead of a hash."""
+    of the element index, so any cut of a tensor into pieces rounds identically."""
     flat = x.reshape(-1)
+    if start + flat.numel() < 2 ** 31:  # int32 arithmetic wraps mod 2**32: the same bits, half the memory traffic
+        idx = torch.arange(start, start + flat.numel(), dtype=torch.int32, device=x.device)
+        signed_key = key - (1 << 32) if key >= 1 << 31 else key
+        noise = idx.mul_(0x9E3779B1 - (1 << 32)).add_(signed_key).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
+    else:
+        idx = torch.arange(start, start + flat.numel(), dtype=torch.int64, device=x.device)
+        noise = idx.mul_(0x9E3779B1).add_(key).bitwise_and_(0xFFFFFFFF).bitwise_right_shift_(16).to(torch.int32)
     bits = flat.contiguous().view(torch.int32)
-    out = torch.empty(flat.numel(), dtype=torch.bfloat16, device=x.device)
-    steps = _golden_steps(x.device)
-    scratch = torch.empty(min(flat.numel(), SPAN), dtype=torch.int32, device=x.device)
-    for s in range(0, flat.numel(), SPAN):
-        e = min(s + SPAN, flat.numel())
-        noise = torch.add(steps[:e - s], _int32((start + s) * _GOLDEN + key), out=scratch[:e - s])
-        noise.bitwise_right_shift_(16).bitwise_and_(0xFFFF).add_(bits[s:e]).bitwise_and_(-65536)
-        out[s:e].copy_(noise.view(torch.float32))
-    return out.view(x.shape)
+    rounded = noise.add_(bits).bitwise_and_(-65536).view(torch.float32)
+    return rounded.bfloat16().view(x.shape)
 
 
 # ---- the in-memory reference ---------------------------------------------------------------------------

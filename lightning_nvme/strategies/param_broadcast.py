@@ -95,6 +95,10 @@ class ParamBroadcast:
         self._posted = False
         self._works: list[tuple[dist.Work, Item]] = []
 
+    def __getstate__(self) -> dict:
+        """A copy (deepcopy/pickle of the optimizer) has no process groups and nothing in flight."""
+        return {**self.__dict__, "groups": [], "_works": []}
+
     def begin(self) -> None:
         """A step starts: none of this rank's ranges is updated yet, nothing is in flight."""
         self._waiting = [set(it.params) for it in self.items[self.rank]]

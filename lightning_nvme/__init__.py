@@ -9,7 +9,6 @@ import torch
 from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_nvme.checkpoint.weights import beside_weight
-
 from lightning_nvme.store import FlatStore, IOHandle, StoreError
 from lightning_nvme.strategies import NVMeOffloadDDPStrategy, NVMeOffloadStrategy
 

@@ -6,6 +6,7 @@ _in_a_new_process[beside]``."""
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import shutil
 import weakref
@@ -13,6 +14,7 @@ import weakref
 import pytest
 import torch
 from _param_offload_model import TinyGPT
+from lightning.fabric.plugins import TorchCheckpointIO
 from lightning.pytorch import Trainer
 from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
@@ -132,7 +134,8 @@ def test_export_weights_after_fit_keeps_memory_bounded(tmp_path, in_memory):
     into one safetensors file, a block at a time; state_dict() still refuses, naming both ways out."""
     strategy = offload(tmp_path, restore_params=False)
     model = TinyGPT()
-    trainer(tmp_path, strategy, steps=2 * STEPS).fit(model)
+    t = trainer(tmp_path, strategy, steps=2 * STEPS)
+    t.fit(model)
     watch = OneBlockAtATime(strategy.param_offload)
     strategy.export_weights(str(tmp_path / "model.safetensors"))
     assert watch.reads == len(strategy.param_offload.blocks)
@@ -140,3 +143,16 @@ def test_export_weights_after_fit_keeps_memory_bounded(tmp_path, in_memory):
     with pytest.raises(RuntimeError) as e:
         model.state_dict()
     assert "restore_params" in str(e.value) and "export_weights" in str(e.value)
+
+    # a weights-only checkpoint after fit reopens the store: inline (gathered) through the user's CheckpointIO ...
+    strategy.checkpoint_io = UserIO()
+    t.save_checkpoint(tmp_path / "inline.ckpt", weights_only=True)
+    assert_equal_state(torch.load(tmp_path / "inline.ckpt", weights_only=True)["state_dict"], in_memory[2 * STEPS])
+    # ... but weights streamed beside the file cannot go through one: refused naming the setting
+    strategy.config = dataclasses.replace(strategy.config, inline_weights_bytes=0)
+    with pytest.raises(ValueError, match="streamed weights.*UserIO.*inline_weights_bytes"):
+        t.save_checkpoint(tmp_path / "beside.ckpt", weights_only=True)
+
+
+class UserIO(TorchCheckpointIO):
+    """A user's CheckpointIO (it takes the whole checkpoint dict in memory)."""

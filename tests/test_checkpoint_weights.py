@@ -20,8 +20,8 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from safetensors.torch import load_file
 from test_param_offload import Snapshots, offload, trainer
 
+from lightning_nvme import cli
 from lightning_nvme.checkpoint import weights
-from lightning_nvme.checkpoint.convert import to_lightning
 
 STEPS = 4
 
@@ -91,7 +91,7 @@ def test_weights_beside_the_file_load_everywhere_and_convert(tmp_path, in_memory
 
     # the converter: one plain file that plain Lightning resumes from, to the in-memory run's weights
     plain = str(tmp_path / "plain.ckpt")
-    to_lightning(path, plain)
+    assert cli.main(["convert", "to-lightning", path, plain]) == 0
     assert not os.path.exists(plain + ".optim")
     converted, lightnings = torch.load(plain, weights_only=True), torch.load(in_memory["ckpt"], weights_only=True)
     assert_equal_state(converted["state_dict"], in_memory[STEPS])

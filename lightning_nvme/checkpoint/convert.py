@@ -9,8 +9,8 @@ state and the model are materialized: this is the way out).
 strategies also resume from plain checkpoints directly; this is for moving large state out of the file
 ahead of time. The result resumes at any world size: each rank reads only the element ranges it owns.
 
-    python -m lightning_nvme.checkpoint.convert to-lightning SRC.ckpt DST.ckpt
-    python -m lightning_nvme.checkpoint.convert from-lightning SRC.ckpt DST.ckpt
+    lightning-nvme convert to-lightning SRC.ckpt DST.ckpt    (or python -m lightning_nvme.checkpoint.convert ...)
+    lightning-nvme convert from-lightning SRC.ckpt DST.ckpt
 """
 
 from __future__ import annotations

@@ -17,7 +17,7 @@ import dataclasses
 import gc
 import json
 import os
-import sys
+import shutil
 import tempfile
 
 import torch
@@ -29,8 +29,6 @@ import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.constants import MiB
 from lightning_nvme.memory import release_freed_memory
-
-sys.path.insert(0, os.path.dirname(__file__))
 
 
 def _status(field: str) -> float:
@@ -101,8 +99,6 @@ def main() -> None:
     out["inline_save_peak_increase_MiB"] = round(peak_increase_mib(
         lambda: trainer.save_checkpoint(os.path.join(root, "inline.ckpt"))), 1)
     out["beside_vs_blocks"] = round(out["beside_save_peak_increase_MiB"] / blocks_mib, 3)
-    import shutil
-
     shutil.rmtree(root, ignore_errors=True)
     print(json.dumps(out))
 

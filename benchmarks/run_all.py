@@ -1,7 +1,10 @@
 """Run every overhead benchmark in sequence and print the README's figures table.
 
-Each benchmark runs in its own process with the settings below (chosen so the whole run takes about
-20 minutes on a quiet 2-core machine, with >= 5 alternating pairs each); its own output goes to
+Each benchmark runs in its own process with the settings below, chosen so the whole run takes about
+12 minutes on a quiet 2-core machine (estimated from sized runs: optimizer ~6, activations ~4, DDP
+~2.5), with >= 5 alternating pairs each and several timed steps per pair: the previous `--steps 2` of
+the optimizer benchmark left its pair ratios 0.70-2.78 apart, 10 DDP steps 0.79-1.64 (both under
+load; the load moves single steps, longer windows average it out). Its own output goes to
 ``.bench-logs/<name>.log``. Then one markdown table: each figure as "median (min–max)" of its
 per-pair ratios, the precondition it was measured under, the raw disk speed of that run and the
 command, with the date and load. The last line is one JSON object with every benchmark's result.
@@ -53,18 +56,18 @@ def _disk(r: dict) -> str:
 
 
 BENCHMARKS = [
-    Bench("optimizer_offload", ["--params-m", "50", "--tokens", "768", "--steps", "2", "--pairs", "5"], [
+    Bench("optimizer_offload", ["--params-m", "50", "--tokens", "768", "--steps", "4", "--pairs", "5"], [
         Figure('AdamW state offload, `overlap="backward"`: train step ÷ in-memory', "train_step_ratio", "≤ 1.10",
                lambda r: f"I/O lower bound {r['io_bound_vs_backward']:.2f}× backward (target needs ≤ 0.8); {_disk(r)}"),
         Figure('AdamW state offload, `overlap="step"`: train step ÷ in-memory', "train_step_ratio_step_mode", "—",
                lambda r: f"I/O lower bound {r['io_bound_vs_backward']:.2f}× backward; {_disk(r)}"),
     ]),
-    Bench("activation_offload", ["--pairs", "5", "--batch", "5250"], [
+    Bench("activation_offload", ["--pairs", "6", "--batch", "5250"], [  # one ~10-15 s step per config and pair
         Figure("Activation offload: step ÷ in-memory", "step_ratio", "≤ 1.05",
                lambda r: f"activation I/O {r['io_vs_backward']:.2f}× backward (target needs ≤ 0.2), "
                          f"{r['prefetch_misses']} prefetch misses; {_disk(r)}"),
     ]),
-    Bench("ddp_offload", ["--pairs", "7"], [
+    Bench("ddp_offload", ["--pairs", "7", "--steps", "30"], [
         Figure("`nvme_offload_ddp` (2 ranks): step ÷ plain DDP", "step_ratio_vs_ddp", "≤ 1.2",
                lambda r: f"{r['state_bytes_per_rank_max'] / 2**20:.0f} MiB state per rank; {_disk(r)}"),
     ]),
@@ -118,18 +121,20 @@ def main(argv: list[str] | None = None) -> int:
     started = datetime.datetime.now(datetime.timezone.utc)
     loads = [os.getloadavg()[0]]
     results: dict[str, dict | None] = {}
+    seconds: dict[str, float] = {}
     for bench in BENCHMARKS:
         if args.only and bench.name not in args.only:
             continue
         t0 = time.perf_counter()
         print(f"{bench.name}: running `{bench.command}` ...", file=sys.stderr, flush=True)
         results[bench.name] = run(bench, args.log_dir)
+        seconds[bench.name] = round(time.perf_counter() - t0, 1)
         loads.append(os.getloadavg()[0])
         print(f"{bench.name}: {'done' if results[bench.name] else 'FAILED'} in {time.perf_counter() - t0:.0f} s",
               file=sys.stderr, flush=True)
     load = f"{min(loads):.1f}–{max(loads):.1f}"
     print(table(results, started.strftime("%Y-%m-%d %H:%M UTC"), load))
-    print(json.dumps({"date": started.isoformat(timespec="seconds"), "load_avg_1min": loads,
+    print(json.dumps({"date": started.isoformat(timespec="seconds"), "load_avg_1min": loads, "seconds": seconds,
                       "commands": {b.name: b.command for b in BENCHMARKS if b.name in results}, "results": results}))
     return 0 if all(r is not None for r in results.values()) else 1
 

@@ -1,17 +1,23 @@
-"""CPU throughput of the state-format codecs against the libraries that offer the same primitives.
+"""CPU throughput of the state-format codecs against the disk, and against the libraries that offer
+the same primitives.
 
-For 16 M fp32 elements (64 MiB) on ``--threads`` threads, median of ``--reps`` (a plain ``clone`` of
-the same tensor is timed in every round as the memory-bandwidth yardstick, since this machine's speed
-drifts with its load):
+For 16 M fp32 elements (64 MiB) on ``--threads`` threads, median of ``--reps`` rounds. Every round times
+each codec once, a plain ``clone`` of the same tensor (the memory-bandwidth yardstick) and the raw disk
+(``--disk-mib`` written through fdatasync, then read cold, O_DIRECT, on a preallocated file in ``--dir``),
+so drift in this machine's load hits them alike. Each codec's throughput is reported in GB/s of the fp32
+state it encodes/decodes and of the bytes it sends to/reads from the disk, and as the median per-round
+ratio of the latter to the disk's write (encoders) or read (decoders) speed: > 1 means the codec keeps
+up with the disk.
   ours     lightning_nvme.optim.state_format: bf16 cast, int8 linear (signed) / 4th-root (unsigned)
            codes with one absmax per 256, hash-noise bf16 stochastic rounding
   torchao  torchao.optim.quant_utils (8-bit dynamic-map quantize/dequantize, _fp32_to_bf16_sr), eager
   bnb      bitsandbytes.functional.quantize_blockwise / dequantize_blockwise (CPU backend)
 Libraries that are not installed are skipped (``pip install torchao bitsandbytes`` to include them).
 
-    python benchmarks/state_format_codecs.py
+    python benchmarks/state_format_codecs.py --elems-m 8 --dir /mnt/nvme
 
-Last line: one JSON object (Melem/s per codec, and each as a fraction of clone's speed).
+Last line: one JSON object (per codec: Melem/s, GB/s of fp32 and of disk bytes, fraction of clone's
+speed, ratio to the disk; the disk's GB/s).
 """
 
 from __future__ import annotations
@@ -26,6 +32,14 @@ import warnings
 from collections.abc import Callable
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+# Bytes per element a codec moves to or from the disk (int8: one code byte + one fp32 absmax per 256).
+DISK_BYTES = {"bf16": 2.0, "int8": 1 + 4 / 256, "stochastic round": 2.0, "8-bit": 1 + 4 / 256}
+
+
+def disk_bytes_per_elem(name: str) -> float | None:
+    return next((b for k, b in DISK_BYTES.items() if k in name), None)
 
 
 def cases(n: int) -> dict[str, Callable[[], object]]:
@@ -84,26 +98,60 @@ def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--elems-m", type=float, default=16.0)
     p.add_argument("--threads", type=int, default=2)
-    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--reps", type=int, default=5)
+    p.add_argument("--disk-mib", type=int, default=256, help="raw disk bytes per round (0: no disk)")
+    p.add_argument("--dir", default=None, help="directory on the disk to measure (default: beside the checkout)")
     args = p.parse_args()
     import torch
+
+    from benchmarks._disk import MiB, gbps, preallocate, raw_read, raw_write
 
     torch.set_num_threads(args.threads)
     n = int(args.elems_m * (1 << 20))
     fns = cases(n)
     times: dict[str, list[float]] = {k: [] for k in fns}
-    for _ in range(args.reps):
-        for name, fn in fns.items():  # every codec once per round, so drift hits them alike
-            t0 = time.perf_counter()
-            fn()
-            times[name].append(time.perf_counter() - t0)
+    disk = {"write": [], "read": []}
+    nbytes = args.disk_mib * MiB
+    path = os.path.join(args.dir or os.path.dirname(os.path.dirname(os.path.abspath(__file__))),
+                        f".codec-disk-{os.getpid()}.bin")
+    if nbytes:
+        preallocate(path, nbytes)
+    try:
+        for _ in range(args.reps):
+            for name, fn in fns.items():  # every codec once per round, so drift hits them alike
+                t0 = time.perf_counter()
+                fn()
+                times[name].append(time.perf_counter() - t0)
+            if nbytes:
+                disk["write"].append(gbps(nbytes, raw_write(path, nbytes)))
+                disk["read"].append(gbps(nbytes, raw_read(path, nbytes)))
+    finally:
+        if nbytes:
+            os.remove(path)
     clone = statistics.median(times["clone (yardstick)"])
     result = {}
     for name, ts in times.items():
         t = statistics.median(ts)
-        result[name] = {"Melem_per_s": n / t / 1e6, "vs_clone": clone / t}
-        print(f"{name:32s} {n / t / 1e6:9.1f} Melem/s  {clone / t:6.2f}x clone's speed", file=sys.stderr)
-    print(json.dumps({"elems": n, "threads": args.threads, "codecs": result}))
+        r: dict = {"Melem_per_s": n / t / 1e6, "fp32_GBps": 4 * n / t / 1e9, "vs_clone": clone / t}
+        per = disk_bytes_per_elem(name)
+        line = f"{name:32s} {n / t / 1e6:8.1f} Melem/s {4 * n / t / 1e9:6.2f} GB/s fp32 {clone / t:5.2f}x clone"
+        if per is not None:
+            r["disk_GBps"] = per * n / t / 1e9
+            line += f" {r['disk_GBps']:6.2f} GB/s disk bytes"
+            side = "read" if "decode" in name else "write"
+            if disk[side]:
+                ratios = [per * n / s / 1e9 / d for s, d in zip(ts, disk[side])]
+                r[f"vs_disk_{side}"] = statistics.median(ratios)
+                r[f"vs_disk_{side}_min_max"] = [min(ratios), max(ratios)]
+                line += f" = {r[f'vs_disk_{side}']:5.2f}x raw {side} ({min(ratios):.2f}-{max(ratios):.2f})"
+        result[name] = r
+        print(line, file=sys.stderr)
+    out = {"elems": n, "threads": args.threads, "reps": args.reps, "load_avg": os.getloadavg()[0], "codecs": result}
+    if nbytes:
+        out["disk"] = {k: {"median_GBps": statistics.median(v), "min": min(v), "max": max(v)} for k, v in disk.items()}
+        print(f"raw disk: write {out['disk']['write']['median_GBps']:.2f} GB/s, read "
+              f"{out['disk']['read']['median_GBps']:.2f} GB/s (O_DIRECT, {args.disk_mib} MiB)", file=sys.stderr)
+    print(json.dumps(out))
 
 
 if __name__ == "__main__":

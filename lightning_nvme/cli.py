@@ -4,6 +4,7 @@
     lightning-nvme recipes
     lightning-nvme bench [NAME ...]       (runs ./benchmarks/*.py of a source checkout)
     lightning-nvme doctor PATH [...]
+    lightning-nvme convert {to-lightning,from-lightning} SRC DST   (lightning_nvme.checkpoint.convert)
 
 Config problems (unknown key, wrong type, missing or unwritable store directory) are reported as one
 line naming the key and the fix, with exit code 2 and no traceback, before anything is built.
@@ -27,7 +28,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="lightning-nvme", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{train,recipes,bench,doctor}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,recipes,bench,doctor,convert}")
     p_train = sub.add_parser("train", help="train a recipe: train recipe=NAME [key=value ...]")
     p_train.add_argument("--dry-run", action="store_true", help="validate and print the config, do not train")
     p_train.add_argument("overrides", nargs="*", help="recipe=NAME and Hydra overrides (trainer.max_steps=100)")
@@ -36,8 +37,14 @@ def main(argv: list[str] | None = None) -> int:
     p_bench.add_argument("names", nargs="*")
     p_doctor = sub.add_parser("doctor", help="check a store directory: doctor PATH", add_help=False)
     p_doctor.add_argument("rest", nargs=argparse.REMAINDER)
+    sub.add_parser("convert", help="convert a checkpoint: convert to-lightning SRC DST (one plain Lightning file)",
+                   add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
     if argv[:1] == ["doctor"]:  # pass everything through untouched, including --help
         return _doctor(argv[1:])
+    if argv[:1] == ["convert"]:
+        from lightning_nvme.checkpoint import convert
+
+        return convert.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "train":
         return _train(args.overrides, args.dry_run)

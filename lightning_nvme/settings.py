@@ -158,7 +158,13 @@ class OffloadSettings:
               "of the largest ``nn.ModuleList``/``nn.Sequential``.", _block_classes)
     restore_params: bool = setting(
         True, "With ``offload_params``: at the end of fit, bring the weights back into the module (memory: the "
-              "whole model); false keeps them in the store and ``state_dict()`` after fit raises.", _boolean)
+              "whole model); false keeps them in the store (``strategy.export_weights(path)`` streams them to a "
+              "safetensors file) and ``state_dict()`` after fit raises.", _boolean)
+    inline_weights_bytes: int = setting(
+        1 * GiB, "With ``offload_params``: block weights up to this size are gathered into the checkpoint file (a "
+                 "plain Lightning checkpoint; memory: that much); larger ones stream from the store into "
+                 "``<file>.optim/<save id>/weights.safetensors``, one block in memory at a time.",
+        nbytes(0, typical="0 to always stream the weights beside the file"))
 
     def __post_init__(self) -> None:
         for f in dataclasses.fields(self):

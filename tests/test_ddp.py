@@ -63,7 +63,9 @@ def trained(tmp_path_factory):
     runs = [run_spec(tmp, "ddp", "ddp", **common),
             run_spec(tmp, "offload", "offload", chunk_bytes=16 << 10, **common),
             run_spec(tmp, "ddp_value", "ddp", **backward),
-            run_spec(tmp, "offload_backward", "offload", overlap="backward", chunk_bytes=8 << 10, **backward),
+            # tiny broadcast buckets: large ranges cut and sent in place, small ones packed (param_broadcast)
+            run_spec(tmp, "offload_backward", "offload", overlap="backward", chunk_bytes=8 << 10,
+                     offload_kwargs={"broadcast_bucket_bytes": 4096}, **backward),
             run_spec(tmp, "ddp_master", "ddp", model="master_weights_reference", precision="bf16-true", steps=20),
             run_spec(tmp, "offload_bf16", "offload", precision="bf16-true", steps=20),
             run_spec(tmp, "save_failure", "offload", steps=4, failing_save=str(tmp / "f.ckpt")),
@@ -185,6 +187,27 @@ def test_partition_balances_bytes_and_cuts_large_params():
     assert partition_by_bytes(opt, 2).state_bytes[0] == 1000 * 8 // 2 + (70 * 8 + 300 * 12) // 2
 
 
+def test_broadcast_plan_sends_large_ranges_in_place_and_packs_small_ones_within_the_bucket():
+    from lightning_nvme.strategies.param_broadcast import PACK_BELOW, plan_items
+
+    large = PACK_BELOW // 4 * 3  # fp32 elements: 3x the packing threshold
+    params = [torch.zeros(large), torch.zeros(10), torch.zeros(20, dtype=torch.bfloat16), torch.zeros(30)]
+    pieces = [[(0, 0, large), (1, 0, 10), (2, 0, 20)], [(3, 0, 30)]]  # rank 0 owns 0-2, rank 1 owns 3
+    bucket = PACK_BELOW  # cuts the large range into 3 in-place broadcasts
+    plan = plan_items(pieces, params, bucket)
+    assert [it.ranges for it in plan[0] if it.staging is None] == [
+        ((0, i * large // 3, (i + 1) * large // 3),) for i in range(3)]
+    packed = [it for per in plan for it in per if it.staging is not None]
+    assert [it.ranges for it in packed] == [((1, 0, 10),), ((2, 0, 20),), ((3, 0, 30),)]  # one per (rank, dtype)
+    spans = sorted(it.staging for it in packed)
+    assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint slices of one staging buffer
+    assert spans[-1][0] + spans[-1][1] <= bucket
+    assert [it.ranges for it in plan_items(pieces, params, bucket, reverse=True)[0][:3]] == [
+        ((0, i * large // 3, (i + 1) * large // 3),) for i in (2, 1, 0)]  # backward mode: update order
+    full = plan_items(pieces, params, 32)  # no room to pack: every range in place, none copied
+    assert all(it.staging is None for per in full for it in per)
+
+
 # ---- the worker side (run by Lightning in every rank) -----------------------------------------------------------
 def _worker(spec_path: str) -> None:
     sys.path.insert(0, HERE)
@@ -217,7 +240,7 @@ def _train(run: dict, world: int) -> None:
                                           overlap=run.get("overlap", "step"), find_unused_parameters=True,
                                           state_format=run.get("state_format", "exact"),
                                           master_format=run.get("master_format", "fp32"),
-                                          **run.get("ddp_kwargs", {}))
+                                          **run.get("ddp_kwargs", {}), **run.get("offload_kwargs", {}))
     norms: list[float] = []
 
     class Record(Callback):

@@ -17,6 +17,7 @@ from lightning.pytorch import Callback, Trainer
 
 import lightning_nvme  # noqa: F401  (registers the strategies)
 from lightning_nvme import NVMeOffloadStrategy
+from lightning_nvme.checkpoint import weights
 from lightning_nvme.params import is_placeholder
 
 STEPS = 32  # two epochs of 16 batches
@@ -210,9 +211,12 @@ def test_gradients_are_consumed_in_backward(tmp_path):
     assert seen["max_live"] <= trainable // 4, seen
 
 
-def test_checkpoint_holds_true_weights_and_resumes_in_a_new_process(tmp_path, tmp_path_factory):
-    """save after the first epoch (16 steps; the weights gathered from the store, not placeholders), resume
-    in a new process to step 32: bitwise equal to in-memory Lightning doing the same save and resume."""
+@pytest.mark.parametrize("beside", [False, True], ids=["inline", "beside"])
+def test_checkpoint_holds_true_weights_and_resumes_in_a_new_process(tmp_path, tmp_path_factory, beside):
+    """save after the first epoch (16 steps; the weights gathered from the store, not placeholders — or, with
+    ``beside``, streamed from the store into ``<file>.optim/<id>/weights.safetensors``, saved after fit with the
+    weights still in the store), resume in a new process to step 32 (streaming them back into the store):
+    bitwise equal to in-memory Lightning doing the same save and resume."""
     _, snapshots = reference(tmp_path_factory)
     ref_trainer = trainer(tmp_path / "ref", "auto", steps=-1, max_epochs=1)
     ref = TinyGPT()
@@ -222,10 +226,15 @@ def test_checkpoint_holds_true_weights_and_resumes_in_a_new_process(tmp_path, tm
     trainer(tmp_path / "ref2", "auto").fit(ref, ckpt_path=str(tmp_path / "ref.ckpt"))
 
     ckpt = tmp_path / "epoch1.ckpt"
-    t = trainer(tmp_path / "b", offload(tmp_path / "b"), steps=-1, max_epochs=1)
+    extra = {"restore_params": False, "inline_weights_bytes": 0} if beside else {}
+    t = trainer(tmp_path / "b", offload(tmp_path / "b", **extra), steps=-1, max_epochs=1)
     t.fit(TinyGPT())
     t.save_checkpoint(ckpt)
-    saved = torch.load(ckpt, weights_only=False)["state_dict"]  # the checkpoint file Lightning's loaders open
+    with weights.deferred():
+        refs = weights.refs(torch.load(ckpt, weights_only=False)["state_dict"])
+    blocks = {n for b in t.strategy.param_offload.blocks for n in (s.name for s in b.slots)}
+    assert set(refs) == (blocks if beside else set())  # exactly the block weights are beside the file
+    saved = torch.load(ckpt, weights_only=True)["state_dict"]  # the checkpoint file Lightning's loaders open
     for name, p in snapshots[16].items():
         assert torch.equal(saved[name], p), name
     script = f"""

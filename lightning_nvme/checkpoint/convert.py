@@ -2,14 +2,15 @@
 
 ``to_lightning``: a checkpoint written by ``NVMeOffloadStrategy`` or (sharded, one file per rank) by
 ``NVMeOffloadDDPStrategy`` — the file and its ``.optim`` directory, or the old directory format — -> one
-``.ckpt`` file with the optimizer state inside, that a Trainer without this plugin resumes from (the
-per-element state is materialized: this is the way out).
+``.ckpt`` file with the optimizer state and every weight inside (weights streamed beside the file by
+``offload_params`` are read back in), that a Trainer without this plugin resumes from (the per-element
+state and the model are materialized: this is the way out).
 ``from_lightning``: a plain ``.ckpt`` -> a lightning_nvme checkpoint (file + ``.optim`` directory). Both
 strategies also resume from plain checkpoints directly; this is for moving large state out of the file
 ahead of time. The result resumes at any world size: each rank reads only the element ranges it owns.
 
-    python -m lightning_nvme.checkpoint.convert to-lightning SRC.ckpt DST.ckpt
-    python -m lightning_nvme.checkpoint.convert from-lightning SRC.ckpt DST.ckpt
+    lightning-nvme convert to-lightning SRC.ckpt DST.ckpt    (or python -m lightning_nvme.checkpoint.convert ...)
+    lightning-nvme convert from-lightning SRC.ckpt DST.ckpt
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint import legacy, paired
+from lightning_nvme.checkpoint import legacy, paired, weights
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
 from lightning_nvme.checkpoint.streamed import (
     OptimizerParts,
@@ -39,7 +40,8 @@ def load_any(src: str) -> tuple[dict[str, Any], OptimizerParts | None]:
     """Lightning's dict of a lightning_nvme checkpoint of either format, and where its optimizer state is."""
     if legacy.is_legacy_dir(src):
         return legacy.load_legacy(src)
-    return paired.read(torch.load(src, map_location="cpu", weights_only=False), src)
+    with weights.deferred():  # weights beside the file: found relative to it (``paired.read``), read below
+        return paired.read(torch.load(src, map_location="cpu", weights_only=False), src)
 
 
 def to_lightning(src: str, dst_file: str) -> None:
@@ -59,6 +61,7 @@ def to_lightning(src: str, dst_file: str) -> None:
             for reader in readers:
                 reader.close()
         _dequantize(state, marker.get("state_format"))
+    weights.materialize(checkpoint)
     paired.save_plain(checkpoint, dst_file)
 
 

@@ -7,6 +7,8 @@ Layout::
                                  ``lightning_nvme`` entry: the format version, the save id, where the
                                  optimizer state is, and each optimizer's param groups and scalar state
     last.ckpt.optim/<save id>/   optimizer-<i>.safetensors (one per rank: optimizer-<i>-rank<r>.safetensors)
+                                 weights.safetensors: with offload_params, the block weights when they are
+                                 streamed beside the file (``weights``; the file's state_dict refers to them)
 
 Why a file: ``torch.load``, ``LightningModule.load_from_checkpoint`` and ``Trainer(strategy="auto")``'s
 validate/test/predict open it as any Lightning checkpoint. Why no ``optimizer_states`` in it: a plain
@@ -18,7 +20,8 @@ carries the same id, so a file paired with another save's optimizer state is ref
 Commit protocol (a kill -9 at any point leaves the old checkpoint or the new one, never a mix):
 
 1. ``begin``: recover an interrupted commit (``atomic.recover``, ``sweep_orphans``), create ``last.ckpt.optim/.<id>.tmp-<pid>/``;
-2. the optimizer files are streamed into it and fsynced (by every rank, when data parallel);
+2. the optimizer files (and the beside weights) are streamed into it and fsynced (by every rank, when data
+   parallel);
 3. ``publish``: fsync, rename it to ``last.ckpt.optim/<id>/``: complete, but no file refers to it yet;
 4. ``write_main``: the file goes to ``.last.ckpt.tmp-<pid>``, fsync, then ``os.replace`` over ``last.ckpt``
    (over an old-format directory: ``RENAME_EXCHANGE``, see ``atomic.commit``): the one switching step;
@@ -37,7 +40,7 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint import atomic
+from lightning_nvme.checkpoint import atomic, weights
 from lightning_nvme.checkpoint.streamed import OptimizerParts
 
 FORMAT_VERSION = 2
@@ -104,8 +107,8 @@ def publish(pending: Pending) -> None:
     atomic.fsync_path(os.path.dirname(pending.path))
 
 
-def reference(pending: Pending, optimizer_states: list[dict[str, Any]], markers: list[dict[str, Any]]) -> dict:
-    """The entry the main file carries instead of ``optimizer_states``."""
+def reference(pending: Pending, optimizer_states: list[dict[str, Any]] | None, markers: list[dict[str, Any]]) -> dict:
+    """The entry the main file carries instead of ``optimizer_states`` (``None``: a weights-only checkpoint)."""
     name = os.path.basename(pending.path)
     parts = os.path.join(name + PARTS_SUFFIX, pending.save_id)
     return {"format_version": FORMAT_VERSION, "save_id": pending.save_id, "parts_dir": parts,
@@ -139,13 +142,14 @@ def abort(pending: Pending) -> None:
 
 
 def save(checkpoint: dict[str, Any], path: str, write_parts: Callable[[str, str], list[dict[str, Any]]]) -> None:
-    """The whole protocol in one process: ``write_parts(directory, save_id)`` streams the optimizer files and
-    returns their markers; ``checkpoint["optimizer_states"]`` (without per-element tensors) moves into the
-    reference."""
+    """The whole protocol in one process: ``write_parts(directory, save_id)`` streams the optimizer files (and
+    beside weights) and returns their markers; ``checkpoint["optimizer_states"]`` (without per-element tensors)
+    moves into the reference; references to beside weights in its state_dict are bound to this save."""
     checkpoint = dict(checkpoint)
-    optimizer_states = checkpoint.pop("optimizer_states")
+    optimizer_states = checkpoint.pop("optimizer_states", None)
     pending = begin(path)
     try:
+        weights.bind(checkpoint.get("state_dict") or {}, pending.path, pending.save_id)
         markers = write_parts(pending.tmp, pending.save_id)
         publish(pending)
         write_main({**checkpoint, REF_KEY: reference(pending, optimizer_states, markers)}, pending.path)
@@ -177,13 +181,15 @@ def read(checkpoint: dict[str, Any], path: str) -> tuple[dict[str, Any], Optimiz
     if ref.get("format_version") != FORMAT_VERSION:
         raise ValueError(f"{path}: lightning_nvme checkpoint format version {ref.get('format_version')}; this "
                          f"lightning_nvme reads version {FORMAT_VERSION} (and the old directory format)")
-    checkpoint["optimizer_states"] = ref["optimizer_states"]
+    if ref["optimizer_states"] is not None:
+        checkpoint["optimizer_states"] = ref["optimizer_states"]
     save_id = ref["save_id"]
     parts = OptimizerParts("", save_id, ref["parts"], source=str(path))
     if not isinstance(path, str) or "://" in path:
         parts.problem = (f"checkpoint {path} is remote; its optimizer state ({ref['parts_dir']}) is streamed beside "
                          "it on a local file system. Download the file and its .optim directory, or convert it: "
                          "python -m lightning_nvme.checkpoint.convert to-lightning")
+        weights.resolve(checkpoint.get("state_dict") or {}, "", parts.problem)
         return checkpoint, parts
     own = os.path.join(parts_root(path), save_id)
     recorded = os.path.join(os.path.dirname(os.path.abspath(path)), ref["parts_dir"])
@@ -195,9 +201,13 @@ def read(checkpoint: dict[str, Any], path: str) -> tuple[dict[str, Any], Optimiz
                  "directory come from different saves (copied separately?). Refusing to mix them."
                  if others else f"neither {own} nor {recorded} exists: copy the {PARTS_SUFFIX} directory along "
                  "with the file.")
-        parts.problem = (f"checkpoint {path} was saved with its optimizer state streamed beside it (save id "
-                         f"{save_id}), but {found} Without it the optimizer cannot resume; the weights still load "
-                         "(LightningModule.load_from_checkpoint, trainer.validate/test/predict).")
+        beside = weights.has_refs(checkpoint)
+        parts.problem = (f"checkpoint {path} was saved with its optimizer state{' and weights' if beside else ''} "
+                         f"streamed beside it (save id {save_id}), but {found} " + (
+                             "Without it neither the weights nor the optimizer state can be loaded." if beside else
+                             "Without it the optimizer cannot resume; the weights still load "
+                             "(LightningModule.load_from_checkpoint, trainer.validate/test/predict)."))
+    weights.resolve(checkpoint.get("state_dict") or {}, parts.directory, parts.problem)
     return checkpoint, parts
 
 

@@ -27,10 +27,16 @@ def writes_itself(checkpoint_io: CheckpointIO, path: _PATH, storage_options: Any
     return type(checkpoint_io) is TorchCheckpointIO and storage_options is None and is_local(path)
 
 
-def refuse_streamed(strategy: str, checkpoint_io: CheckpointIO, path: _PATH, storage_options: Any | None) -> None:
-    """Raise the error for a checkpoint with offloaded optimizer state that only the plugin could write."""
+def refuse_streamed(strategy: str, checkpoint_io: CheckpointIO, path: _PATH, storage_options: Any | None,
+                    beside_weights: bool = False) -> None:
+    """Raise the error for a checkpoint with offloaded optimizer state (or weights streamed beside the file)
+    that only the plugin could write."""
     weights_only = ("Checkpoints without optimizer state go through it: ModelCheckpoint(save_weights_only=True) or "
                     "trainer.save_checkpoint(path, weights_only=True).")
+    if beside_weights:
+        weights_only = ("The model's offloaded weights are larger than inline_weights_bytes, so they are streamed "
+                        "beside the file too: raise inline_weights_bytes to gather them into the file (memory: the "
+                        "whole model), or export them with trainer.strategy.export_weights(local_path).")
     if not is_local(path):
         reason = (f"{path!r} is a remote URL, and the optimizer state is streamed from the local store to a local "
                   "file system (never to a local directory named after the URL). Save to a local directory "
@@ -43,5 +49,6 @@ def refuse_streamed(strategy: str, checkpoint_io: CheckpointIO, path: _PATH, sto
     else:
         reason = ("storage_options were given, which only a custom CheckpointIO understands, and that cannot "
                   "carry streamed optimizer state. Drop storage_options. ")
-    raise ValueError(f"{strategy}: cannot save the offloaded optimizer state of checkpoint {path!r}: "
+    what = "streamed weights" if beside_weights else "offloaded optimizer state"
+    raise ValueError(f"{strategy}: cannot save the {what} of checkpoint {path!r}: "
                      f"{reason}{weights_only}")

@@ -3,7 +3,8 @@
 Ties the pieces together for a strategy: the layout (which parameters, where), the residency (what is
 in memory), the scheduler (module hooks), the optimizer's update listener (make a chunk's parameters
 resident for its update, write them back after), and the module's ``state_dict``/``load_state_dict``
-(always the true values: gathered from the store, or written into it).
+(always the true values: gathered from the store, or written into it; for a checkpoint whose weights
+stream beside it, references instead of values, and values read block by block from the beside file).
 """
 
 from __future__ import annotations
@@ -15,6 +16,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_nvme.checkpoint.weights import BesideWeight, WeightReaders
 from lightning_nvme.params.layout import BlockLayout, ParamLayout, plan_layout
 from lightning_nvme.params.materialize import materialize
 from lightning_nvme.params.policy import BlockClasses, find_blocks
@@ -41,6 +43,8 @@ class ParamOffload:
         self.scheduler: BlockScheduler | None = None
         self._state_hooks: list[Any] = []
         self._final_stats = ResidencyStats()
+        self._referencing = False  # state_dict() gives references to block weights, not their values
+        self._readers: WeightReaders | None = None  # load_state_dict() reads references from these
 
     @property
     def layout(self) -> ParamLayout:
@@ -115,9 +119,9 @@ class ParamOffload:
         an ordinary one again); otherwise the parameters stay in the store and stay placeholders."""
         if self.residency is None:
             return
-        assert self.scheduler is not None
-        self.scheduler.finish_step()
-        self.scheduler.remove()
+        if self.scheduler is not None:  # None: setup failed before the hooks were installed
+            self.scheduler.finish_step()
+            self.scheduler.remove()
         if restore:
             for block in self.blocks:
                 values = self.residency.read_values(block)
@@ -181,19 +185,62 @@ class ParamOffload:
                 self.residency.release(block, USER)
 
     # ---- state_dict / load_state_dict ---------------------------------------------------------------
+    @property
+    def active(self) -> bool:
+        """The blocks' values live in the store (during fit, and after it with ``restore_params=False``)."""
+        return self.residency is not None
+
+    @contextmanager
+    def by_reference(self) -> Iterator[None]:
+        """Inside, ``state_dict()`` holds a ``BesideWeight`` for each block parameter (with its block as the
+        source) instead of reading it: a checkpoint streams them later, block by block (``read_block``)."""
+        self._referencing = True
+        try:
+            yield
+        finally:
+            self._referencing = False
+
+    def read_block(self, source: BlockLayout) -> dict[str, torch.Tensor]:
+        """One block's values by parameter name (one block of memory)."""
+        assert self.residency is not None
+        return self.residency.read_values(source, copy=False)
+
+    @contextmanager
+    def loading_from(self, readers: WeightReaders) -> Iterator[set[str]]:
+        """Inside, ``load_state_dict`` reads each block's ``BesideWeight`` entries from ``readers`` as it loads
+        that block (one block in memory at a time). Yields the state-dict keys of the block parameters."""
+        self._readers = readers
+        try:
+            yield {name for name, p in self.model.named_parameters(remove_duplicate=False) if id(p) in self._block_of}
+        finally:
+            self._readers = None
+
+    def _local_slots(self, block: BlockLayout) -> list[tuple[str, Any]]:
+        """(name inside the block module, slot) for every name the module registers a block parameter under."""
+        slots = {id(s.param): s for s in block.slots}
+        return [(name, slots[id(p)]) for name, p in block.module.named_parameters(remove_duplicate=False)
+                if id(p) in slots]
+
     def _gather_hook(self, block: BlockLayout) -> Any:
-        local = [(s.name[len(block.name) + 1:], s) for s in block.slots]
+        local = self._local_slots(block)
 
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
             if self.residency is None:
+                return
+            if self._referencing:
+                for name, slot in local:
+                    if prefix + name in state_dict:
+                        state_dict[prefix + name] = BesideWeight.of(prefix + name, slot.param, (block, slot.name))
                 return
             try:
                 values = self.residency.read_values(block)
             except StoreIOError as e:
                 raise RuntimeError(f"the parameters of {block.name} live only in the store "
                                    f"{self.residency.store.path} and could not be read ({e}). After fit the store "
-                                   "is closed: save checkpoints during fit, or keep restore_params=True so the "
-                                   "weights return to the module at the end of fit.") from e
+                                   "is closed: export them with trainer.strategy.export_weights('model.safetensors') "
+                                   "(streamed, one block in memory at a time) or trainer.save_checkpoint(...), or "
+                                   "keep restore_params=True so the weights return to the module at the end of "
+                                   "fit.") from e
             for name, slot in local:
                 key = prefix + name
                 if key in state_dict:
@@ -201,14 +248,19 @@ class ParamOffload:
         return hook
 
     def _load_pre_hook(self, block: BlockLayout) -> Any:
-        def hook(module: nn.Module, *args: Any) -> None:
-            if self.residency is not None:
-                self.residency.acquire(block, USER)
+        def hook(module: nn.Module, state_dict: dict[str, Any], *args: Any) -> None:
+            if self.residency is None:
+                return
+            self.residency.acquire(block, USER)
+            if self._readers is not None:  # ``state_dict`` is this block's own copy: the values go with it
+                for key, value in state_dict.items():
+                    if isinstance(value, BesideWeight):
+                        state_dict[key] = self._readers.read(value)
         return hook
 
     def _load_post_hook(self, block: BlockLayout) -> Any:
         def hook(module: nn.Module, incompatible: Any) -> None:
             if self.residency is not None:
-                self.residency.mark_dirty(block)
+                self.residency.mark_dirty(block, whole=True)  # frozen parameters were loaded too
                 self.residency.release(block, USER)
         return hook

@@ -37,6 +37,7 @@ class _State:
     read: IOHandle | None = None
     bound: bool = False  # parameters point into ``buffer``
     dirty: bool = False
+    dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
     placed: bool = False  # its values are in the store
     refs: Counter = field(default_factory=Counter)
 
@@ -74,15 +75,18 @@ class BlockResidency:
             self._view(buf, slot).copy_(values[slot.name].reshape(slot.shape))
         self._write(block, buf)
 
-    def read_values(self, block: BlockLayout) -> dict[str, torch.Tensor]:
-        """Copies of a block's true values (from memory if resident, else read from the store)."""
+    def read_values(self, block: BlockLayout, copy: bool = True) -> dict[str, torch.Tensor]:
+        """A block's true values (from memory if resident, else read from the store): copies, or with
+        ``copy=False`` views of one buffer (the block's, or a fresh one read for the caller; one block of memory)."""
         st = self._state[block.index]
         if st.buffer is not None:
             self._wait_read(block)
-            return {s.name: self._view(st.buffer, s).clone() for s in block.slots}
-        buf = self._new_buffer(block)
-        self.store.wait(self.store.read(block.region, buf))
-        return {s.name: self._view(buf, s).clone() for s in block.slots}
+            buf = st.buffer
+        else:
+            buf = self._new_buffer(block)
+            self.store.wait(self.store.read(block.region, buf))
+            copy = False  # the fresh buffer is the caller's already
+        return {s.name: self._view(buf, s).clone() if copy else self._view(buf, s) for s in block.slots}
 
     # ---- residency ---------------------------------------------------------------------------------
     def is_resident(self, block: BlockLayout) -> bool:
@@ -121,8 +125,11 @@ class BlockResidency:
         if not +st.refs:
             self.evict(block)
 
-    def mark_dirty(self, block: BlockLayout) -> None:
-        self._state[block.index].dirty = True
+    def mark_dirty(self, block: BlockLayout, whole: bool = False) -> None:
+        """Write back on eviction: the trainable tail (an update), or with ``whole`` the frozen part too."""
+        st = self._state[block.index]
+        st.dirty = True
+        st.dirty_whole = st.dirty_whole or whole
 
     def evict(self, block: BlockLayout) -> None:
         """Write back if changed, then placeholders. A prefetched block never used is simply dropped."""
@@ -131,9 +138,9 @@ class BlockResidency:
             return
         self._wait_read(block)
         if st.dirty:
-            self._write(block, st.buffer, block.writable_offset)
+            self._write(block, st.buffer, 0 if st.dirty_whole else block.writable_offset)
         self._unbind(block)
-        st.buffer, st.read, st.bound, st.dirty = None, None, False, False
+        st.buffer, st.read, st.bound, st.dirty, st.dirty_whole = None, None, False, False, False
         st.refs.clear()
         self._count(block, -1)
 

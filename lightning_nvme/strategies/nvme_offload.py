@@ -14,13 +14,16 @@ from the store into ``<file>.optim/`` beside it, committed atomically (see ``lig
 
 ``offload_params=True`` also moves the parameters of each block (a transformer layer) into the store
 between uses (see ``lightning_nvme.params``); ``overlap="backward"`` then updates each block while it is
-resident in backward and writes it back.
+resident in backward and writes it back. Above ``inline_weights_bytes`` a checkpoint streams the block
+weights from the store into a safetensors file beside it (``lightning_nvme.checkpoint.weights``), and
+``export_weights`` writes the whole model to one safetensors file the same way.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Generator, Mapping
-from contextlib import contextmanager
+import os
+from collections.abc import Callable, Generator, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -34,12 +37,14 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint.streamed import write_optimizer
+from lightning_nvme.checkpoint import weights
+from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
 from lightning_nvme.constants import MiB
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
 from lightning_nvme.settings import OffloadSettings, with_settings
+from lightning_nvme.store import FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
 from lightning_nvme.strategies.offload import OffloadStrategy
 
@@ -175,9 +180,63 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         finally:
             super().teardown()
 
+    # ---- checkpoints and export of offloaded weights ---------------------------------------------------
+    def _offloaded_weights(self) -> ParamOffload | None:
+        """The parameter offload whose blocks live in the store now (during fit, after it without restore)."""
+        return self.param_offload if self.param_offload is not None and self.param_offload.active else None
+
+    @override
+    def _attach_store(self, store: FlatStore) -> None:
+        if self.param_offload is not None:
+            self.param_offload.attach(store)
+
+    @contextmanager
+    def _weights_readable(self) -> Iterator[None]:
+        """The store is open for reading blocks: live during fit, reopened after it."""
+        with self._open_store() if self.offloaded else nullcontext():
+            yield
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """A checkpoint's weights. Offloaded blocks above ``inline_weights_bytes`` are references, streamed
+        beside the file by ``save_checkpoint``; smaller ones are gathered (the plain Lightning file)."""
+        params = self._offloaded_weights()
+        if params is None:
+            return super().lightning_module_state_dict()
+        if params.layout.offloaded_bytes > self.config.inline_weights_bytes:
+            with params.by_reference():
+                return super().lightning_module_state_dict()
+        with self._weights_readable():
+            return super().lightning_module_state_dict()
+
+    @override
+    def _weights_streamed_by(self, readers: weights.WeightReaders) -> AbstractContextManager[set[str]]:
+        params = self._offloaded_weights()
+        return nullcontext(set()) if params is None else params.loading_from(readers)
+
     @override
     def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
+        def write_parts(directory: str, save_id: str) -> list[dict[str, Any]]:
+            markers = [write_optimizer(off, directory, i, save_id) for i, off in enumerate(self.offloaded)] \
+                if "optimizer_states" in checkpoint else []
+            if weights.has_refs(checkpoint):
+                assert self.param_offload is not None
+                weights.write(os.path.join(directory, weights.WEIGHTS_FILE), checkpoint["state_dict"],
+                              self.param_offload.read_block, file_metadata(save_id))
+            return markers
+
         with self._open_store() as store:
             store.fence(durable=True)
-            ckpt.paired.save(checkpoint, path, lambda directory, save_id: [
-                write_optimizer(off, directory, i, save_id) for i, off in enumerate(self.offloaded)])
+            ckpt.paired.save(checkpoint, path, write_parts)
+
+    def export_weights(self, path: str) -> None:
+        """Write the LightningModule's ``state_dict()`` to one safetensors file (``safetensors.torch.load_file``
+        reads it), streaming offloaded blocks from the store one at a time: the way to get the trained weights
+        of a model too big to bring back into memory (``restore_params=False``), during or after fit."""
+        assert self.lightning_module is not None
+        params = self._offloaded_weights()
+        if params is None:
+            weights.export(path, self.lightning_module.state_dict(), lambda source: {})
+            return
+        with self._weights_readable(), params.by_reference():
+            weights.export(path, self.lightning_module.state_dict(), params.read_block)

@@ -7,8 +7,9 @@ One step on every rank::
                                                            Lightning's norm clipping is already global)
     the rank's OffloadedOptimizer updates the element ranges it owns, streaming their state through
     its store file ``<store_dir>/store-rank<r>.bin`` (``store_dir`` is node-local)
-    every rank broadcasts the ranges it owns, in buckets of at most ``broadcast_bucket_bytes``,
-    so all replicas hold the same parameters again
+    every rank broadcasts the ranges it owns as they are updated (``ParamBroadcast``: large ranges in place,
+    small ones packed into one preallocated buffer of at most ``broadcast_bucket_bytes``), so all replicas
+    hold the same parameters again when the step ends
 
 Ownership is a ``Partition`` balanced by state bytes (``partition_by_bytes``). A checkpoint is rank 0's file
 plus one optimizer shard per rank beside it (``lightning_nvme.checkpoint.sharded``); it resumes at any
@@ -44,6 +45,7 @@ from lightning_nvme.checkpoint import atomic, sharded
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
 from lightning_nvme.settings import ConfigError, DDPOffloadSettings, with_settings
 from lightning_nvme.strategies.offload import OffloadStrategy
+from lightning_nvme.strategies.param_broadcast import ParamBroadcast, plan_items
 
 
 @with_settings(DDPOffloadSettings)
@@ -79,7 +81,9 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
         self.partitions: list[Partition] = []
         self._grad_owner: dict[int, list[tuple[OffloadedOptimizer, int]]] = {}  # id(param) -> (optimizer, index)
         self._reducing: list[tuple[torch.futures.Future, list[torch.Tensor]]] = []  # launched bucket all-reduces
-        self._broadcasts: list[list[tuple[int, list[tuple[int, int, int]]]]] = []
+        self._broadcasts: list[ParamBroadcast] = []  # per offloaded optimizer
+        self._broadcast_groups: list[dist.ProcessGroup] = []  # one per source rank (see param_broadcast)
+        self._in_backward = False  # the closure (forward and backward) of an optimizer step is running
 
     @property
     @override
@@ -91,10 +95,16 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         self.partitions = []
         super()._offload_optimizers(trainer)
-        # per optimizer: (source rank, ranges) of every broadcast that follows its step, in a fixed order
-        self._broadcasts = [[(src, bucket) for src, pieces in enumerate(part.owner_pieces())
-                             for bucket in _buckets(pieces, off.params, self.broadcast_bucket_bytes)]
-                            for off, part in zip(self.offloaded, self.partitions)]
+        self._broadcasts = []
+        if self.world_size > 1:
+            if not self._broadcast_groups:  # collective: every rank reaches this in setup
+                self._broadcast_groups = [dist.new_group(list(range(self.world_size)))
+                                          for _ in range(self.world_size)]
+            for off, part in zip(self.offloaded, self.partitions):
+                items = plan_items(part.owner_pieces(), off.params, self.broadcast_bucket_bytes,
+                                   reverse=self.config.overlap == "backward")
+                self._broadcasts.append(ParamBroadcast(off.params, items, self.global_rank, self._broadcast_groups))
+                off.listener = _Finished(self, self._broadcasts[-1])
         self._grad_owner = {}
         for off in self.offloaded:
             for index, p in enumerate(off.params):
@@ -151,7 +161,17 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
         self._reducing = []  # reductions of a backward outside this step (manual optimization) are not ours
-        return super().optimizer_step(optimizer, closure, model, **kwargs)
+        off = self.offloaded_for(optimizer)
+        if off is not None and self._broadcasts:
+            self._broadcasts[self.offloaded.index(off)].begin()
+
+        def marked_closure() -> Any:
+            self._in_backward = True
+            try:
+                return closure()
+            finally:
+                self._in_backward = False
+        return super().optimizer_step(optimizer, marked_closure, model, **kwargs)
 
     @override
     def _after_update(self, off: OffloadedOptimizer) -> None:
@@ -159,25 +179,20 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
         self._reducing = []  # all complete: the step updated whatever backward did not
         if self.world_size == 1:
             return
-        params = off.params
         with torch.no_grad():
-            for src, bucket in self._broadcasts[self.offloaded.index(off)]:
-                self._broadcast_bucket(bucket, params, src)
+            self._broadcasts[self.offloaded.index(off)].finish()
 
-    def _broadcast_bucket(self, bucket: list[tuple[int, int, int]], params: list[torch.Tensor], src: int) -> None:
-        views = [params[i].detach().view(-1)[lo:hi] for i, lo, hi in bucket]
-        if len(views) == 1:
-            dist.broadcast(views[0], src)  # a view of the parameter itself: no copy
-            return
-        flat = torch.empty(sum(v.numel() for v in views), dtype=views[0].dtype, device=views[0].device)
-        if self.global_rank == src:
-            torch.cat(views, out=flat)
-        dist.broadcast(flat, src)
-        if self.global_rank != src:
-            pos = 0
-            for v in views:
-                v.copy_(flat[pos:pos + v.numel()])
-                pos += v.numel()
+    @override
+    def teardown(self) -> None:
+        groups, self._broadcast_groups, self._broadcasts = self._broadcast_groups, [], []
+        super().teardown()
+        if dist.is_available() and dist.is_initialized():
+            for group in groups:
+                dist.destroy_process_group(group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        """Process groups stay with this instance (a copy has none, like the store)."""
+        return {**super().__getstate__(), "_broadcast_groups": [], "_broadcasts": []}
 
     # ---- checkpoints -----------------------------------------------------------------------------------------
     @override
@@ -251,25 +266,17 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
         return out
 
 
-def _buckets(pieces: list[tuple[int, int, int]], params: list[torch.Tensor],
-             bucket_bytes: int) -> list[list[tuple[int, int, int]]]:
-    """Group ``(param, start, stop)`` ranges into broadcasts of at most ``bucket_bytes`` each (one dtype and
-    device per bucket); a range larger than a bucket is cut."""
-    buckets: list[list[tuple[int, int, int]]] = [[]]
-    used, kind = 0, None
-    for index, lo, hi in pieces:
-        p = params[index]
-        size = p.element_size()
-        if kind != (p.dtype, p.device):
-            buckets.append([])
-            used, kind = 0, (p.dtype, p.device)
-        while lo < hi:
-            room = (bucket_bytes - used) // size
-            if room <= 0:
-                buckets.append([])
-                used, room = 0, max(1, bucket_bytes // size)
-            n = min(hi - lo, room)
-            buckets[-1].append((index, lo, lo + n))
-            used += n * size
-            lo += n
-    return [b for b in buckets if b]
+class _Finished:
+    """The ``UpdateListener`` of a data-parallel offloaded optimizer: hands each chunk's finished parameters
+    to the broadcast; the first chunk updated outside backward posts the receives."""
+
+    def __init__(self, strategy: NVMeOffloadDDPStrategy, broadcast: ParamBroadcast) -> None:
+        self.strategy = strategy
+        self.broadcast = broadcast
+
+    def before_update(self, touched: Sequence[torch.Tensor]) -> None:
+        if not self.strategy._in_backward:
+            self.broadcast.post_receives()
+
+    def after_update(self, touched: Sequence[torch.Tensor], finished: Sequence[torch.Tensor]) -> None:
+        self.broadcast.finished(finished)

@@ -15,7 +15,7 @@ from __future__ import annotations
 import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import atomic, plugin_io
+from lightning_nvme.checkpoint import atomic, plugin_io, weights
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
@@ -187,9 +187,13 @@ class OffloadStrategy(Strategy):
         try:
             for off in self.offloaded:
                 off.attach(store)
+            self._attach_store(store)
             yield store
         finally:
             store.close()
+
+    def _attach_store(self, store: FlatStore) -> None:
+        """Point what else reads the store (offloaded parameters) at ``store``, reopened after fit."""
 
     def __getstate__(self) -> dict[str, Any]:
         """Picklable and deep-copyable during fit, like Lightning's strategies: the open store (threads, lock,
@@ -220,6 +224,8 @@ class OffloadStrategy(Strategy):
     # (``lightning_nvme.checkpoint.paired``). Loading keeps Lightning's order: ``load_checkpoint`` (before setup)
     # hands Lightning its usual dict and keeps where the streamed state is on the strategy, not in the dict;
     # ``load_optimizer_state_dict`` (after setup, when the offloaded optimizers exist) streams it back.
+    # Weights streamed beside the file (``offload_params``, ``checkpoint.weights``) stay references in that
+    # dict until ``load_model_state_dict`` streams them into the store (or reads them: a model in memory).
     _optimizer_parts: ckpt.OptimizerParts | None = None
 
     def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
@@ -229,10 +235,11 @@ class OffloadStrategy(Strategy):
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Any | None = None) -> None:
-        streamed = bool(self.offloaded) and "optimizer_states" in checkpoint
+        beside = weights.has_refs(checkpoint)
+        streamed = (bool(self.offloaded) and "optimizer_states" in checkpoint) or beside
         if not plugin_io.writes_itself(self.checkpoint_io, filepath, storage_options):
             if streamed:
-                plugin_io.refuse_streamed(self.strategy_name, self.checkpoint_io, filepath, storage_options)
+                plugin_io.refuse_streamed(self.strategy_name, self.checkpoint_io, filepath, storage_options, beside)
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if streamed:
             return self._save_streamed(checkpoint, os.path.abspath(os.fspath(filepath)))
@@ -259,9 +266,23 @@ class OffloadStrategy(Strategy):
             if ckpt.is_legacy_dir(path):
                 checkpoint, self._optimizer_parts = ckpt.legacy.load_legacy(path)
                 return checkpoint
-        checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        with weights.deferred():  # weights beside the file stay references until load_model_state_dict
+            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
         checkpoint, self._optimizer_parts = ckpt.paired.read(checkpoint, os.fspath(checkpoint_path))
         return checkpoint
+
+    def _weights_streamed_by(self, readers: weights.WeightReaders) -> AbstractContextManager[set[str]]:
+        """Inside, ``load_state_dict`` streams these state-dict keys' beside weights itself (into the store)."""
+        return nullcontext(set())
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not weights.has_refs(checkpoint):
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        with weights.WeightReaders() as readers, self._weights_streamed_by(readers) as streamed:
+            state_dict = {k: readers.read(v) if isinstance(v, weights.BesideWeight) and k not in streamed else v
+                          for k, v in checkpoint["state_dict"].items()}  # the rest: a model in memory anyway
+            super().load_model_state_dict({**checkpoint, "state_dict": state_dict}, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

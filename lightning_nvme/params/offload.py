@@ -115,9 +115,9 @@ class ParamOffload:
         an ordinary one again); otherwise the parameters stay in the store and stay placeholders."""
         if self.residency is None:
             return
-        assert self.scheduler is not None
-        self.scheduler.finish_step()
-        self.scheduler.remove()
+        if self.scheduler is not None:  # None: setup failed after a meta-device build placed the blocks
+            self.scheduler.finish_step()
+            self.scheduler.remove()
         if restore:
             for block in self.blocks:
                 values = self.residency.read_values(block)

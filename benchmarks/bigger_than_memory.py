@@ -8,6 +8,8 @@ so what grows is the number of blocks). Each configuration runs in a fresh proce
            overlap="backward")`` + ``NVMeActivationOffload``, activation checkpointing, AdamW fp32
   plain    Lightning's default strategy, same model, same activation checkpointing (smallest size only:
            it must fit in memory), alternating with ``offload`` pair by pair
+  state    (``--state-offload``, smallest size) optimizer state offloaded, parameters in memory
+           (``offload_params=False``, ``overlap="backward"``): the middle row of the memory table
 
 Between the children the raw O_DIRECT write and read speed of the store's disk is measured
 (``_disk.raw_disk``), so each step's I/O lower bound uses this run's disk speed:
@@ -77,6 +79,7 @@ def child(args: argparse.Namespace) -> dict:
     tokens = torch.randint(0, 256, (n * args.batch, args.seq + 1))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
     offload = args.child == "offload"
+    state_only = args.child == "state"
     model = GPTLightningModule(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                                n_embd=args.width, activation_checkpointing=True, empty_init=offload,
                                optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
@@ -88,6 +91,8 @@ def child(args: argparse.Namespace) -> dict:
         strategy = NVMeOffloadStrategy(args.dir, offload_params=True, overlap="backward", restore_params=False,
                                        param_prefetch=args.param_prefetch)
         callbacks.append(NVMeActivationOffload(args.dir, min_bytes=args.act_min_bytes))
+    elif state_only:
+        strategy = NVMeOffloadStrategy(args.dir, overlap="backward")
 
     class Clock(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, *_: object) -> None:
@@ -129,7 +134,7 @@ def _run_child(args: argparse.Namespace, kind: str, layers: int) -> dict:
     with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"{kind}-") as store_dir:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--layers", str(layers)] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k not in ("child", "layers", "sizes", "pairs", "dir") and v is not None] + [f"--dir={store_dir}"]
+            if k not in ("child", "layers", "sizes", "pairs", "dir", "state_offload") and v is not None] + [f"--dir={store_dir}"]
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
     if res.returncode != 0:
         raise SystemExit(f"child {kind} (layers={layers}) failed with exit code {res.returncode}")
@@ -158,7 +163,9 @@ def main() -> None:
                    help="NVMeActivationOffload min_bytes: a block input of seq x width fp32 must reach it")
     p.add_argument("--raw-max-mib", type=int, default=2048, help="bytes per raw-disk measurement, at most")
     p.add_argument("--dir", default=None, help="store directory (default: a temp dir beside the checkout)")
-    p.add_argument("--child", choices=["empty", "offload", "plain"], help=argparse.SUPPRESS)
+    p.add_argument("--state-offload", action="store_true", help="also the optimizer-state-only offload at the "
+                   "small size (peak RSS and step time: the memory table's middle row)")
+    p.add_argument("--child", choices=["empty", "offload", "plain", "state"], help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
@@ -179,12 +186,13 @@ def main() -> None:
         for pair in range(pairs):
             print(f"size {layers} layers, pair {pair}", file=sys.stderr, flush=True)
             plain = _run_child(args, "plain", layers) if i == 0 else None
+            state = _run_child(args, "state", layers) if i == 0 and args.state_offload else None
             load.append(os.getloadavg()[0])
             off = _run_child(args, "offload", layers)
             w, r = _raw(args, off["bytes_read_per_step"])
             load.append(os.getloadavg()[0])
             bound = off["bytes_read_per_step"] / (r * 1e9) + off["bytes_written_per_step"] / (w * 1e9)
-            rows.append({"off": off, "plain": plain, "raw_write_GBps": w, "raw_read_GBps": r, "io_bound_s": bound})
+            rows.append({"off": off, "plain": plain, "state": state, "raw_write_GBps": w, "raw_read_GBps": r, "io_bound_s": bound})
             print(f"  offload step {off['step_s']:.2f}s (I/O bound {bound:.2f}s, {off['peak_rss_bytes'] / MiB:.0f} MiB "
                   f"peak)" + (f" | plain step {plain['step_s']:.2f}s ({plain['peak_rss_bytes'] / MiB:.0f} MiB peak)"
                               if plain else ""), file=sys.stderr, flush=True)
@@ -246,7 +254,13 @@ def _summarize(layers: int, rows: list[dict], empty: int, mem_total: int) -> dic
             "plain_peak_rss_MiB": round(max(q["peak_rss_bytes"] for q in plain) / MiB, 1),
             "step_vs_bound": spread(ratios),
             "step_vs_plain": spread([r["off"]["step_s"] / r["plain"]["step_s"] for r in rows]),
+            "plain_resident_bytes_per_param": round((max(q["peak_rss_bytes"] for q in plain) - empty) / params, 3),
         })
+    if rows[0].get("state") is not None:
+        peak_state = max(r["state"]["peak_rss_bytes"] for r in rows)
+        res.update({"state_offload_peak_rss_MiB": round(peak_state / MiB, 1),
+                    "state_offload_resident_bytes_per_param": round((peak_state - empty) / params, 3),
+                    "state_offload_step_s": round(med(r["state"]["step_s"] for r in rows), 3)})
     return res
 
 

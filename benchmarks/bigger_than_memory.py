@@ -157,7 +157,7 @@ def main() -> None:
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=1, help="timed steps per child (the last one through a durable fence)")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps (optimizer state created)")
-    p.add_argument("--pairs", type=int, default=3, help="plain/offload pairs at the small size (one run per larger size)")
+    p.add_argument("--pairs", type=int, default=2, help="plain/offload pairs at the small size (one run per larger size)")
     p.add_argument("--param-prefetch", type=int, default=1)
     p.add_argument("--act-min-bytes", type=int, default=64 * 1024,
                    help="NVMeActivationOffload min_bytes: a block input of seq x width fp32 must reach it")

@@ -102,3 +102,35 @@ def test_io_error_in_write_back_reaches_the_next_step(tmp_path, monkeypatch):
     with pytest.raises(StoreError):
         store.close()
     assert not [t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io")]
+
+
+def test_update_temporaries_stay_off_the_heap_during_backward(tmp_path, monkeypatch):
+    """overlap='backward': chunk updates interleave with backward's allocations, which pin the heap above each
+    chunk's freed temporaries, so the heap grew with the model (3 GiB at 2.5 B params). Updates during backward
+    therefore keep glibc's fixed mmap threshold (temporaries are returned when freed); the updates after
+    backward (overlap='step') still put them on the heap. Training is unchanged (equal to in-memory AdamW)."""
+    from contextlib import contextmanager
+
+    import lightning_nvme.optim.offloaded as offloaded_mod
+
+    for overlap in ("backward", "step"):
+        entered = []
+
+        @contextmanager
+        def spy():
+            entered.append(1)
+            yield
+
+        monkeypatch.setattr(offloaded_mod, "temporaries_on_heap", spy)
+        ref_model, model = _model(), _model()
+        _train(ref_model, torch.optim.AdamW(ref_model.parameters()), steps=3)
+        store = FlatStore(tmp_path / overlap, io_chunk_bytes=4096)
+        off = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store, chunk_bytes=8 << 10, overlap=overlap)
+        _train(model, off.optimizer, steps=3)
+        chunks = len(off.chunks)
+        assert chunks > 3
+        # backward: only the resident (unchunked) update after backward; step: every chunk too
+        assert len(entered) <= 3 if overlap == "backward" else len(entered) >= 3 * chunks, (overlap, entered)
+        for p, q in zip(ref_model.parameters(), model.parameters()):
+            assert torch.equal(p, q)
+        store.close()

@@ -177,15 +177,20 @@ def test_frozen_base_with_adapters(tmp_path, tmp_path_factory):
     assert strategy.param_offload.stats.bytes_written <= first_placement + STEPS * (per_step + 4096 * len(layout.blocks))
 
 
-def test_gradients_are_consumed_in_backward(tmp_path):
+@pytest.mark.parametrize("offload_params", [False, True], ids=["state-offload", "params-offload"])
+def test_gradients_are_consumed_in_backward(tmp_path, offload_params):
     """overlap='backward': a gradient lives only until its chunk is updated. At every gradient hook the live
-    ``.grad`` tensors belong to chunks still waiting for a gradient, never to an updated chunk."""
-    seen = {"max_live": 0, "checks": 0}
+    ``.grad`` tensors belong to chunks still waiting for a gradient, never to an updated chunk; and the
+    chunks holding live gradients never exceed the chunks in flight (the ring: prefetch_depth + 2), however
+    many chunks the model has: gradient memory is bounded by the chunks in flight, not the model size."""
+    seen = {"max_live": 0, "checks": 0, "max_chunks": 0, "chunks": 0, "in_flight": 0}
 
     class Watch(Callback):
         def on_train_start(self, trainer, pl_module):
             off = trainer.strategy.offloaded[0]
             chunk_params = [{id(p.param) for p in c.pieces} for c in off.chunks]
+            seen["chunks"] = len(chunk_params)
+            seen["in_flight"] = trainer.strategy.config.prefetch_depth + 2
             params = [p for p in pl_module.parameters() if p.requires_grad]
             fired: set[int] = set()
 
@@ -197,18 +202,24 @@ def test_gradients_are_consumed_in_backward(tmp_path):
                 allowed = set().union(*open_chunks) if open_chunks else set()
                 live = [q for q in params if q.grad is not None]
                 assert all(id(q) in allowed or id(q) == id(p) for q in live)
+                live_ids = {id(q) for q in live}
+                holding = sum(1 for c in chunk_params if c & live_ids)
                 seen["max_live"] = max(seen["max_live"], len(live))
+                seen["max_chunks"] = max(seen["max_chunks"], holding)
                 seen["checks"] += 1
 
             for p in params:  # registered after the optimizer's hooks: they run after each update
                 p.register_post_accumulate_grad_hook(hook)
 
-    strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), chunk_bytes=16 << 10, overlap="backward")
+    strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), chunk_bytes=16 << 10, overlap="backward",
+                                   offload_params=offload_params)
     model = TinyGPT()
     trainer(tmp_path, strategy, steps=3, callbacks=[Watch()]).fit(model)
     trainable = sum(p.requires_grad for p in model.parameters())
     assert seen["checks"] >= 3 * trainable
     assert seen["max_live"] <= trainable // 4, seen
+    assert seen["chunks"] >= 3 * seen["in_flight"], seen  # a model of many chunks: the bound is not trivial
+    assert seen["max_chunks"] <= seen["in_flight"], seen
 
 
 @pytest.mark.parametrize("beside", [False, True], ids=["inline", "beside"])

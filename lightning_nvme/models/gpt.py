@@ -8,6 +8,7 @@ difference from the Hub layout is that GPT-2 stores its ``Conv1D`` weights trans
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 import os
@@ -99,6 +100,13 @@ class Block(nn.Module):
         return x + self.mlp(self.ln_2(x))
 
 
+def _gpt2_reset(module: nn.Linear | nn.Embedding, std: float) -> None:
+    nn.init.normal_(module.weight, std=std)
+    bias = getattr(module, "bias", None)
+    if bias is not None:
+        nn.init.zeros_(bias)
+
+
 class GPT(nn.Module):
     """GPT-2 decoder; ``activation_checkpointing`` recomputes each block in backward instead of keeping
     its activations (only the block inputs stay alive — the tensors an activation-offload callback moves)."""
@@ -120,6 +128,18 @@ class GPT(nn.Module):
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith("c_proj.weight"):
                 nn.init.normal_(p, std=0.02 / math.sqrt(2 * cfg.n_layer))
+        if self.lm_head.weight.is_meta:
+            self._gpt2_resets()
+
+    def _gpt2_resets(self) -> None:
+        """Built on the meta device: initialization happens later, module by module, through each module's
+        ``reset_parameters()`` (Lightning's convention for meta-device models). Make that GPT-2's init too
+        (normal(0.02), zero biases, scaled residual projections) instead of torch's kaiming/normal(1)."""
+        residual_std = 0.02 / math.sqrt(2 * self.config.n_layer)
+        for name, m in self.named_modules():
+            if isinstance(m, (nn.Linear, nn.Embedding)):
+                std = residual_std if name.endswith("c_proj") else 0.02
+                m.reset_parameters = functools.partial(_gpt2_reset, m, std)  # type: ignore[method-assign]
 
     @staticmethod
     def _init_weights(m: nn.Module) -> None:

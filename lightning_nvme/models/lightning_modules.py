@@ -100,20 +100,32 @@ class GPTLightningModule(CausalLMModule):
         dropout: GPT-2's residual/attention/embedding dropout.
         activation_checkpointing: recompute each transformer block in backward.
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial).
+        empty_init: build the network in ``configure_model`` instead of ``__init__``: Lightning runs it under
+            the strategy's ``tensor_init_context``, so with ``offload_params=True`` the parameters are created
+            on the meta device and initialized block by block straight into the store (a model bigger than
+            memory is never built in memory). Initial values are then each module's ``reset_parameters()``
+            (Lightning's convention for meta-device models), not GPT-2's normal(0.02) init.
     """
 
     def __init__(self, vocab_size: int = 256, block_size: int = 128, n_layer: int = 4, n_head: int = 4,
                  n_embd: int = 128, dropout: float = 0.0, activation_checkpointing: bool = False,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 optimizer: OptimizerFactory | None = None, empty_init: bool = False) -> None:
         super().__init__(optimizer)
         self.save_hyperparameters(ignore=["optimizer"])
-        cfg = GPTConfig(vocab_size=vocab_size, n_positions=block_size, n_embd=n_embd, n_layer=n_layer,
-                        n_head=n_head, dropout=dropout)
-        self.model = GPT(cfg, activation_checkpointing)
+        self.config = GPTConfig(vocab_size=vocab_size, n_positions=block_size, n_embd=n_embd, n_layer=n_layer,
+                                n_head=n_head, dropout=dropout)
+        self.activation_checkpointing = activation_checkpointing
+        if not empty_init:
+            self.configure_model()
+
+    @override
+    def configure_model(self) -> None:
+        if not hasattr(self, "model"):  # Lightning calls this hook again for every fit/validate/predict
+            self.model = GPT(self.config, self.activation_checkpointing)
 
     @property
     def vocab_size(self) -> int:
-        return self.model.config.vocab_size
+        return self.config.vocab_size
 
     @override
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:

@@ -21,6 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_nvme.optim.probe import StateSpec, UnsupportedOptimizerError, check_supported, probe_state_spec, shape_class
 from lightning_nvme.optim.state_format import EXACT, HALF_DTYPES, MASTER_KEY, Component, StateFormat
+from lightning_nvme.params.placeholder import is_placeholder
 
 SLOT_ALIGN = 64  # bytes; keeps every state view SIMD-aligned inside a chunk buffer
 
@@ -187,7 +188,8 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
                 _refuse_split(optimizer, info, chunk_bytes, "it is split between data-parallel ranks", fmt)
             if p.numel() > max_elems:
                 _refuse_split(optimizer, info, chunk_bytes, f"its state exceeds chunk_bytes={chunk_bytes}", fmt)
-        if (p.numel() > max_elems or ranges != [(0, p.numel())]) and not p.is_contiguous():
+        # A parameter offloaded to the store (a placeholder now) is a contiguous view of its block when resident.
+        if (p.numel() > max_elems or ranges != [(0, p.numel())]) and not (p.is_contiguous() or is_placeholder(p)):
             raise ValueError(f"parameter {index} ({tuple(p.shape)}) is non-contiguous and must be cut into "
                              f"ranges (its state exceeds chunk_bytes={chunk_bytes}, or it is split between "
                              f"ranks); raise chunk_bytes or make it contiguous")

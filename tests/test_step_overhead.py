@@ -50,13 +50,21 @@ print(outside, inside)
 
 @pytest.mark.skipif(platform.libc_ver()[0] != "glibc", reason="mallopt is glibc's")
 def test_update_temporaries_reuse_heap_pages_instead_of_faulting_fresh_mmaps():
-    # In a fresh process: the count must not depend on what earlier tests left in this one's heap.
-    out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=120,
-                         env=dict(os.environ, OMP_NUM_THREADS="1"))
-    assert out.returncode == 0, out.stderr
-    outside, inside = map(int, out.stdout.split())
-    assert outside > 3 * 3 * 4096 // 2, (outside, inside)  # outside, (most of) every page is faulted in
-    assert inside < outside / 4, (inside, outside)
+    # In a fresh process: the count must not depend on what earlier tests left in this one's heap. Up to three
+    # processes: in about one process of a few hundred (CI, 2026-12-01) one of the three temporaries still faulted
+    # each time (inside = 1/3 of outside): the address-space layout of that process (randomized per process) left
+    # the heap no room to grow in place. The behaviour under test is the usual process; every attempt is shown.
+    attempts = []
+    for _ in range(3):
+        out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=120,
+                             env=dict(os.environ, OMP_NUM_THREADS="1"))
+        assert out.returncode == 0, out.stderr
+        outside, inside = map(int, out.stdout.split())
+        assert outside > 3 * 3 * 4096 // 2, (outside, inside)  # outside, (most of) every page is faulted in
+        attempts.append((inside, outside))
+        if inside < outside / 4:
+            return
+    raise AssertionError(f"(inside, outside) page faults per attempt: {attempts}")
 
 
 def test_counters_attribute_cpu_to_the_io_threads_and_count_store_waits(tmp_path):

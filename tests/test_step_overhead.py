@@ -52,7 +52,7 @@ print(outside, inside)
 def test_update_temporaries_reuse_heap_pages_instead_of_faulting_fresh_mmaps():
     # In a fresh process: the count must not depend on what earlier tests left in this one's heap. Up to three
     # processes: in one CI run (2026-12-01) one of the three temporaries still faulted
-    # each time (inside = 1/3 of outside): the address-space layout of that process (randomized per process) left
+    # each time (inside = 1/3 of outside), probably because the address-space layout of that process (randomized per process) left
     # the heap no room to grow in place. The behaviour under test is the usual process; every attempt is shown.
     attempts = []
     for _ in range(3):

@@ -56,7 +56,7 @@ def _disk(r: dict) -> str:
 
 
 BENCHMARKS = [
-    Bench("optimizer_offload", ["--params-m", "50", "--tokens", "768", "--steps", "4", "--pairs", "5"], [
+    Bench("optimizer_offload", ["--params-m", "50", "--tokens", "1536", "--steps", "4", "--pairs", "5"], [
         Figure('AdamW state offload, `overlap="backward"`: train step ÷ in-memory', "train_step_ratio", "≤ 1.10",
                lambda r: f"I/O lower bound {r['io_bound_vs_backward']:.2f}× backward (target needs ≤ 0.8); {_disk(r)}"),
         Figure('AdamW state offload, `overlap="step"`: train step ÷ in-memory', "train_step_ratio_step_mode", "—",

@@ -137,8 +137,9 @@ class OffloadSettings:
         1 * GiB, "Free space that must remain on the SSD after the store is allocated (checked before training).",
         nbytes(0, typical="0 to disable the margin"))
     malloc_mmap_threshold: int | None = setting(
-        8 * MiB, "glibc's mmap threshold, fixed so freed chunk temporaries return to the OS (bounded RSS); None "
-                 "leaves the allocator alone.", optional(nbytes(4096), "leave the allocator alone"))
+        32 * MiB, "glibc's mmap threshold, fixed (not raised by glibc as it goes) so freed blocks above it return "
+                  "to the OS; chunk temporaries are handled per update (lightning_nvme.memory); None leaves the "
+                  "allocator alone.", optional(nbytes(4096), "leave the allocator alone"))
     state_format: str = setting(
         "exact", "How per-element optimizer state (Adam's moments, momentum...) is stored: ``\"exact\"``, "
                  "``\"bf16\"`` or ``\"int8\"`` (blockwise 8-bit); see docs/state_format.md.",

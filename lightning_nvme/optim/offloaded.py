@@ -28,7 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim import Optimizer
 
-from lightning_nvme.memory import keep_freed_heap, temporaries_on_heap
+from lightning_nvme.memory import keep_freed_heap, temporaries_off_heap, temporaries_on_heap
 from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, Plan, plan_chunks
 from lightning_nvme.optim.probe import UnsupportedOptimizerError, raw_step
@@ -254,7 +254,7 @@ class OffloadedOptimizer:
             # Heap temporaries (no page faults per temporary) only after backward: during backward, backward's
             # own allocations land above each chunk's freed temporaries, so the heap could not reuse or shrink
             # them and grew with every chunk of the step (3 GiB at 2.5 B params, 1.2 B/param, with the model).
-            heap = temporaries_on_heap() if not self._armed else nullcontext()
+            heap = temporaries_on_heap() if not self._armed else temporaries_off_heap()
             with torch.no_grad(), heap, self._nested_hooks(opt):
                 self._inner_step(opt, **self._step_kwargs)
         finally:

@@ -7,7 +7,10 @@ allocates and frees chunk-sized temporaries every step, and measured on this mac
 blocks at least that large back to the OS when freed. Measured on a 151 M-param AdamW training step
 (benchmarks/optimizer_offload.py shapes, peak RSS / step time): glibc default 2473 MiB / 4.75 s;
 1 MiB 2036 MiB / 5.45 s (every activation is then a fresh mmap: page faults); 8 MiB 2187 MiB /
-4.55 s. 8 MiB keeps activation-sized blocks on the fast heap and releases chunk temporaries.
+4.55 s. Fixed at 8 MiB, though, every activation above 8 MiB (1536 tokens x 2048 wide) was a fresh
+mmap each step: 307 K page faults per offloaded step vs 18.7 K in memory (docs/performance.md). The
+default is now 32 MiB (glibc's own maximum, still fixed), with chunk updates inside backward pushed off
+the heap (``temporaries_off_heap``) and updates after backward kept on a trimmed heap region.
 """
 
 from __future__ import annotations
@@ -91,16 +94,8 @@ def temporaries_on_heap() -> Iterator[None]:
     and unmapped again: ~100 K page faults per step for 50 M params (``benchmarks/optimizer_offload.py
     --profile``). Wrap only the update (not forward/backward, whose blocks the fixed threshold keeps
     releasing), inside ``keep_freed_heap`` so the next update reuses the pages."""
-    threshold = _fixed_threshold
-    libc = _libc() if threshold is not None else None
-    if libc is None or threshold is None:
+    with _mmap_threshold_within(HEAP_MMAP_THRESHOLD_MAX):
         yield
-        return
-    _set(libc, M_MMAP_THRESHOLD, HEAP_MMAP_THRESHOLD_MAX)
-    try:
-        yield
-    finally:
-        _set(libc, M_MMAP_THRESHOLD, threshold)
 
 
 @contextmanager
@@ -112,9 +107,20 @@ def temporaries_off_heap(threshold: int = 8 << 20) -> Iterator[None]:
     can neither reuse nor shrink them and grows with every chunk (3 GiB at 2.5 B params). Off the heap they
     cost page faults, but only the update's, not forward's and backward's. A no-op unless
     ``release_freed_memory`` fixed the thresholds."""
+    if _fixed_threshold is not None and threshold >= _fixed_threshold:
+        yield  # already at least that low
+        return
+    with _mmap_threshold_within(threshold):
+        yield
+
+
+@contextmanager
+def _mmap_threshold_within(threshold: int) -> Iterator[None]:
+    """M_MMAP_THRESHOLD = ``threshold`` within the block, back to the fixed one after; a no-op unless
+    ``release_freed_memory`` fixed it (glibc only)."""
     fixed = _fixed_threshold
     libc = _libc() if fixed is not None else None
-    if libc is None or fixed is None or threshold >= fixed:
+    if libc is None or fixed is None:
         yield
         return
     _set(libc, M_MMAP_THRESHOLD, threshold)

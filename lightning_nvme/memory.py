@@ -10,7 +10,9 @@ blocks at least that large back to the OS when freed. Measured on a 151 M-param 
 4.55 s. Fixed at 8 MiB, though, every activation above 8 MiB (1536 tokens x 2048 wide) was a fresh
 mmap each step: 307 K page faults per offloaded step vs 18.7 K in memory (docs/performance.md). The
 default is now 32 MiB (glibc's own maximum, still fixed), with chunk updates inside backward pushed off
-the heap (``temporaries_off_heap``) and updates after backward kept on a trimmed heap region.
+the heap (``temporaries_off_heap``) and updates after backward kept on a trimmed heap region. With
+``offload_params`` (the model does not fit: memory first) the default stays 8 MiB: at 2.52 B params the
+32 MiB threshold kept ~500 MiB more on the heap (gradients and update temporaries of 8-32 MiB).
 """
 
 from __future__ import annotations
@@ -29,6 +31,9 @@ M_MMAP_THRESHOLD = -3
 
 
 HEAP_MMAP_THRESHOLD_MAX = 32 << 20  # the largest M_MMAP_THRESHOLD glibc accepts on 64-bit
+# Updates inside backward, and every allocation with offload_params ("auto"): measured at 2.52 B params,
+# peak RSS 3194 MiB at 32 MiB vs 2699 MiB at 8 MiB (1.14 vs 0.93 resident bytes/param, docs/params.md).
+OFF_HEAP_THRESHOLD = 8 << 20
 
 _fixed_threshold: int | None = None  # what release_freed_memory set in this process, if anything
 
@@ -99,7 +104,7 @@ def temporaries_on_heap() -> Iterator[None]:
 
 
 @contextmanager
-def temporaries_off_heap(threshold: int = 8 << 20) -> Iterator[None]:
+def temporaries_off_heap(threshold: int = OFF_HEAP_THRESHOLD) -> Iterator[None]:
     """Within the block, allocations of ``threshold`` bytes or more are fresh mappings, returned when freed.
 
     Why: an update that runs inside backward (``overlap="backward"``) interleaves its temporaries with

@@ -22,6 +22,7 @@ from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from lightning_nvme.constants import ALIGN, MASTER_FORMATS, STATE_FORMATS, STORE_DIR_ENV, GiB, MiB
+from lightning_nvme.memory import HEAP_MMAP_THRESHOLD_MAX, OFF_HEAP_THRESHOLD
 
 if TYPE_CHECKING:
     from lightning_nvme.optim.state_format import StateFormat
@@ -101,6 +102,13 @@ def _block_classes(value: Any) -> str | None:
             f"['transformers.models.gpt2.modeling_gpt2.GPT2Block']), or null for the default policy; got {value!r}.")
 
 
+def _mmap_threshold(value: Any) -> str | None:
+    if value is None or value == "auto" or (_is_int(value) and value >= 4096):
+        return None
+    return (f"must be \"auto\", an integer number of bytes >= 4096 (e.g. 33554432) or null (leave glibc's "
+            f"allocator alone), got {value!r}.")
+
+
 def setting(default: T, doc: str, check: Check | None = None) -> T:
     """One argument: its default, its one-line doc and its check (``None``: any value of its type)."""
     return dataclasses.field(default=default, metadata={"doc": doc, "check": check})
@@ -136,10 +144,11 @@ class OffloadSettings:
     min_free_bytes: int = setting(
         1 * GiB, "Free space that must remain on the SSD after the store is allocated (checked before training).",
         nbytes(0, typical="0 to disable the margin"))
-    malloc_mmap_threshold: int | None = setting(
-        32 * MiB, "glibc's mmap threshold, fixed (not raised by glibc as it goes) so freed blocks above it return "
-                  "to the OS; chunk temporaries are handled per update (lightning_nvme.memory); None leaves the "
-                  "allocator alone.", optional(nbytes(4096), "leave the allocator alone"))
+    malloc_mmap_threshold: int | str | None = setting(
+        "auto", "glibc's mmap threshold, fixed (not raised by glibc as it goes) so freed blocks above it return "
+                "to the OS. ``\"auto\"``: 32 MiB, or 8 MiB with ``offload_params`` (memory flat in model size "
+                "before page-fault cost); None leaves the allocator alone (lightning_nvme.memory).",
+        _mmap_threshold)
     state_format: str = setting(
         "exact", "How per-element optimizer state (Adam's moments, momentum...) is stored: ``\"exact\"``, "
                  "``\"bf16\"`` or ``\"int8\"`` (blockwise 8-bit); see docs/state_format.md.",
@@ -199,6 +208,12 @@ class OffloadSettings:
         """``store_dir``, else ``$LIGHTNING_NVME_STORE_DIR``, else ``<default_root_dir>/nvme_store``."""
         return os.path.abspath(self.store_dir or os.environ.get(STORE_DIR_ENV) or
                                os.path.join(default_root_dir, "nvme_store"))
+
+    def mmap_threshold(self) -> int | None:
+        """``malloc_mmap_threshold`` in bytes (``"auto"`` resolved), None: leave glibc alone."""
+        if self.malloc_mmap_threshold != "auto":
+            return self.malloc_mmap_threshold  # type: ignore[return-value]
+        return OFF_HEAP_THRESHOLD if self.offload_params else HEAP_MMAP_THRESHOLD_MAX
 
     def io_request(self) -> tuple[int, int]:
         """``(io_chunk_bytes, io_workers)``: from the tuned ``io_profile`` if given, else the arguments."""

@@ -80,7 +80,8 @@ def test_default_strategy_of_the_cli_offloads() -> None:
     ("min_free_bytes", -1, ">= 0"),
     ("overlap", "sometimes", "'step', 'backward'"),
     ("io_profile", "/nonexistent/profile.json", "lightning-nvme doctor"),
-    ("malloc_mmap_threshold", 100, "Or null"),
+    ("malloc_mmap_threshold", 100, "or null"),
+    ("malloc_mmap_threshold", "8MiB", "\"auto\""),
     ("broadcast_bucket_bytes", 0, ">= 4096"),
 ])
 def test_each_bad_value_is_one_config_error_naming_the_key(key: str, value: object, needle: str) -> None:

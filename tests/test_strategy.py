@@ -193,6 +193,17 @@ def test_malloc_threshold_is_applied_at_setup(tmp_path, monkeypatch, threshold):
     assert calls == ([threshold] if threshold else [])
 
 
+def test_auto_malloc_threshold_is_lower_when_parameters_are_offloaded():
+    """Memory first when the model does not fit: 8 MiB with offload_params, else glibc's 32 MiB maximum."""
+    from lightning_nvme.memory import HEAP_MMAP_THRESHOLD_MAX, OFF_HEAP_THRESHOLD
+    from lightning_nvme.settings import OffloadSettings
+
+    assert OffloadSettings().mmap_threshold() == HEAP_MMAP_THRESHOLD_MAX == 32 << 20
+    assert OffloadSettings(offload_params=True).mmap_threshold() == OFF_HEAP_THRESHOLD == 8 << 20
+    assert OffloadSettings(offload_params=True, malloc_mmap_threshold=1 << 20).mmap_threshold() == 1 << 20
+    assert OffloadSettings(malloc_mmap_threshold=None).mmap_threshold() is None
+
+
 def test_release_freed_memory_on_glibc():
     import platform
 

@@ -23,7 +23,9 @@ import numpy as np
 import torch
 from numba import njit, prange
 
-BLOCK = 256  # elements per int8 block (one fp32 absmax each: 1/64 byte per element)
+from lightning_nvme.constants import INT8_BLOCK
+
+BLOCK = INT8_BLOCK
 F32 = np.float32
 SIGNED_Q = F32(127.0)
 UNSIGNED_Q = F32(255.0 ** 4)  # 4228250625 rounds to 4228250624 in fp32

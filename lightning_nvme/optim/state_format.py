@@ -34,14 +34,16 @@ from __future__ import annotations
 from collections import defaultdict
 from collections.abc import Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch.optim import Optimizer
 
+from lightning_nvme.constants import INT8_BLOCK as BLOCK
 from lightning_nvme.constants import MASTER_FORMATS, STATE_FORMATS
-from lightning_nvme.optim import codec_kernels as kernels
-from lightning_nvme.optim.codec_kernels import BLOCK
+
+if TYPE_CHECKING:
+    from types import ModuleType
 
 SCALE_SUFFIX = ".absmax"
 # Entry of a torch-format optimizer state dict (plain checkpoints) recording the format it came from and
@@ -175,6 +177,14 @@ def decode_entries(fmt: StateFormat, entries: dict[str, Any]) -> None:
         entries[key] = fmt.decode(key, torch.float32, raws).view(value.shape)
 
 
+def _kernels() -> ModuleType:
+    """The numba kernels, imported on first use: numba costs ~50 MiB of RSS, which runs in the default
+    ``"exact"`` format should not pay."""
+    from lightning_nvme.optim import codec_kernels
+
+    return codec_kernels
+
+
 def _np(t: torch.Tensor):
     """A numpy view of a 1-D contiguous CPU tensor (bf16 as its int16 bits)."""
     return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).detach().numpy()
@@ -189,7 +199,7 @@ def _encode_int8(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor
     x = _on_cpu(values)
     c, s = (codes, scales) if codes.device.type == "cpu" else (torch.empty_like(codes, device="cpu"),
                                                                 torch.empty_like(scales, device="cpu"))
-    if kernels.encode_int8(_np(x), _np(c), _np(s), unsigned) >= 0:
+    if _kernels().encode_int8(_np(x), _np(c), _np(s), unsigned) >= 0:
         _report(x, what, 0, unsigned)
     if c is not codes:
         codes.copy_(c)
@@ -218,7 +228,7 @@ def _decode_int8(codes: torch.Tensor, scales: torch.Tensor, unsigned: bool,
         return _decode_int8(codes.cpu(), scales.cpu(), unsigned).to(codes.device)
     if out is None:
         out = torch.empty(codes.numel(), dtype=torch.float32)
-    kernels.decode_int8(_np(codes), _np(scales), _np(out), unsigned)
+    _kernels().decode_int8(_np(codes), _np(scales), _np(out), unsigned)
     return out
 
 
@@ -238,7 +248,7 @@ def stochastic_round_bf16(x: torch.Tensor, key: int, start: int = 0, out: torch.
     flat = _on_cpu(x)
     direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
     dst = out.view(-1) if direct else torch.empty(flat.numel(), dtype=torch.bfloat16)  # type: ignore[union-attr]
-    kernels.stochastic_round_bf16(_np(flat), _np(dst), key, start)
+    _kernels().stochastic_round_bf16(_np(flat), _np(dst), key, start)
     if out is None:
         return dst.view(x.shape).to(x.device)
     if not direct:

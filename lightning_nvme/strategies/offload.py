@@ -125,8 +125,9 @@ class OffloadStrategy(Strategy):
         if self.nvme_store is not None:
             return self.nvme_store
         io_chunk_bytes, io_workers = self.config.io_request()
-        if self.config.malloc_mmap_threshold is not None:
-            release_freed_memory(self.config.malloc_mmap_threshold)  # see lightning_nvme.memory: bounded RSS
+        threshold = self.config.mmap_threshold()
+        if threshold is not None:
+            release_freed_memory(threshold)  # see lightning_nvme.memory: bounded RSS
         name = claim_store_name(store_dir, self._store_rank, self, self._run_token)
         self.nvme_store = FlatStore(store_dir, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
                                     num_workers=io_workers, pool_bytes=max(self.config.staging_bytes, io_chunk_bytes),

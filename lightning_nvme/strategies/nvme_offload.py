@@ -86,12 +86,10 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self.param_offload = None
         if self.config.offload_params and trainer.state.fn == TrainerFn.FITTING:
-            if self.root_device.type != "cpu":
-                raise ValueError(f"{self.strategy_name}: offload_params=True runs on CPU for now; the accelerator "
-                                 f"path ({self.root_device}) is not implemented. Set offload_params=False.")
+            self._check_param_offload_supported()
             s = self.config
             classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
-            self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch)
+            self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device)
         super().setup(trainer)
         if self.param_offload is not None:
             if self.nvme_store is None:
@@ -110,6 +108,17 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
                            f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
                            f"resident ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
+
+    def _check_param_offload_supported(self) -> None:
+        device = self.root_device
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{self.strategy_name}: offload_params=True runs on CPU and CUDA devices; the "
+                             f"accelerator path for {device} is not implemented. Set offload_params=False.")
+        if device.type == "cuda" and getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(f"{self.strategy_name}: offload_params=True on CUDA does not support a loss scaler "
+                             "(precision='16-mixed'): its unscale and skipped steps are not verified against "
+                             "in-memory training. Use precision='bf16-mixed', 'bf16-true' or '32-true', or "
+                             "offload_params=False.")
 
     @override
     @contextmanager

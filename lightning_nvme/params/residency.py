@@ -93,10 +93,13 @@ class BlockResidency:
         st = self._state[block.index]
         if st.buffer is not None:
             self._wait_read(block)
-            if st.bound:  # the bound copy is the truth (on an accelerator it may be newer than the host buffer)
-                assert st.device is not None
-                self.staging.to_host(st.device, st.buffer).synchronize()
             buf = st.buffer
+            if st.device is not None and st.device is not st.buffer:  # a device copy is the truth: fetch it
+                buf = self.staging.caller_buffer(self._capacity(block))
+                self.staging.to_host(st.device, buf).synchronize()
+                copy = False  # the fresh buffer is the caller's already
+            elif self.staging.reuses_buffers:
+                copy = True  # the resident buffer goes back to a pool when evicted: the caller gets copies
         else:
             self._issue_writes(of=block)
             buf = self.staging.caller_buffer(self._capacity(block))

@@ -65,6 +65,7 @@ class StagingStats:
 
 class Staging(Protocol):
     stats: StagingStats
+    reuses_buffers: bool  # host buffers return to a pool (values handed out must be copies)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor: ...
 
@@ -83,6 +84,8 @@ class Staging(Protocol):
 
 class HostStaging:
     """CPU: the host buffer is the parameters' storage; every call but the allocation is a no-op."""
+
+    reuses_buffers = False
 
     def __init__(self) -> None:
         self.stats = StagingStats()
@@ -140,6 +143,8 @@ class CudaStaging:
         buffer_bytes: the largest block region (every pool buffer holds any block).
         pool_size: pinned host buffers (the blocks resident at once plus write-backs in flight).
     """
+
+    reuses_buffers = True
 
     def __init__(self, device: torch.device, buffer_bytes: int, pool_size: int, ops: Any = None) -> None:
         self.device = device

@@ -100,6 +100,15 @@ class ParamOffload:
 
         materialize(self.model, device, place_complete_blocks)
 
+    def place(self, store: FlatStore, device: torch.device) -> None:
+        """Move an in-memory model's blocks into the store before the model goes to ``device``, leaving
+        placeholders already on ``device``: only resident parameters are then copied there whole."""
+        residency = self.attach_store(store)
+        for block in self.blocks:
+            if not residency.placed(block):
+                residency.place(block, device)
+        residency.drain()
+
     def start(self, store: FlatStore, planned: Iterable[torch.Tensor] = ()) -> None:
         """Move the blocks' values into the store (placeholders left behind; blocks already placed by
         ``materialize`` stay), install the hooks. ``planned``: the parameters offloaded optimizers update

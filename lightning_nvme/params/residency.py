@@ -64,13 +64,14 @@ class BlockResidency:
         self._resident_bytes = 0
 
     # ---- first placement -----------------------------------------------------------------------------
-    def place(self, block: BlockLayout) -> None:
-        """Copy the block's current values into the store and leave placeholders (setup)."""
+    def place(self, block: BlockLayout, device: torch.device | None = None) -> None:
+        """Copy the block's current values into the store and leave placeholders (setup), on ``device``
+        (default: the parameters' own)."""
         buf = self._new_buffer(block)
         for slot in block.slots:
             self._view(buf, slot).copy_(slot.param.detach())
         self._write(block, buf)
-        self._unbind(block)
+        self._unbind(block, device)
         self._state[block.index].placed = True
 
     def placed(self, block: BlockLayout) -> bool:
@@ -240,9 +241,9 @@ class BlockResidency:
         self.store.wait(handle)
         self.staging.recycle(buf)
 
-    def _unbind(self, block: BlockLayout) -> None:
+    def _unbind(self, block: BlockLayout, device: torch.device | None = None) -> None:
         for slot in block.slots:
-            slot.param.data = placeholder(slot.shape, slot.dtype, slot.param.device)
+            slot.param.data = placeholder(slot.shape, slot.dtype, device or slot.param.device)
 
     def _count_bound(self, sign: int) -> None:
         self.stats.bound_blocks += sign

@@ -136,14 +136,15 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if has_meta_tensors(self.model):
-            if self.param_offload is None:  # not fitting: the model is needed in memory anyway
-                materialize(self.model, self.root_device)
-            else:
-                assert self.lightning_module is not None
-                trainer = self.lightning_module.trainer
-                store = self._open_new_store(trainer, HEADER_BYTES + self._extra_store_bytes())
+        if self.param_offload is not None and (has_meta_tensors(self.model) or self.root_device.type != "cpu"):
+            assert self.lightning_module is not None
+            store = self._open_new_store(self.lightning_module.trainer, HEADER_BYTES + self._extra_store_bytes())
+            if has_meta_tensors(self.model):
                 self.param_offload.materialize(store, self.root_device)
+            else:  # an accelerator receives the blocks' placeholders, never the whole model
+                self.param_offload.place(store, self.root_device)
+        elif has_meta_tensors(self.model):  # not fitting: the model is needed in memory anyway
+            materialize(self.model, self.root_device)
         super().model_to_device()
 
     @property

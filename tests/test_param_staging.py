@@ -220,6 +220,25 @@ def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_facto
     assert stats.staging.h2d_bytes > 0 and stats.staging.d2h_bytes > 0
 
 
+def test_blocks_placed_before_the_model_moves(tmp_path):
+    """What the strategy does on an accelerator before ``model_to_device``: the blocks go to the store from
+    host memory and the module holds placeholders made on the given device (``cuda`` there: moving the
+    model then copies no block parameter; only CPU exists here)."""
+    from lightning_nvme.params import ParamOffload
+
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(3)))
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    offload = ParamOffload(model)
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
+    offload.place(store, CPU)
+    assert all(is_placeholder(p) for p in model.parameters())
+    for block in offload.blocks:
+        for name, value in offload.residency.read_values(block).items():
+            assert torch.equal(value, before[name]), name
+    store.close()
+
+
 def test_device_types_refused(tmp_path):
     with pytest.raises(ValueError, match="offload_params=True runs on CPU and CUDA"):
         NVMeOffloadStrategy(device="mps", offload_params=True)._check_param_offload_supported()

@@ -42,7 +42,7 @@ class _State:
     buffer: torch.Tensor | None = None  # uint8, page-aligned host buffer
     device: torch.Tensor | None = None  # what the parameters are views of while bound (CPU: ``buffer``)
     read: IOHandle | None = None
-    bound: bool = False  # parameters point into ``buffer``
+    bound: bool = False  # parameters point into ``device``
     dirty: bool = False
     dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
     placed: bool = False  # its values are in the store

@@ -23,7 +23,7 @@ def offload(tmp_path, **kw):
 
 # ---- bitwise equality with the round-trip reference ------------------------------------------------------
 @pytest.mark.parametrize("state_format", ["bf16", "int8"])
-@pytest.mark.parametrize("optimizer", ["adamw", "sgd", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "sgd", "adagrad"])
 def test_bitwise_equal_to_round_trip_reference(tmp_path, optimizer, state_format):
     ref, _ = fit(tmp_path / "ref", "auto", optimizer=optimizer, ref_state_format=state_format)
     off, t = fit(tmp_path / "off", offload(tmp_path, state_format=state_format), optimizer=optimizer)

@@ -28,7 +28,7 @@ def assert_same_params(a, b):
         assert torch.equal(p, q), f"parameter {name} differs"
 
 
-@pytest.mark.parametrize("optimizer", ["adamw", "adam", "sgd", "rmsprop", "adagrad"])
+@pytest.mark.parametrize("optimizer", ["adamw", "adamw_fused", "adam", "sgd", "rmsprop", "adagrad"])
 def test_bitwise_equal_to_in_memory(tmp_path, optimizer):
     ref, _ = fit(tmp_path / "ref", "auto", optimizer=optimizer)
     strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), chunk_bytes=16 << 10, prefetch_depth=2)

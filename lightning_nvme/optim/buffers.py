@@ -50,3 +50,41 @@ class ChunkRing:
 
     def in_flight_writes(self) -> list[IOHandle]:
         return [b.pending_write for b in self._free if b.pending_write is not None]
+
+
+class DecodeArena:
+    """Where a chunk's compressed state is decoded for its update: one buffer, reused for every chunk
+    and sized to the largest chunk's decoded state (at most 4x its stored bytes: int8 codes -> fp32).
+
+    Why: a fresh tensor per key and chunk is returned to the OS when freed (it is above glibc's mmap
+    threshold) and page-faulted in again at the next chunk; that cost more than the decoding itself."""
+
+    ALIGN = 64
+
+    def __init__(self) -> None:
+        self._buf = torch.empty(0, dtype=torch.uint8)
+        self._used = 0
+
+    @property
+    def nbytes(self) -> int:
+        return self._buf.numel()
+
+    @classmethod
+    def need(cls, sizes: list[tuple[int, torch.dtype]]) -> int:
+        """Bytes that ``take`` calls for these (numel, dtype) need."""
+        return sum(-(-numel * dtype.itemsize // cls.ALIGN) * cls.ALIGN for numel, dtype in sizes)
+
+    def reset(self, nbytes: int) -> None:
+        """Start a chunk that will take ``nbytes`` (see ``need``); views handed out before are invalid."""
+        if nbytes > self._buf.numel():
+            self._buf = torch.empty(0, dtype=torch.uint8)  # free the old one first
+            self._buf = torch.empty(nbytes, dtype=torch.uint8)
+        self._used = 0
+
+    def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
+        nbytes = -(-numel * dtype.itemsize // self.ALIGN) * self.ALIGN
+        if self._used + nbytes > self._buf.numel():
+            raise RuntimeError(f"decode arena overrun ({self._used} + {nbytes} > {self._buf.numel()} bytes; a bug)")
+        view = self._buf[self._used:self._used + numel * dtype.itemsize].view(dtype)
+        self._used += nbytes
+        return view

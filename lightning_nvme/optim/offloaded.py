@@ -29,7 +29,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_nvme.memory import keep_freed_heap, temporaries_off_heap, temporaries_on_heap
-from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing
+from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing, DecodeArena
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, Plan, plan_chunks
 from lightning_nvme.optim.probe import UnsupportedOptimizerError, raw_step
 from lightning_nvme.optim.state_format import EXACT, STATE_DICT_KEY, Component, StateFormat
@@ -133,6 +133,7 @@ class OffloadedOptimizer:
         store.add_regions([(c.region, c.nbytes) for c in self.chunks])
         self.capacity = {c.index: store.region(c.region).capacity for c in self.chunks}
         self.ring = ChunkRing(store, prefetch_depth + 2, max(self.capacity.values(), default=4096))
+        self.arena = DecodeArena()  # compressed formats: one chunk's decoded state
         self.scalars: dict[tuple[int, int], dict[str, Any]] = {}  # (param index, start) -> scalar state
         self._known = [id(p) for p in self.params]  # the param order the plan's indices refer to
         self._signature: list[tuple[int, int]] = []  # (id, length) of each group's param list when last checked
@@ -293,6 +294,9 @@ class OffloadedOptimizer:
         back into ``buf`` afterwards (device memory: one chunk)."""
         chunk_params: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
         state: defaultdict = defaultdict(dict)
+        if not self.fmt.exact:
+            self.arena.reset(DecodeArena.need([(p.numel, d) for p in chunk.pieces if p.param.grad is not None
+                                               for k, d in p.keys if self.fmt.compresses(k, d)]))
         work = [w for w in (self._prepare_piece(piece, buf, state) for piece in chunk.pieces) if w is not None]
         if not work:
             return False
@@ -310,7 +314,7 @@ class OffloadedOptimizer:
         if p.grad is None:
             return None
         shape = p.shape if piece.whole else (piece.numel,)
-        host = {k: self._load(buf, piece, k, d).view(shape) for k, d in piece.keys}
+        host = {k: self._load(buf, piece, k, d, self.arena).view(shape) for k, d in piece.keys}
         working = host if p.device.type == "cpu" else {
             k: v.to(p.device, non_blocking=True) for k, v in host.items()}
         working = dict(working)
@@ -466,9 +470,12 @@ class OffloadedOptimizer:
     def _raws(self, buf: ChunkBuffer, piece: Piece, key: str) -> list[torch.Tensor]:
         return [_view(buf, piece, c.name, c.dtype, (c.count(piece.numel),)) for c in piece.components[key]]
 
-    def _load(self, buf: ChunkBuffer, piece: Piece, key: str, dtype: torch.dtype) -> torch.Tensor:
-        """Key ``key`` of ``piece`` as the optimizer sees it (1-D; a view into ``buf`` when stored as is)."""
-        return self.fmt.decode(key, dtype, self._raws(buf, piece, key))
+    def _load(self, buf: ChunkBuffer, piece: Piece, key: str, dtype: torch.dtype,
+              arena: DecodeArena | None = None) -> torch.Tensor:
+        """Key ``key`` of ``piece`` as the optimizer sees it (1-D; a view into ``buf`` when stored as is,
+        else decoded into ``arena`` or a new tensor)."""
+        out = arena.take(piece.numel, dtype) if arena is not None and self.fmt.compresses(key, dtype) else None
+        return self.fmt.decode(key, dtype, self._raws(buf, piece, key), out)
 
     def _store(self, buf: ChunkBuffer, piece: Piece, key: str, value: torch.Tensor) -> None:
         self.fmt.encode(key, _flat(value), self._raws(buf, piece, key), f" of parameter {piece.index}")
@@ -658,7 +665,7 @@ class OffloadedOptimizer:
         """Everything but the open store, I/O buffers, pending reads and autograd hooks: a copy (deepcopy,
         pickle) reopens the store file through ``store_ref`` to read the state, and cannot step."""
         state = self.__dict__.copy()
-        state.update(store=None, ring=None, _inflight={}, _hooks=[], _armed=False)
+        state.update(store=None, ring=None, arena=DecodeArena(), _inflight={}, _hooks=[], _armed=False)
         return state
 
 

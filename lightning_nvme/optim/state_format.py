@@ -8,8 +8,8 @@ per step. Storing the per-element floating state (``exp_avg``, ``exp_avg_sq``, `
 fp32 master weights are never compressed. The update itself always runs in the optimizer's own code,
 in fp32, on decoded state.
 
-Codes (plain torch ops; torchao's and bitsandbytes' CPU kernels were measured slower, see
-docs/state_format.md):
+Codes (single-pass numba kernels in ``codec_kernels``, which define the arithmetic; torchao's and
+bitsandbytes' CPU kernels and plain torch ops were measured slower, see docs/state_format.md):
 
 - ``bf16``: round-to-nearest-even cast; NaN/inf stay per element.
 - ``int8``: blocks of ``BLOCK`` elements aligned to the parameter's element 0, one fp32 absmax each.
@@ -40,8 +40,9 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_nvme.constants import MASTER_FORMATS, STATE_FORMATS
+from lightning_nvme.optim import codec_kernels as kernels
+from lightning_nvme.optim.codec_kernels import BLOCK
 
-BLOCK = 256  # elements per int8 block (one fp32 absmax each: 1/64 byte per element)
 SCALE_SUFFIX = ".absmax"
 # Entry of a torch-format optimizer state dict (plain checkpoints) recording the format it came from and
 # the step count that seeds bf16_sr rounding; torch's own load_state_dict ignores it.
@@ -131,13 +132,15 @@ class StateFormat:
         else:
             _encode_int8(values, raws[0], raws[1], key in NONNEGATIVE_KEYS, f"{key}{where}")
 
-    def decode(self, key: str, dtype: torch.dtype, raws: list[torch.Tensor]) -> torch.Tensor:
-        """The 1-D state ``raws`` stand for, as ``dtype`` (a view for uncompressed keys, else a new tensor)."""
+    def decode(self, key: str, dtype: torch.dtype, raws: list[torch.Tensor],
+               out: torch.Tensor | None = None) -> torch.Tensor:
+        """The 1-D state ``raws`` stand for, as ``dtype``: a view for uncompressed keys, else ``out``
+        (1-D, ``dtype``; a reused buffer spares the page faults of a fresh one) or a new tensor."""
         if not self.compresses(key, dtype):
             return raws[0]
         if self.state == "bf16":
-            return raws[0].to(dtype)
-        return _decode_int8(raws[0], raws[1], key in NONNEGATIVE_KEYS)
+            return raws[0].to(dtype) if out is None else out.copy_(raws[0])
+        return _decode_int8(raws[0], raws[1], key in NONNEGATIVE_KEYS, out)
 
     def round_trip(self, key: str, values: torch.Tensor, where: str = "") -> torch.Tensor:
         """``decode(encode(values))``: what a run in this format sees of ``values`` at the next step."""
@@ -172,43 +175,25 @@ def decode_entries(fmt: StateFormat, entries: dict[str, Any]) -> None:
         entries[key] = fmt.decode(key, torch.float32, raws).view(value.shape)
 
 
+def _np(t: torch.Tensor):
+    """A numpy view of a 1-D contiguous CPU tensor (bf16 as its int16 bits)."""
+    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).detach().numpy()
+
+
+def _on_cpu(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(-1) if t.device.type == "cpu" and t.is_contiguous() else t.detach().reshape(-1).cpu()
+
+
 def _encode_int8(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, unsigned: bool,
                  what: str) -> None:
-    n = values.numel()
-    full = n // BLOCK * BLOCK
-    if full:
-        _encode_blocks(values[:full].view(-1, BLOCK), codes[:full].view(-1, BLOCK), scales[:full // BLOCK],
-                       unsigned, what, 0)
-    if full < n:  # the last, partial block: its absmax covers only the elements it has
-        _encode_blocks(values[full:].view(1, -1), codes[full:].view(1, -1), scales[full // BLOCK:],
-                       unsigned, what, full)
-
-
-# Codes: value = absmax * (q / 127) (signed, linear) or absmax * (q / 255) ** 4 (unsigned). Encoding
-# multiplies by one per-block factor (127 / absmax or 255**4 / absmax) and rounds; for a block whose absmax
-# is so small that the factor would overflow (denormals), the division is done element-wise instead.
-_SIGNED_Q, _UNSIGNED_Q = 127.0, 255.0 ** 4
-_FACTOR_SAFE = _UNSIGNED_Q / torch.finfo(torch.float32).max * 4
-
-
-def _encode_blocks(x: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, unsigned: bool, what: str,
-                   offset: int) -> None:
-    hi, lo = x.amax(dim=1), x.amin(dim=1)
-    absmax = torch.maximum(hi, lo.neg())
-    if not bool(torch.isfinite(absmax).all()) or (unsigned and bool((lo < 0).any())):
-        _report(x, what, offset, unsigned)
-    scales.copy_(absmax)
-    q = _UNSIGNED_Q if unsigned else _SIGNED_Q
-    factor = torch.where(absmax > _FACTOR_SAFE, q / absmax, torch.zeros_like(absmax)).unsqueeze(1)
-    t = x * factor
-    tiny = ((absmax > 0) & (absmax <= _FACTOR_SAFE)).nonzero().flatten()
-    if len(tiny):  # denormal-range blocks: divide first so that nothing overflows
-        t[tiny] = x[tiny] / absmax[tiny].unsqueeze(1) * q
-    if unsigned:
-        t.sqrt_().sqrt_().add_(0.5)  # in [0.5, 255.5]: the integer conversion truncates, i.e. rounds
-    else:
-        t.round_()
-    codes.copy_(t)
+    x = _on_cpu(values)
+    c, s = (codes, scales) if codes.device.type == "cpu" else (torch.empty_like(codes, device="cpu"),
+                                                                torch.empty_like(scales, device="cpu"))
+    if kernels.encode_int8(_np(x), _np(c), _np(s), unsigned) >= 0:
+        _report(x, what, 0, unsigned)
+    if c is not codes:
+        codes.copy_(c)
+        scales.copy_(s)
 
 
 def _report(x: torch.Tensor, what: str, offset: int, unsigned: bool) -> None:
@@ -227,27 +212,14 @@ def _report(x: torch.Tensor, what: str, offset: int, unsigned: bool) -> None:
                            "use state_format='bf16' for this optimizer")
 
 
-def _decode_int8(codes: torch.Tensor, scales: torch.Tensor, unsigned: bool) -> torch.Tensor:
-    n = codes.numel()
-    out = codes.to(torch.float32)
-    if unsigned:
-        out.square_().square_()
-    full = n // BLOCK * BLOCK
-    if full:
-        _scale_blocks(out[:full].view(-1, BLOCK), scales[:full // BLOCK], unsigned)
-    if full < n:
-        _scale_blocks(out[full:].view(1, -1), scales[full // BLOCK:], unsigned)
+def _decode_int8(codes: torch.Tensor, scales: torch.Tensor, unsigned: bool,
+                 out: torch.Tensor | None = None) -> torch.Tensor:
+    if codes.device.type != "cpu":
+        return _decode_int8(codes.cpu(), scales.cpu(), unsigned).to(codes.device)
+    if out is None:
+        out = torch.empty(codes.numel(), dtype=torch.float32)
+    kernels.decode_int8(_np(codes), _np(scales), _np(out), unsigned)
     return out
-
-
-def _scale_blocks(out: torch.Tensor, scales: torch.Tensor, unsigned: bool) -> None:
-    q = _UNSIGNED_Q if unsigned else _SIGNED_Q
-    tiny = ((scales > 0) & (scales <= _FACTOR_SAFE)).nonzero().flatten()
-    if len(tiny):  # denormal-range blocks: multiply by the scale first, or absmax / q underflows to 0
-        fixed = out[tiny] * scales[tiny].unsqueeze(1) / q
-    out.mul_((scales * (1 / q)).unsqueeze(1))
-    if len(tiny):
-        out[tiny] = fixed
 
 
 # ---- stochastic rounding ------------------------------------------------------------------------------
@@ -260,20 +232,13 @@ def _sr_key(step: int, index: int) -> int:
 
 
 def stochastic_round_bf16(x: torch.Tensor, key: int, start: int = 0) -> torch.Tensor:
-    """fp32 -> bf16, rounding away from zero with probability (dropped bits) / 2**16. The 16 noise bits
-    of element ``start + i`` are the top half of ``(start + i) * golden + key`` mod 2**32: a pure function
-    of the element index, so any cut of a tensor into pieces rounds identically."""
-    flat = x.reshape(-1)
-    if start + flat.numel() < 2 ** 31:  # int32 arithmetic wraps mod 2**32: the same bits, half the memory traffic
-        idx = torch.arange(start, start + flat.numel(), dtype=torch.int32, device=x.device)
-        signed_key = key - (1 << 32) if key >= 1 << 31 else key
-        noise = idx.mul_(0x9E3779B1 - (1 << 32)).add_(signed_key).bitwise_right_shift_(16).bitwise_and_(0xFFFF)
-    else:
-        idx = torch.arange(start, start + flat.numel(), dtype=torch.int64, device=x.device)
-        noise = idx.mul_(0x9E3779B1).add_(key).bitwise_and_(0xFFFFFFFF).bitwise_right_shift_(16).to(torch.int32)
-    bits = flat.contiguous().view(torch.int32)
-    rounded = noise.add_(bits).bitwise_and_(-65536).view(torch.float32)
-    return rounded.bfloat16().view(x.shape)
+    """fp32 -> bf16, rounding away from zero with probability (dropped bits) / 2**16, with noise that
+    is a pure function of the element index (``codec_kernels.stochastic_round_bf16``), so any cut of a
+    tensor into pieces rounds identically."""
+    flat = _on_cpu(x)
+    out = torch.empty(flat.numel(), dtype=torch.bfloat16)
+    kernels.stochastic_round_bf16(_np(flat), _np(out), key, start)
+    return out.view(x.shape).to(x.device)
 
 
 # ---- the in-memory reference ---------------------------------------------------------------------------

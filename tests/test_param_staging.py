@@ -168,6 +168,21 @@ def test_cuda_staging_pool_is_bounded_and_reused(tmp_path):
     store.close()
 
 
+def test_cuda_staging_without_registration_falls_back_to_pageable_buffers_once():
+    class Refusing(FakeOps):
+        def pin(self, t: torch.Tensor) -> bool:
+            self.log.append("pin")
+            return False
+
+    ops = Refusing()
+    stage = CudaStaging(CPU, 8192, pool_size=2, ops=ops)
+    bufs = [stage.host_buffer(8192) for _ in range(3)]
+    assert ops.log == ["pin"] and stage.stats.pageable_buffers == 3 and stage.stats.pinned_buffers == 0
+    for b in bufs:
+        stage.recycle(b)  # pageable buffers are not pooled
+    assert stage.host_buffer(4096).numel() == 4096 and ops.log == ["pin"]
+
+
 class RecordingHostStaging(HostStaging):
     def __init__(self) -> None:
         super().__init__()

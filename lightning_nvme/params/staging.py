@@ -172,6 +172,7 @@ class CudaStaging:
                 self._pinned[base.data_ptr()] = base
                 self.stats.pinned_buffers += 1
                 return base[:nbytes]
+            self.pool_size = len(self._pinned)  # registration refused (e.g. a locked-memory limit): stop asking
         self.stats.pageable_buffers += 1
         return aligned_empty(nbytes)
 

@@ -294,9 +294,8 @@ class OffloadedOptimizer:
         back into ``buf`` afterwards (device memory: one chunk)."""
         chunk_params: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
         state: defaultdict = defaultdict(dict)
-        if not self.fmt.exact:
-            self.arena.reset(DecodeArena.need([(p.numel, d) for p in chunk.pieces if p.param.grad is not None
-                                               for k, d in p.keys if self.fmt.compresses(k, d)]))
+        self.arena.reset(DecodeArena.need([size for p in chunk.pieces if p.param.grad is not None
+                                           for size in self._temporaries(p)]))
         work = [w for w in (self._prepare_piece(piece, buf, state) for piece in chunk.pieces) if w is not None]
         if not work:
             return False
@@ -323,12 +322,12 @@ class OffloadedOptimizer:
             grad.clamp_(min=-self.clip_value, max=self.clip_value)
         master = working.pop(MASTER_KEY, None)
         if piece.rounds_master:  # bf16_sr: no stored master, the update runs on an fp32 copy of the param
-            master = (p.detach() if piece.whole else _flat(p.detach())[piece.start:piece.stop]).float()
+            master = self._fp32(p.detach() if piece.whole else _flat(p.detach())[piece.start:piece.stop])
         if master is not None:
             if not self._initialized(piece):
                 master.copy_(p.detach() if piece.whole else _flat(p.detach())[piece.start:piece.stop])
             target = master
-            target.grad = grad.float()
+            target.grad = self._fp32(grad)
         elif piece.whole:
             target = p
         else:
@@ -465,6 +464,19 @@ class OffloadedOptimizer:
             if not waiting and chunk.index not in self._done:
                 with keep_freed_heap(trim=False):  # pieces of this chunk share temporaries; backward's heap kept
                     self._update_chunk(chunk.index)
+
+    def _temporaries(self, piece: Piece) -> list[tuple[int, torch.dtype]]:
+        """The fp32 tensors ``_prepare_piece`` takes from the arena for ``piece``: decoded state keys, and
+        for half-precision params the fp32 gradient (and the master that ``bf16_sr`` does not store)."""
+        sizes = [(piece.numel, d) for k, d in piece.keys if self.fmt.compresses(k, d)]
+        has_master = piece.rounds_master or any(k == MASTER_KEY for k, _ in piece.keys)
+        return sizes + [(piece.numel, torch.float32)] * (has_master + piece.rounds_master)
+
+    def _fp32(self, t: torch.Tensor) -> torch.Tensor:
+        """``t.float()`` in the arena (CPU; a fresh tensor on an accelerator)."""
+        if t.device.type != "cpu":
+            return t.float()
+        return self.arena.take(t.numel(), torch.float32).view(t.shape).copy_(t)
 
     # ---- state format hooks: the chunk buffer holds each key as stored (see state_format) ----------------
     def _raws(self, buf: ChunkBuffer, piece: Piece, key: str) -> list[torch.Tensor]:

@@ -156,7 +156,7 @@ class StateFormat:
         """Copy an updated fp32 master into its (half-precision) parameter elements ``dst``: round to
         nearest, or stochastically for ``bf16_sr`` (``start``: element offset of ``dst`` in the param)."""
         if self.rounds_master(dst.dtype):
-            dst.copy_(stochastic_round_bf16(master, _sr_key(step, index), start))
+            stochastic_round_bf16(master, _sr_key(step, index), start, out=dst)
         else:
             dst.copy_(master)
 
@@ -231,14 +231,19 @@ def _sr_key(step: int, index: int) -> int:
     return (z ^ (z >> 31)) & 0xFFFFFFFF
 
 
-def stochastic_round_bf16(x: torch.Tensor, key: int, start: int = 0) -> torch.Tensor:
+def stochastic_round_bf16(x: torch.Tensor, key: int, start: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 -> bf16, rounding away from zero with probability (dropped bits) / 2**16, with noise that
     is a pure function of the element index (``codec_kernels.stochastic_round_bf16``), so any cut of a
-    tensor into pieces rounds identically."""
+    tensor into pieces rounds identically. Into ``out`` (bf16, ``x``'s shape) when given."""
     flat = _on_cpu(x)
-    out = torch.empty(flat.numel(), dtype=torch.bfloat16)
-    kernels.stochastic_round_bf16(_np(flat), _np(out), key, start)
-    return out.view(x.shape).to(x.device)
+    direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
+    dst = out.view(-1) if direct else torch.empty(flat.numel(), dtype=torch.bfloat16)  # type: ignore[union-attr]
+    kernels.stochastic_round_bf16(_np(flat), _np(dst), key, start)
+    if out is None:
+        return dst.view(x.shape).to(x.device)
+    if not direct:
+        out.copy_(dst.view(out.shape))
+    return out
 
 
 # ---- the in-memory reference ---------------------------------------------------------------------------

@@ -2,7 +2,8 @@
 
 One concept per module: ``policy`` (which modules are blocks), ``layout`` (where each parameter lives
 in the store), ``placeholder`` (what the module holds meanwhile), ``residency`` (moving blocks in and
-out), ``schedule`` (module hooks: when), ``offload`` (the whole, for a strategy). Its arguments
+out), ``staging`` (what bound parameters point at: the host buffer, or a device copy),
+``schedule`` (module hooks: when), ``offload`` (the whole, for a strategy). Its arguments
 (``offload_params``, ``param_prefetch``, ``param_block_classes``, ``restore_params``) are in ``lightning_nvme.settings``.
 """
 

@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_nvme.checkpoint.weights import BesideWeight, WeightReaders
+from lightning_nvme.params import staging
 from lightning_nvme.params.layout import BlockLayout, ParamLayout, plan_layout
 from lightning_nvme.params.materialize import materialize
 from lightning_nvme.params.policy import BlockClasses, find_blocks
@@ -31,11 +32,14 @@ class ParamOffload:
         block_classes: module classes (or dotted paths) that are blocks; ``None``: the children of the
             largest ``ModuleList``/``Sequential``.
         prefetch: blocks read ahead of need, in forward (and reverse, in backward) order.
+        device: where the parameters are used (``cuda``: bound blocks are copied there, see ``staging``).
     """
 
-    def __init__(self, model: nn.Module, block_classes: BlockClasses = None, prefetch: int = 1) -> None:
+    def __init__(self, model: nn.Module, block_classes: BlockClasses = None, prefetch: int = 1,
+                 device: torch.device | None = None) -> None:
         self.model = model
         self.prefetch = prefetch
+        self.device = device or torch.device("cpu")
         self.block_classes = block_classes
         self._layout: ParamLayout | None = None
         self._block_of: dict[int, BlockLayout] = {}
@@ -77,7 +81,11 @@ class ParamOffload:
         """Add the blocks' regions to ``store`` (once)."""
         if self.residency is None:
             store.add_regions(self.regions())
-            self.residency = BlockResidency(store, self.blocks, max_pending_writes=self.prefetch + 1)
+            writes = self.prefetch + 1
+            # host buffers: the blocks resident at once (about prefetch + 2) plus the write-backs in flight
+            stager = staging.staging_for(self.device, max(store.region(b.region).capacity for b in self.blocks),
+                                         pool_size=self.prefetch + 2 + writes)
+            self.residency = BlockResidency(store, self.blocks, max_pending_writes=writes, staging=stager)
         return self.residency
 
     def materialize(self, store: FlatStore, device: torch.device) -> None:
@@ -91,6 +99,15 @@ class ParamOffload:
                     residency.place(block)
 
         materialize(self.model, device, place_complete_blocks)
+
+    def place(self, store: FlatStore, device: torch.device) -> None:
+        """Move an in-memory model's blocks into the store before the model goes to ``device``, leaving
+        placeholders already on ``device``: only resident parameters are then copied there whole."""
+        residency = self.attach_store(store)
+        for block in self.blocks:
+            if not residency.placed(block):
+                residency.place(block, device)
+        residency.drain()
 
     def start(self, store: FlatStore, planned: Iterable[torch.Tensor] = ()) -> None:
         """Move the blocks' values into the store (placeholders left behind; blocks already placed by
@@ -113,6 +130,9 @@ class ParamOffload:
     def finish_step(self) -> None:
         if self.scheduler is not None:
             self.scheduler.finish_step()
+        if self.residency is not None:
+            self.residency.issue_writes()  # a checkpoint after the step must find them in the store
+            self.residency.staging.finish_step()
 
     def stop(self, restore: bool) -> None:
         """End of fit: with ``restore``, every block's values go back into its module (the module is
@@ -126,11 +146,12 @@ class ParamOffload:
             for block in self.blocks:
                 values = self.residency.read_values(block)
                 for slot in block.slots:
-                    slot.param.data = values[slot.name]
+                    slot.param.data = values[slot.name].to(slot.param.device)  # CPU: the same tensor
             for h in self._state_hooks:
                 h.remove()
             self._state_hooks = []
         self.residency.drain()
+        self.residency.staging.close()
         if restore:
             self._final_stats = self.residency.stats
             self.residency = None

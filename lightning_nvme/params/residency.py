@@ -2,9 +2,11 @@
 
 A block is resident while anyone holds a reference to it (its forward, its backward, an optimizer
 update waiting for it); the last release writes it back if an update changed it and swaps its
-parameters' ``.data`` for placeholders. Reads are issued ahead (``prefetch``) into fresh page-aligned
+parameters' ``.data`` for placeholders. Reads are issued ahead (``prefetch``) into page-aligned host
 buffers; memory is bounded by the hold/prefetch rules of ``BlockScheduler`` plus ``max_pending_writes``
-buffers whose write-back is still in flight.
+buffers whose write-back is still in flight. What the parameters point at while a block is bound is the
+``Staging``'s business (``lightning_nvme.params.staging``): the host buffer itself on CPU, a device copy
+on CUDA, written back through the host buffer once its copy has completed.
 """
 
 from __future__ import annotations
@@ -16,6 +18,7 @@ import torch
 
 from lightning_nvme.params.layout import BlockLayout
 from lightning_nvme.params.placeholder import placeholder
+from lightning_nvme.params.staging import DONE, HostStaging, Ready, Staging, StagingStats
 from lightning_nvme.store import FlatStore, IOHandle
 
 
@@ -29,13 +32,17 @@ class ResidencyStats:
     resident_blocks: int = 0
     peak_resident_blocks: int = 0
     peak_resident_bytes: int = 0
+    bound_blocks: int = 0  # blocks whose parameters point at their values (on an accelerator: device copies)
+    peak_bound_blocks: int = 0
+    staging: StagingStats = field(default_factory=StagingStats)
 
 
 @dataclass
 class _State:
-    buffer: torch.Tensor | None = None  # uint8, page-aligned
+    buffer: torch.Tensor | None = None  # uint8, page-aligned host buffer
+    device: torch.Tensor | None = None  # what the parameters are views of while bound (CPU: ``buffer``)
     read: IOHandle | None = None
-    bound: bool = False  # parameters point into ``buffer``
+    bound: bool = False  # parameters point into ``device``
     dirty: bool = False
     dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
     placed: bool = False  # its values are in the store
@@ -43,23 +50,28 @@ class _State:
 
 
 class BlockResidency:
-    def __init__(self, store: FlatStore, blocks: list[BlockLayout], max_pending_writes: int = 2) -> None:
+    def __init__(self, store: FlatStore, blocks: list[BlockLayout], max_pending_writes: int = 2,
+                 staging: Staging | None = None) -> None:
         self.store = store
         self.blocks = blocks
         self.max_pending_writes = max_pending_writes
-        self.stats = ResidencyStats()
+        self.staging = staging if staging is not None else HostStaging()
+        self.stats = ResidencyStats(staging=self.staging.stats)
         self._state = [_State() for _ in blocks]
+        # write-backs waiting for their device -> host copy, then in flight to the store (together bounded)
+        self._copies: deque[tuple[BlockLayout, torch.Tensor, int, Ready]] = deque()
         self._writes: deque[tuple[IOHandle, torch.Tensor]] = deque()
         self._resident_bytes = 0
 
     # ---- first placement -----------------------------------------------------------------------------
-    def place(self, block: BlockLayout) -> None:
-        """Copy the block's current values into the store and leave placeholders (setup)."""
+    def place(self, block: BlockLayout, device: torch.device | None = None) -> None:
+        """Copy the block's current values into the store and leave placeholders (setup), on ``device``
+        (default: the parameters' own)."""
         buf = self._new_buffer(block)
         for slot in block.slots:
             self._view(buf, slot).copy_(slot.param.detach())
         self._write(block, buf)
-        self._unbind(block)
+        self._unbind(block, device)
         self._state[block.index].placed = True
 
     def placed(self, block: BlockLayout) -> bool:
@@ -70,6 +82,7 @@ class BlockResidency:
         st = self._state[block.index]
         if st.buffer is not None:
             raise RuntimeError(f"block {block.name} is resident; its values cannot be replaced in the store")
+        self._issue_writes(of=block)  # an older write-back must not land after this one
         buf = self._new_buffer(block)
         for slot in block.slots:
             self._view(buf, slot).copy_(values[slot.name].reshape(slot.shape))
@@ -82,8 +95,15 @@ class BlockResidency:
         if st.buffer is not None:
             self._wait_read(block)
             buf = st.buffer
+            if st.device is not None and st.device is not st.buffer:  # a device copy is the truth: fetch it
+                buf = self.staging.caller_buffer(self._capacity(block))
+                self.staging.to_host(st.device, buf).synchronize()
+                copy = False  # the fresh buffer is the caller's already
+            elif self.staging.reuses_buffers:
+                copy = True  # the resident buffer goes back to a pool when evicted: the caller gets copies
         else:
-            buf = self._new_buffer(block)
+            self._issue_writes(of=block)
+            buf = self.staging.caller_buffer(self._capacity(block))
             self.store.wait(self.store.read(block.region, buf))
             copy = False  # the fresh buffer is the caller's already
         return {s.name: self._view(buf, s).clone() if copy else self._view(buf, s) for s in block.slots}
@@ -97,7 +117,9 @@ class BlockResidency:
 
     def prefetch(self, block: BlockLayout) -> None:
         st = self._state[block.index]
+        self._issue_writes()
         if st.buffer is None:
+            self._issue_writes(of=block)  # the read must see this block's last write-back
             st.buffer = self._new_buffer(block)
             st.read = self.store.read(block.region, st.buffer)
             self.stats.loads += 1
@@ -112,9 +134,11 @@ class BlockResidency:
         self._wait_read(block)
         if not st.bound:
             assert st.buffer is not None  # loaded just above
+            st.device = self.staging.to_device(st.buffer)
             for slot in block.slots:
-                slot.param.data = self._view(st.buffer, slot)
+                slot.param.data = self._view(st.device, slot)
             st.bound = True
+            self._count_bound(+1)
         st.refs[why] += 1
 
     def release(self, block: BlockLayout, why: str) -> None:
@@ -138,9 +162,14 @@ class BlockResidency:
             return
         self._wait_read(block)
         if st.dirty:
-            self._write(block, st.buffer, 0 if st.dirty_whole else block.writable_offset)
+            ready = self.staging.to_host(st.device, st.buffer) if st.device is not None else DONE
+            self._write(block, st.buffer, 0 if st.dirty_whole else block.writable_offset, ready)
+        else:
+            self.staging.recycle(st.buffer)
         self._unbind(block)
-        st.buffer, st.read, st.bound, st.dirty, st.dirty_whole = None, None, False, False, False
+        if st.bound:
+            self._count_bound(-1)
+        st.buffer, st.device, st.read, st.bound, st.dirty, st.dirty_whole = None, None, None, False, False, False
         st.refs.clear()
         self._count(block, -1)
 
@@ -150,20 +179,28 @@ class BlockResidency:
             if not +self._state[block.index].refs:
                 self.evict(block)
 
+    def issue_writes(self) -> None:
+        """Issue every write-back still waiting for its device -> host copy (end of a step: a fence or a
+        checkpoint after it must see them)."""
+        self._issue_writes(force=True)
+
     def drain(self) -> None:
         """Wait for every write-back in flight (their buffers are then freed)."""
+        self._issue_writes(force=True)
         while self._writes:
-            handle, _ = self._writes.popleft()
-            self.store.wait(handle)
+            self._wait_oldest_write()
 
     @property
     def resident_blocks(self) -> list[BlockLayout]:
         return [b for b in self.blocks if self._state[b.index].buffer is not None]
 
     # ---- helpers -------------------------------------------------------------------------------------
+    def _capacity(self, block: BlockLayout) -> int:
+        return self.store.region(block.region).capacity
+
     def _new_buffer(self, block: BlockLayout) -> torch.Tensor:
         """Page-aligned and as long as the region: the store moves it with O_DIRECT, no staging copy."""
-        return self.store.aligned_empty(self.store.region(block.region).capacity)
+        return self.staging.host_buffer(self._capacity(block))
 
     @staticmethod
     def _view(buf: torch.Tensor, slot) -> torch.Tensor:
@@ -175,20 +212,42 @@ class BlockResidency:
             self.store.wait(st.read)
             st.read = None
 
-    def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0) -> None:
-        """Write ``buf[start:]`` (``start`` page-aligned) to the block's region at ``start``."""
+    def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0, ready: Ready = DONE) -> None:
+        """Write ``buf[start:]`` (``start`` page-aligned) to the block's region at ``start``, once ``ready``
+        (the copy filling ``buf``) has completed."""
         if start >= buf.numel():
+            self.staging.recycle(buf)
             return
-        self._writes.append((self.store.write(block.region, buf[start:], offset=start), buf))
-        self.stats.writebacks += 1
-        self.stats.bytes_written += buf.numel() - start
-        while len(self._writes) > self.max_pending_writes:
-            handle, _ = self._writes.popleft()
-            self.store.wait(handle)
+        self._copies.append((block, buf, start, ready))
+        self._issue_writes()
 
-    def _unbind(self, block: BlockLayout) -> None:
+    def _issue_writes(self, force: bool = False, of: BlockLayout | None = None) -> None:
+        """Hand write-backs whose copy has completed to the store, in order; with ``force`` (or ``of`` a
+        block that has one waiting), all of them, waiting for their copies. Copies waiting plus writes in
+        flight stay within ``max_pending_writes`` (the oldest is waited for)."""
+        force = force or any(b is of for b, *_ in self._copies)
+        while self._copies and (force or self._copies[0][3].query()
+                                or len(self._copies) + len(self._writes) > self.max_pending_writes):
+            block, buf, start, ready = self._copies.popleft()
+            ready.synchronize()
+            self._writes.append((self.store.write(block.region, buf[start:], offset=start), buf))
+            self.stats.writebacks += 1
+            self.stats.bytes_written += buf.numel() - start
+            while self._writes and len(self._writes) + len(self._copies) > self.max_pending_writes:
+                self._wait_oldest_write()
+
+    def _wait_oldest_write(self) -> None:
+        handle, buf = self._writes.popleft()
+        self.store.wait(handle)
+        self.staging.recycle(buf)
+
+    def _unbind(self, block: BlockLayout, device: torch.device | None = None) -> None:
         for slot in block.slots:
-            slot.param.data = placeholder(slot.shape, slot.dtype, slot.param.device)
+            slot.param.data = placeholder(slot.shape, slot.dtype, device or slot.param.device)
+
+    def _count_bound(self, sign: int) -> None:
+        self.stats.bound_blocks += sign
+        self.stats.peak_bound_blocks = max(self.stats.peak_bound_blocks, self.stats.bound_blocks)
 
     def _count(self, block: BlockLayout, sign: int) -> None:
         self.stats.resident_blocks += sign

@@ -86,12 +86,10 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         self.param_offload = None
         if self.config.offload_params and trainer.state.fn == TrainerFn.FITTING:
-            if self.root_device.type != "cpu":
-                raise ValueError(f"{self.strategy_name}: offload_params=True runs on CPU for now; the accelerator "
-                                 f"path ({self.root_device}) is not implemented. Set offload_params=False.")
+            self._check_param_offload_supported()
             s = self.config
             classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
-            self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch)
+            self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device)
         super().setup(trainer)
         if self.param_offload is not None:
             if self.nvme_store is None:
@@ -111,6 +109,17 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                            f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
                            f"resident ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
 
+    def _check_param_offload_supported(self) -> None:
+        device = self.root_device
+        if device.type not in ("cpu", "cuda"):
+            raise ValueError(f"{self.strategy_name}: offload_params=True runs on CPU and CUDA devices; the "
+                             f"accelerator path for {device} is not implemented. Set offload_params=False.")
+        if device.type == "cuda" and getattr(self.precision_plugin, "scaler", None) is not None:
+            raise ValueError(f"{self.strategy_name}: offload_params=True on CUDA does not support a loss scaler "
+                             "(precision='16-mixed'): its unscale and skipped steps are not verified against "
+                             "in-memory training. Use precision='bf16-mixed', 'bf16-true' or '32-true', or "
+                             "offload_params=False.")
+
     @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
@@ -127,14 +136,15 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if has_meta_tensors(self.model):
-            if self.param_offload is None:  # not fitting: the model is needed in memory anyway
-                materialize(self.model, self.root_device)
-            else:
-                assert self.lightning_module is not None
-                trainer = self.lightning_module.trainer
-                store = self._open_new_store(trainer, HEADER_BYTES + self._extra_store_bytes())
+        if self.param_offload is not None and (has_meta_tensors(self.model) or self.root_device.type != "cpu"):
+            assert self.lightning_module is not None
+            store = self._open_new_store(self.lightning_module.trainer, HEADER_BYTES + self._extra_store_bytes())
+            if has_meta_tensors(self.model):
                 self.param_offload.materialize(store, self.root_device)
+            else:  # an accelerator receives the blocks' placeholders, never the whole model
+                self.param_offload.place(store, self.root_device)
+        elif has_meta_tensors(self.model):  # not fitting: the model is needed in memory anyway
+            materialize(self.model, self.root_device)
         super().model_to_device()
 
     @property

@@ -1,0 +1,253 @@
+"""Where a resident block's parameters point: its host buffer (CPU) or a copy on the accelerator (CUDA).
+
+Why one object with two implementations: ``BlockResidency`` makes the same calls on every device
+(``host_buffer`` -> store read -> ``to_device`` at acquire -> ``to_host`` before a write-back ->
+``recycle``); only what they move differs, so the CPU tests exercise the accelerator's call sequence.
+
+- ``HostStaging`` (CPU): the page-aligned buffer the store reads into *is* the parameters' storage.
+  ``to_device`` returns it, ``to_host`` has nothing to copy: no copy at all.
+- ``CudaStaging``: the host buffer is pinned staging. At acquire it is copied to a device buffer on a
+  side stream; the compute stream waits on the copy's event before the parameters point at the device
+  buffer (which is then the source of truth). Before a dirty block's write-back, the side stream waits
+  on an event recorded on the compute stream (after the update), copies device -> host and records an
+  event; the residency issues the store write once that event has completed (it polls ``query`` and
+  synchronizes only when it must: the compute stream never waits for the disk). Only bound blocks have
+  a device copy; blocks read ahead wait in host memory.
+
+Host buffers on CUDA: a pool of ``pool_size`` page-aligned buffers (anonymous mmap, as the store's own,
+so O_DIRECT moves them without a staging copy), each registered once with ``cudaHostRegister`` (so the
+copies are asynchronous) and unregistered by ``close``. Why not pin each fresh buffer: registration
+pins the pages at every block load (slow) and an mmap freed while registered keeps its pages pinned;
+why not ``torch.empty(pin_memory=True)``: its allocator rounds sizes up to a power of two and does not
+promise page alignment. Needs beyond the pool get pageable buffers (correct, copies synchronous;
+counted in ``StagingStats.pageable_buffers``).
+"""
+
+from __future__ import annotations
+
+from contextlib import AbstractContextManager
+from dataclasses import dataclass
+from typing import Any, Protocol
+
+import torch
+
+from lightning_nvme.store import aligned_empty
+
+
+class Ready(Protocol):
+    """Completion of a copy (a CUDA event, or ``DONE``)."""
+
+    def query(self) -> bool: ...
+
+    def synchronize(self) -> None: ...
+
+
+class _Done:
+    def query(self) -> bool:
+        return True
+
+    def synchronize(self) -> None:
+        pass
+
+
+DONE: Ready = _Done()
+
+
+@dataclass
+class StagingStats:
+    h2d_bytes: int = 0  # host -> device copies whose timing is known (completed)
+    d2h_bytes: int = 0
+    h2d_s: float = 0.0  # their summed duration on the side stream (CUDA events)
+    d2h_s: float = 0.0
+    pinned_buffers: int = 0  # host buffers registered with CUDA (the pool)
+    pageable_buffers: int = 0  # host buffers handed out beyond the pool (or when registration failed)
+
+
+class Staging(Protocol):
+    stats: StagingStats
+    reuses_buffers: bool  # host buffers return to a pool (values handed out must be copies)
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor: ...
+
+    def caller_buffer(self, nbytes: int) -> torch.Tensor: ...
+
+    def recycle(self, host: torch.Tensor) -> None: ...
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor: ...
+
+    def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready: ...
+
+    def finish_step(self) -> None: ...
+
+    def close(self) -> None: ...
+
+
+class HostStaging:
+    """CPU: the host buffer is the parameters' storage; every call but the allocation is a no-op."""
+
+    reuses_buffers = False
+
+    def __init__(self) -> None:
+        self.stats = StagingStats()
+
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        """Page-aligned and padded: the store moves it with O_DIRECT, no staging copy (as ``FlatStore.aligned_empty``)."""
+        return aligned_empty(nbytes, pin=torch.cuda.is_available())
+
+    caller_buffer = host_buffer
+
+    def recycle(self, host: torch.Tensor) -> None:
+        pass
+
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        return host
+
+    def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready:
+        return DONE
+
+    def finish_step(self) -> None:
+        pass
+
+    def close(self) -> None:
+        pass
+
+
+class CudaOps:
+    """The CUDA calls ``CudaStaging`` makes (a test substitutes an object that records them)."""
+
+    def stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def on(self, stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def event(self, timing: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def pin(self, t: torch.Tensor) -> bool:
+        return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0
+
+    def unpin(self, t: torch.Tensor) -> None:
+        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+
+
+class CudaStaging:
+    """Args:
+        device: the accelerator the parameters are bound on.
+        buffer_bytes: the largest block region (every pool buffer holds any block).
+        pool_size: pinned host buffers (the blocks resident at once plus write-backs in flight).
+    """
+
+    reuses_buffers = True
+
+    def __init__(self, device: torch.device, buffer_bytes: int, pool_size: int, ops: Any = None) -> None:
+        self.device = device
+        self.buffer_bytes = buffer_bytes
+        self.pool_size = pool_size
+        self.ops = ops if ops is not None else CudaOps()
+        self.side = self.ops.stream(device)
+        self.stats = StagingStats()
+        self._pinned: dict[int, torch.Tensor] = {}  # data_ptr -> pool buffer
+        self._free: list[tuple[torch.Tensor, Ready]] = []  # with the copy that may still read it
+        self._reading: dict[int, Ready] = {}  # pool buffer -> its last host -> device copy
+        self._timed: list[tuple[str, Any, Any, int]] = []  # copies whose duration is not collected yet
+
+    # ---- host buffers --------------------------------------------------------------------------------
+    def host_buffer(self, nbytes: int) -> torch.Tensor:
+        if nbytes > self.buffer_bytes:
+            raise ValueError(f"block of {nbytes} bytes exceeds the staging buffers ({self.buffer_bytes} bytes; a bug)")
+        if self._free:
+            base, busy = self._free.pop()
+            busy.synchronize()  # a host -> device copy may still read it; the store is about to overwrite it
+            return base[:nbytes]
+        if len(self._pinned) < self.pool_size:
+            base = aligned_empty(self.buffer_bytes)
+            if self.ops.pin(base):
+                self._pinned[base.data_ptr()] = base
+                self.stats.pinned_buffers += 1
+                return base[:nbytes]
+            self.pool_size = len(self._pinned)  # registration refused (e.g. a locked-memory limit): stop asking
+        self.stats.pageable_buffers += 1
+        return aligned_empty(nbytes)
+
+    def caller_buffer(self, nbytes: int) -> torch.Tensor:
+        """A buffer the caller keeps (values read for a checkpoint): not from the pool."""
+        return aligned_empty(nbytes)
+
+    def recycle(self, host: torch.Tensor) -> None:
+        """``host`` (from ``host_buffer``) is no longer used by the residency or the store."""
+        base = self._pinned.get(host.data_ptr())
+        if base is not None:
+            self._free.append((base, self._reading.pop(base.data_ptr(), DONE)))
+
+    # ---- copies --------------------------------------------------------------------------------------
+    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+        """A device copy of ``host``, usable on the current stream as soon as this returns."""
+        compute = self.ops.current_stream(self.device)
+        with self.ops.on(self.side):
+            dev = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
+            done = self._copy("h2d", dev, host)
+        if host.data_ptr() in self._pinned:
+            self._reading[host.data_ptr()] = done
+        compute.wait_event(done)
+        self.ops.record_stream(dev, compute)  # freed after the compute stream's last use, not the side stream's
+        return dev
+
+    def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready:
+        """Start copying ``device`` back into ``host`` after the compute stream's work so far (the update)."""
+        updated = self.ops.event()
+        updated.record(self.ops.current_stream(self.device))
+        self.side.wait_event(updated)
+        with self.ops.on(self.side):
+            return self._copy("d2h", host, device)
+
+    def _copy(self, kind: str, dst: torch.Tensor, src: torch.Tensor) -> Any:
+        start, done = self.ops.event(timing=True), self.ops.event(timing=True)
+        start.record(self.side)
+        dst.copy_(src, non_blocking=True)
+        done.record(self.side)
+        self._timed.append((kind, start, done, src.numel()))
+        return done
+
+    # ---- bookkeeping ---------------------------------------------------------------------------------
+    def collect(self, wait: bool = False) -> None:
+        """Add the durations of completed copies to ``stats`` (with ``wait``, of all of them)."""
+        pending = []
+        for kind, start, done, nbytes in self._timed:
+            if not wait and not done.query():
+                pending.append((kind, start, done, nbytes))
+                continue
+            done.synchronize()
+            seconds = start.elapsed_time(done) / 1000
+            if kind == "h2d":
+                self.stats.h2d_bytes += nbytes
+                self.stats.h2d_s += seconds
+            else:
+                self.stats.d2h_bytes += nbytes
+                self.stats.d2h_s += seconds
+        self._timed = pending
+
+    def finish_step(self) -> None:
+        self.collect()
+
+    def close(self) -> None:
+        """Unregister the pool (after the residency drained its I/O); later buffers are pageable."""
+        self.collect(wait=True)  # every copy has completed
+        for base in self._pinned.values():
+            self.ops.unpin(base)
+        self._pinned, self._free, self._reading, self.pool_size = {}, [], {}, 0
+
+
+def staging_for(device: torch.device, buffer_bytes: int, pool_size: int) -> Staging:
+    """The staging for parameters bound on ``device`` (the strategy refuses other device types first)."""
+    if device.type == "cpu":
+        return HostStaging()
+    if device.type == "cuda":
+        return CudaStaging(device, buffer_bytes, pool_size)
+    raise ValueError(f"offload_params=True supports cpu and cuda devices, not {device}")

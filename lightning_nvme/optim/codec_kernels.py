@@ -34,7 +34,7 @@ INV_UNSIGNED_Q = F32(1.0 / 255.0 ** 4)
 # Blocks whose absmax is at most this use division (the per-block factor q / absmax would overflow).
 FACTOR_SAFE = F32(255.0 ** 4 / float(np.finfo(np.float32).max) * 4)
 _ROUND = F32(12582912.0)  # 1.5 * 2**23
-_ABS = np.int32(0x7FFFFFFF)
+_INT_MIN = np.int32(-(1 << 31))
 _INF_BITS = np.int32(0x7F800000)
 _CANONICAL_NAN_BF16 = np.int16(0x7FC0)
 PARALLEL_MIN = 1 << 18  # elements below which a kernel runs in the calling thread only
@@ -55,14 +55,18 @@ def _encode_int8(x: np.ndarray, codes: np.ndarray, scales: np.ndarray, unsigned:
     for b in range(b0, b1):
         base = np.uint64(b) * np.uint64(BLOCK)
         n = min(np.uint64(BLOCK), total - base)
-        m = np.int32(0)  # bits of max |x|: for non-negative floats integer order is float order
-        neg = np.int32(0)  # any element < 0 (not counting -0.0)
+        # Bits of max |x|. For non-negative floats integer order is float order; a negative float's bits
+        # are a negative int32 that grows with its magnitude (-0.0 is INT32_MIN). Two max-reductions keep
+        # the loop in int32 lanes (numba widens `&`/`|` of int32 to int64: half the lanes, 1.7x slower).
+        hi = _INT_MIN
+        neg = _INT_MIN
         for i in range(n):
             v = xi[base + np.uint64(i)]
-            a = v & _ABS
-            m = max(m, a)
-            neg |= (v < 0) & (a != 0)
-        if m >= _INF_BITS or (unsigned and neg):
+            hi = max(hi, v)
+            neg = max(neg, v if v < 0 else _INT_MIN)
+        neg_bits = np.int64(neg) - np.int64(_INT_MIN)  # |most negative| (0: none, or only -0.0)
+        m = max(np.int64(max(hi, np.int32(0))), neg_bits)
+        if m >= _INF_BITS or (unsigned and neg_bits > 0):
             return b
         scales.view(np.int32)[b] = m
         absmax = scales[b]

@@ -86,8 +86,11 @@ class StagingPool:
         self.buffer_bytes = buffer_bytes
         self.count = count
         self._free: queue.LifoQueue[torch.Tensor] = queue.LifoQueue()
-        for _ in range(count):
-            self._free.put(aligned_empty(buffer_bytes, pin=pin))
+        # One mapping cut into the buffers: a mapping per buffer hit the kernel's limit of 65530 maps per
+        # process (ENOMEM) once a few stores with small io_chunk_bytes were open (4 KiB: 16 K buffers each).
+        whole = aligned_empty(count * buffer_bytes, pin=pin)
+        for i in range(count):
+            self._free.put(whole[i * buffer_bytes:(i + 1) * buffer_bytes])
         self._lock = threading.Lock()
 
     @property

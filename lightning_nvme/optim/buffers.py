@@ -70,9 +70,14 @@ class DecodeArena:
         return self._buf.numel()
 
     @classmethod
+    def _span(cls, numel: int, dtype: torch.dtype) -> int:
+        """Bytes one ``take`` uses: its tensor, rounded up to ``ALIGN``."""
+        return -(-numel * dtype.itemsize // cls.ALIGN) * cls.ALIGN
+
+    @classmethod
     def need(cls, sizes: list[tuple[int, torch.dtype]]) -> int:
         """Bytes that ``take`` calls for these (numel, dtype) need."""
-        return sum(-(-numel * dtype.itemsize // cls.ALIGN) * cls.ALIGN for numel, dtype in sizes)
+        return sum(cls._span(numel, dtype) for numel, dtype in sizes)
 
     def reset(self, nbytes: int) -> None:
         """Start a chunk that will take ``nbytes`` (see ``need``); views handed out before are invalid."""
@@ -82,7 +87,7 @@ class DecodeArena:
         self._used = 0
 
     def take(self, numel: int, dtype: torch.dtype) -> torch.Tensor:
-        nbytes = -(-numel * dtype.itemsize // self.ALIGN) * self.ALIGN
+        nbytes = self._span(numel, dtype)
         if self._used + nbytes > self._buf.numel():
             raise RuntimeError(f"decode arena overrun ({self._used} + {nbytes} > {self._buf.numel()} bytes; a bug)")
         view = self._buf[self._used:self._used + numel * dtype.itemsize].view(dtype)

@@ -70,7 +70,7 @@ def _train(overrides: list[str], dry_run: bool) -> int:
             raise
         return _config_error(f"`train` composes recipes with Hydra, which is not installed ({e.name}). Fix: "
                              "pip install 'lightning-nvme[recipes,plot]'")
-    from lightning_nvme.settings import ConfigError
+    from lightning_nvme.config import ConfigError
 
     recipe = None
     rest = []

@@ -23,10 +23,11 @@ import warnings
 from dataclasses import asdict, dataclass
 
 from lightning_nvme import fsinfo
+from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.io_profile import IOProfile
 from lightning_nvme.preflight import check_store_dir, check_writable, ensure_dir
-from lightning_nvme.settings import ConfigError, OffloadSettings
+from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import StoreError
 
 # the strategies' defaults: what a tuned profile is compared with

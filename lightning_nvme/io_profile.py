@@ -13,7 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_nvme.settings import ConfigError, check_values
+from lightning_nvme.config import ConfigError
+from lightning_nvme.settings import check_values
 
 PROFILE_VERSION = 2
 _RENAMED = {"chunk_bytes": "io_chunk_bytes", "num_workers": "io_workers"}  # version 1 names

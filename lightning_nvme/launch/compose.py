@@ -19,8 +19,8 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_nvme.config import ConfigError
 from lightning_nvme.launch.validate import import_target, signature_of
-from lightning_nvme.settings import ConfigError
 
 CONF_MODULE = "lightning_nvme.conf"
 RECIPES_MODULE = "lightning_nvme.recipes"

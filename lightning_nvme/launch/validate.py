@@ -21,7 +21,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
-from lightning_nvme.settings import ConfigError, OffloadSettings
+from lightning_nvme.config import ConfigError
+from lightning_nvme.settings import OffloadSettings
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_convert_", "_recursive_"}
 STORE_DIR_KEYS = ("store_dir",)

@@ -42,8 +42,9 @@ from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import atomic, sharded
+from lightning_nvme.config import ConfigError
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
-from lightning_nvme.settings import ConfigError, DDPOffloadSettings, with_settings
+from lightning_nvme.settings import DDPOffloadSettings, with_settings
 from lightning_nvme.strategies.offload import OffloadStrategy
 from lightning_nvme.strategies.param_broadcast import ParamBroadcast, plan_items
 

@@ -12,11 +12,12 @@ check (see ``lightning_nvme.settings``).
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import os
-from collections.abc import Callable
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypeVar
 
-from lightning_nvme.constants import ALIGN, align_up
+from lightning_nvme.constants import ALIGN, STORE_DIR_ENV, align_up
 
 T = TypeVar("T")
 Check = Callable[[Any], "str | None"]  # returns why the value is invalid (and the fix), None when it is valid
@@ -34,6 +35,15 @@ class ConfigError(ValueError):
 def setting(default: T, doc: str, check: Check | None = None) -> T:
     """One argument: its default, its one-line doc and its check (``None``: any value of its type)."""
     return dataclasses.field(default=default, metadata={"doc": doc, "check": check})
+
+
+def reject_unknown(owner: str, names: Iterable[str], known: Sequence[str]) -> None:
+    """``TypeError`` for the first of ``names`` that ``owner`` does not take, with the closest known name."""
+    for name in names:
+        if name not in known:
+            close = difflib.get_close_matches(name, known, n=1)
+            hint = f" (did you mean {close[0]!r}?)" if close else ""
+            raise TypeError(f"{owner}: unexpected argument {name!r}{hint}; it takes {', '.join(known)}")
 
 
 def check_fields(obj: Any) -> None:
@@ -83,3 +93,15 @@ def boolean(value: Any) -> str | None:
 def directory(value: Any) -> str | None:
     """A path (or ``None``: the caller's default); whether it exists is checked before training (preflight)."""
     return None if value is None or isinstance(value, (str, os.PathLike)) else f"must be a path, got {value!r}."
+
+
+def default_store_dir(default_root_dir: str) -> str:
+    """Where a store goes when no ``store_dir`` is given: ``$LIGHTNING_NVME_STORE_DIR``, else
+    ``<default_root_dir>/nvme_store``. The one home of this rule: the strategies, the activation callback and
+    the Hydra config (``conf/paths``, through the ``lightning_nvme.default_store_dir`` resolver) all use it."""
+    return os.environ.get(STORE_DIR_ENV) or os.path.join(default_root_dir, "nvme_store")
+
+
+def resolve_store_dir(store_dir: str | os.PathLike[str] | None, default_root_dir: str) -> str:
+    """``store_dir`` if given, else ``default_store_dir(default_root_dir)``, as an absolute path."""
+    return os.path.abspath(store_dir or default_store_dir(default_root_dir))

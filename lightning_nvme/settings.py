@@ -15,21 +15,35 @@ profile, ``FlatStore``), ``chunk_bytes`` the optimizer-state chunk.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import os
 import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lightning_nvme.config import ConfigError, boolean, check_fields, count, directory, is_int, nbytes, one_of, setting
+from lightning_nvme.config import (
+    ConfigError,
+    boolean,
+    check_fields,
+    count,
+    directory,
+    is_int,
+    nbytes,
+    one_of,
+    reject_unknown,
+    resolve_store_dir,
+    setting,
+)
 from lightning_nvme.constants import ALIGN, MASTER_FORMATS, STATE_FORMATS, STORE_DIR_ENV, GiB, MiB
 from lightning_nvme.memory import HEAP_MMAP_THRESHOLD_MAX, OFF_HEAP_THRESHOLD
 
 if TYPE_CHECKING:
+    from _typeshed import DataclassInstance
+
     from lightning_nvme.optim.state_format import StateFormat
 
 T = TypeVar("T")
+D = TypeVar("D", bound="DataclassInstance")  # a settings dataclass
 OVERLAP_MODES = ("step", "backward")
 
 
@@ -123,17 +137,6 @@ class OffloadSettings:
             raise ConfigError("staging_bytes", f"staging_bytes={self.staging_bytes} cannot hold one io_chunk_bytes="
                                                f"{self.io_chunk_bytes}. Fix: set staging_bytes >= io_chunk_bytes.")
 
-    @classmethod
-    def from_arguments(cls: type[S], owner: str, arguments: dict[str, Any]) -> S:
-        """Build from keyword arguments, refusing an unknown name with the closest known one."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        for name in arguments:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise TypeError(f"{owner}: unexpected argument {name!r}{hint}; it takes {', '.join(known)}")
-        return cls(**arguments)
-
     @property
     def state_format_spec(self) -> StateFormat:
         """``state_format`` and ``master_format`` as the ``StateFormat`` that stores and decodes the state."""
@@ -143,8 +146,7 @@ class OffloadSettings:
 
     def resolve_store_dir(self, default_root_dir: str) -> str:
         """``store_dir``, else ``$LIGHTNING_NVME_STORE_DIR``, else ``<default_root_dir>/nvme_store``."""
-        return os.path.abspath(self.store_dir or os.environ.get(STORE_DIR_ENV) or
-                               os.path.join(default_root_dir, "nvme_store"))
+        return resolve_store_dir(self.store_dir, default_root_dir)
 
     def mmap_threshold(self) -> int | None:
         """``malloc_mmap_threshold`` in bytes (``"auto"`` resolved), None: leave glibc alone."""
@@ -160,9 +162,6 @@ class OffloadSettings:
             profile = IOProfile.load(self.io_profile)
             return profile.io_chunk_bytes, profile.io_workers
         return self.io_chunk_bytes, self.io_workers
-
-
-S = TypeVar("S", bound=OffloadSettings)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -184,15 +183,22 @@ def check_values(**values: Any) -> None:
             raise ConfigError(name, problem)
 
 
-def defaults(settings: type[OffloadSettings]) -> dict[str, Any]:
+def from_arguments(settings: type[D], owner: str, arguments: dict[str, Any]) -> D:
+    """Build the settings dataclass ``settings`` from keyword arguments, refusing an unknown name with the
+    closest known one (``owner`` is named in the message)."""
+    reject_unknown(owner, arguments, [f.name for f in dataclasses.fields(settings)])
+    return settings(**arguments)
+
+
+def defaults(settings: type[DataclassInstance]) -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(settings)}
 
 
-def docs(settings: type[OffloadSettings]) -> dict[str, str]:
+def docs(settings: type[DataclassInstance]) -> dict[str, str]:
     return {f.name: f.metadata["doc"] for f in dataclasses.fields(settings)}
 
 
-def with_settings(settings: type[OffloadSettings]) -> Callable[[type[T]], type[T]]:
+def with_settings(settings: type[DataclassInstance]) -> Callable[[type[T]], type[T]]:
     """Class decorator for a strategy whose ``__init__`` takes ``**settings``: its signature (what ``inspect``,
     ``help`` and the config validator see) lists every setting with its type and default, and its docstring's
     ``Args:`` section documents them, both from ``settings``."""

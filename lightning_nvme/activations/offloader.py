@@ -38,44 +38,28 @@ from lightning_nvme.activations.hooks import HookStack
 from lightning_nvme.activations.meter import ResidencyMeter, storage_ptrs
 from lightning_nvme.activations.prefetcher import Prefetcher
 from lightning_nvme.activations.records import OffloadStats, Packed, Record, busy_seconds
+from lightning_nvme.activations.settings import ActivationSettings
 from lightning_nvme.activations.writer import WriteBehind
-from lightning_nvme.constants import MiB
 from lightning_nvme.store import FlatStore, IOHandle
 
 log = logging.getLogger(__name__)
-
-SCOPES = ("checkpoint", "all")
-
 
 class ActivationOffloader:
     """Saved-tensor hooks that move a step's activations through ``store``.
 
     Args:
         store: the flat store; the offloader adds its own regions (``region_prefix.N``) to it.
-        scope: ``"checkpoint"`` offloads only the inputs saved by ``torch.utils.checkpoint`` regions;
-            ``"all"`` offloads any saved tensor of at least ``min_bytes``.
-        min_bytes: storages smaller than this stay in memory (the I/O would cost more than it saves).
-        keep_last: the last N storages saved stay in memory: backward needs them first.
-        prefetch_depth: reads issued ahead of backward, in reverse save order.
-        max_write_inflight_bytes: bytes of tensors waiting for their write; forward blocks above it.
-        max_prefetch_bytes: bytes of read-ahead buffers (at least one read is always allowed).
-        min_segment_bytes / grow_fraction: how the activation area of the store grows (see ``ActivationArena``).
+        config: what is offloaded and the budgets (``ActivationSettings``; its defaults if not given).
+        grow_fraction: with ``config.min_segment_bytes``, how the activation area grows (``ActivationArena``).
         meter: counts resident saved-activation bytes (a fresh one if not given).
     """
 
-    def __init__(self, store: FlatStore, *, region_prefix: str = "activations", scope: str = "checkpoint",
-                 min_bytes: int = 1 * MiB, keep_last: int = 1, prefetch_depth: int = 2,
-                 max_write_inflight_bytes: int = 256 * MiB, max_prefetch_bytes: int = 512 * MiB,
-                 min_segment_bytes: int = 256 * MiB, grow_fraction: float = 0.5,
+    def __init__(self, store: FlatStore, config: ActivationSettings | None = None, *,
+                 region_prefix: str = "activations", grow_fraction: float = 0.5,
                  meter: ResidencyMeter | None = None) -> None:
-        self.check_args(scope=scope, min_bytes=min_bytes, keep_last=keep_last, prefetch_depth=prefetch_depth,
-                        max_write_inflight_bytes=max_write_inflight_bytes, max_prefetch_bytes=max_prefetch_bytes,
-                        min_segment_bytes=min_segment_bytes)
+        self.config = config = config or ActivationSettings()
         self.store = store
-        self.scope = scope
-        self.min_bytes = min_bytes
-        self.keep_last = keep_last
-        self.arena = ActivationArena(store, region_prefix, min_segment_bytes=min_segment_bytes,
+        self.arena = ActivationArena(store, region_prefix, min_segment_bytes=config.min_segment_bytes,
                                      grow_fraction=grow_fraction)
         self.meter = meter or ResidencyMeter()
         self.stats = OffloadStats()  # the step in progress
@@ -83,28 +67,14 @@ class ActivationOffloader:
         self.total_stats = OffloadStats()
         self._lock = threading.RLock()  # unpack runs on autograd's device threads for CUDA
         self._handles: list[IOHandle] = []  # every request of the step, in issue order
-        self._writer = WriteBehind(store, self.arena, max_write_inflight_bytes, self._handles)
-        self._reader = Prefetcher(store, self.meter, prefetch_depth, max_prefetch_bytes, self._handles)
+        self._writer = WriteBehind(store, self.arena, config.write_inflight_bytes, self._handles)
+        self._reader = Prefetcher(store, self.meter, config.prefetch_depth, config.prefetch_bytes, self._handles)
         self._hooks = HookStack(self._pack, self._unpack)
         self._phase = "idle"  # idle | forward | backward
         self._step = 0
         self._exclude: set[int] = set()
         self._warned_no_boundary = False
         self._reset_step_state()
-
-    @staticmethod
-    def check_args(*, scope: str, min_bytes: int, keep_last: int, prefetch_depth: int, max_write_inflight_bytes: int,
-                   max_prefetch_bytes: int, min_segment_bytes: int) -> None:
-        """Reject bad settings at construction, naming the argument."""
-        if scope not in SCOPES:
-            raise ValueError(f"scope must be one of {SCOPES}, got {scope!r}")
-        for name, value in (("min_bytes", min_bytes), ("keep_last", keep_last), ("prefetch_depth", prefetch_depth)):
-            if value < 0:
-                raise ValueError(f"{name} must be >= 0, got {value}")
-        for name, value in (("max_write_inflight_bytes", max_write_inflight_bytes),
-                            ("max_prefetch_bytes", max_prefetch_bytes), ("min_segment_bytes", min_segment_bytes)):
-            if value <= 0:
-                raise ValueError(f"{name} must be > 0, got {value}")
 
     def _reset_step_state(self) -> None:
         self._order: list[Record] = []
@@ -153,7 +123,7 @@ class ActivationOffloader:
             self._reader.start(self._order)
             self._reap()
             self._reader.fill()
-        if (self.scope == "checkpoint" and not self._order and self.stats.saved_tensors
+        if (self.config.scope == "checkpoint" and not self._order and self.stats.saved_tensors
                 and not self._warned_no_boundary):
             self._warned_no_boundary = True
             log.warning("NVMe activation offload: no tensor was saved at a torch.utils.checkpoint boundary in this "
@@ -234,9 +204,9 @@ class ActivationOffloader:
         if t.device.type not in ("cpu", "cuda") or (t.requires_grad and t.grad_fn is None):
             return False  # leaves (parameters, user inputs) are held by their owner anyway
         storage = t.untyped_storage()
-        if storage.nbytes() < max(self.min_bytes, 1) or storage.data_ptr() in self._exclude:
+        if storage.nbytes() < max(self.config.min_bytes, 1) or storage.data_ptr() in self._exclude:
             return False
-        return self.scope == "all" or saved_at_checkpoint_boundary()
+        return self.config.scope == "all" or saved_at_checkpoint_boundary()
 
     def _pack(self, t: torch.Tensor) -> Any:
         with self._lock:
@@ -265,7 +235,7 @@ class ActivationOffloader:
         self.meter.track(storage)
         self.stats.storages += 1
         self._window.append(record)
-        while len(self._window) > self.keep_last:
+        while len(self._window) > self.config.keep_last:
             self._writer.start(self._window.popleft(), self.stats)
         self._reap()
         return record

@@ -61,6 +61,7 @@ class NVMeActivationOffload(Callback):
     def __init__(self, store_dir: str | None = None, **settings: Any) -> None:
         self.config = from_arguments(ActivationOffloadSettings, type(self).__name__,
                                      {"store_dir": store_dir, **settings})
+        self.enabled = self.config.enabled  # the switch: may be flipped between steps (A/B runs, benchmarks)
         self.meter = ResidencyMeter()
         self._store: FlatStore | None = None
         self._owns_store = False
@@ -103,13 +104,13 @@ class NVMeActivationOffload(Callback):
     # ---- Lightning hooks ----------------------------------------------------------------------
     @override
     def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        if self.config.enabled and self.offloader is None:
+        if self.enabled and self.offloader is None:
             self._connect(trainer)
 
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        if not self.config.enabled:
+        if not self.enabled:
             return
         offloader = self.offloader or self._connect(trainer)
         offloader.begin(exclude=[*pl_module.parameters(), *pl_module.buffers()])
@@ -122,7 +123,7 @@ class NVMeActivationOffload(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.offloader is not None:
+        if self.offloader is not None and self.offloader.phase != "idle":  # not a step run with enabled=False
             self.offloader.end_step()
             self.last_step_stats = self.offloader.last_step_stats
             self.total_stats.add(self.last_step_stats)

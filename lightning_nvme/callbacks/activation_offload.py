@@ -54,7 +54,7 @@ class NVMeActivationOffload(Callback):
             max_write_inflight_bytes=write_inflight_bytes, max_prefetch_bytes=prefetch_bytes,
             min_segment_bytes=min_segment_bytes)
         ActivationOffloader.check_args(**self._offloader_kwargs)
-        self._store_kwargs: dict[str, Any] = dict(io_chunk_bytes=io_chunk_bytes, num_workers=io_workers, pool_bytes=staging_bytes,
+        self._store_kwargs: dict[str, Any] = dict(io_chunk_bytes=io_chunk_bytes, io_workers=io_workers, staging_bytes=staging_bytes,
                                   min_free_bytes=min_free_bytes)
         self._store: FlatStore | None = None
         self._owns_store = False

@@ -36,15 +36,15 @@ from lightning_nvme.config import (
 )
 from lightning_nvme.constants import ALIGN, MASTER_FORMATS, STATE_FORMATS, STORE_DIR_ENV, GiB, MiB
 from lightning_nvme.memory import HEAP_MMAP_THRESHOLD_MAX, OFF_HEAP_THRESHOLD
+from lightning_nvme.optim import CHUNK_BYTES, OVERLAP_MODES, PREFETCH_DEPTH
+from lightning_nvme.optim.state_format import StateFormat
+from lightning_nvme.store.flat_store import IO_CHUNK_BYTES, IO_WORKERS, STAGING_BYTES
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
 
-    from lightning_nvme.optim.state_format import StateFormat
-
 T = TypeVar("T")
 D = TypeVar("D", bound="DataclassInstance")  # a settings dataclass
-OVERLAP_MODES = ("step", "backward")
 
 
 def _existing_file(value: Any) -> str | None:
@@ -78,20 +78,20 @@ class OffloadSettings:
         None, f"Directory on a local SSD for the store file; None: ``${STORE_DIR_ENV}``, else "
               "``<default_root_dir>/nvme_store``.", directory)
     chunk_bytes: int = setting(
-        32 * MiB, "Optimizer state per chunk, the unit that is read, updated and written back; resident "
+        CHUNK_BYTES, "Optimizer state per chunk, the unit that is read, updated and written back; resident "
                   "memory is ``(prefetch_depth + 2) x chunk_bytes``.", nbytes(ALIGN, typical="16-64 MiB"))
     io_chunk_bytes: int = setting(
-        8 * MiB, "Size of one disk request (``FlatStore(io_chunk_bytes=)``); overridden by ``io_profile``.",
-        nbytes(ALIGN, aligned=True, typical=str(8 * MiB)))
+        IO_CHUNK_BYTES, "Size of one disk request (``FlatStore(io_chunk_bytes=)``); overridden by ``io_profile``.",
+        nbytes(ALIGN, aligned=True, typical=str(IO_CHUNK_BYTES)))
     staging_bytes: int = setting(
-        64 * MiB, "Pool of page-aligned buffers for tensors that cannot be read or written in place; holds at "
-                  "least one ``io_chunk_bytes``.", nbytes(1, typical=str(64 * MiB)))
+        STAGING_BYTES, "Pool of page-aligned buffers for tensors that cannot be read or written in place; holds "
+                       "at least one ``io_chunk_bytes``.", nbytes(1, typical=str(STAGING_BYTES)))
     prefetch_depth: int = setting(
-        2, "Chunks read ahead of the one being updated.", count(1, "2 (prefetch the next chunk while one is in use)"))
+        PREFETCH_DEPTH, "Chunks read ahead of the one being updated.", count(1, "2 (prefetch the next chunk while one is in use)"))
     io_workers: int = setting(
-        4, "I/O threads per store (queue depth); overridden by ``io_profile``.", count(1, "1-8 (4 is a good default)"))
+        IO_WORKERS, "I/O threads per store (queue depth); overridden by ``io_profile``.", count(1, "1-8 (4 is a good default)"))
     overlap: str = setting(
-        "step", "``\"step\"``: state I/O overlaps forward and backward; ``\"backward\"``: chunks are also updated "
+        OVERLAP_MODES[0], "``\"step\"``: state I/O overlaps forward and backward; ``\"backward\"``: chunks are also updated "
                 "during backward as their gradients become final.", one_of(*OVERLAP_MODES))
     io_profile: str | None = setting(
         None, "JSON written by ``lightning-nvme doctor PATH --write-profile FILE``: tuned ``io_chunk_bytes`` "
@@ -140,8 +140,6 @@ class OffloadSettings:
     @property
     def state_format_spec(self) -> StateFormat:
         """``state_format`` and ``master_format`` as the ``StateFormat`` that stores and decodes the state."""
-        from lightning_nvme.optim.state_format import StateFormat
-
         return StateFormat(self.state_format, self.master_format)
 
     def resolve_store_dir(self, default_root_dir: str) -> str:
@@ -153,15 +151,6 @@ class OffloadSettings:
         if self.malloc_mmap_threshold != "auto":
             return self.malloc_mmap_threshold  # type: ignore[return-value]
         return OFF_HEAP_THRESHOLD if self.offload_params else HEAP_MMAP_THRESHOLD_MAX
-
-    def io_request(self) -> tuple[int, int]:
-        """``(io_chunk_bytes, io_workers)``: from the tuned ``io_profile`` if given, else the arguments."""
-        if self.io_profile:
-            from lightning_nvme.io_profile import IOProfile
-
-            profile = IOProfile.load(self.io_profile)
-            return profile.io_chunk_bytes, profile.io_workers
-        return self.io_chunk_bytes, self.io_workers
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)

@@ -20,7 +20,7 @@ KiB = 1024
 
 @pytest.fixture
 def store(tmp_path):
-    s = FlatStore(tmp_path, name="activations-test", io_chunk_bytes=64 * KiB, pool_bytes=256 * KiB, num_workers=2)
+    s = FlatStore(tmp_path, name="activations-test", io_chunk_bytes=64 * KiB, staging_bytes=256 * KiB, io_workers=2)
     yield s
     s.close(delete=True)
 

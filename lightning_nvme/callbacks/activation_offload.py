@@ -21,9 +21,10 @@ from typing_extensions import override
 
 from lightning_nvme.activations import ActivationOffloader, ActivationSettings, OffloadStats, ResidencyMeter
 from lightning_nvme.config import boolean, check_fields, count, directory, nbytes, resolve_store_dir, setting
-from lightning_nvme.constants import ALIGN, STORE_DIR_ENV, MiB
+from lightning_nvme.constants import ALIGN, STORE_DIR_ENV
 from lightning_nvme.settings import from_arguments, with_settings
 from lightning_nvme.store import FlatStore
+from lightning_nvme.store.flat_store import IO_CHUNK_BYTES, IO_WORKERS, STAGING_BYTES
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -33,13 +34,13 @@ class ActivationOffloadSettings(ActivationSettings):
     store_dir: str | None = setting(
         None, f"Directory of the callback's own store (ignored when the strategy provides one); None: "
               f"``${STORE_DIR_ENV}``, else ``<default_root_dir>/nvme_store``.", directory)
-    io_workers: int = setting(4, "I/O threads of the callback's own store.", count(1, "1-8 (4 is a good default)"))
+    io_workers: int = setting(IO_WORKERS, "I/O threads of the callback's own store.", count(1, "1-8 (4 is a good default)"))
     io_chunk_bytes: int = setting(
-        8 * MiB, "Size of one disk request of the callback's own store.",
-        nbytes(ALIGN, aligned=True, typical=str(8 * MiB)))
+        IO_CHUNK_BYTES, "Size of one disk request of the callback's own store.",
+        nbytes(ALIGN, aligned=True, typical=str(IO_CHUNK_BYTES)))
     staging_bytes: int = setting(
-        64 * MiB, "Staging pool of the callback's own store (tensors that cannot be written in place).",
-        nbytes(1, typical=str(64 * MiB)))
+        STAGING_BYTES, "Staging pool of the callback's own store (tensors that cannot be written in place).",
+        nbytes(1, typical=str(STAGING_BYTES)))
     min_free_bytes: int = setting(
         0, "Free space that must remain on the SSD after the callback's own store grows.",
         nbytes(0, typical="0 to disable the margin"))
@@ -84,7 +85,7 @@ class NVMeActivationOffload(Callback):
             c = self.config
             store = FlatStore(resolve_store_dir(c.store_dir, trainer.default_root_dir), rank=trainer.global_rank,
                               name=f"activations-rank{trainer.global_rank}", io_chunk_bytes=c.io_chunk_bytes,
-                              num_workers=c.io_workers, pool_bytes=c.staging_bytes, min_free_bytes=c.min_free_bytes)
+                              io_workers=c.io_workers, staging_bytes=c.staging_bytes, min_free_bytes=c.min_free_bytes)
             owned = True
         self._store, self._owns_store = store, owned
         self.offloader = ActivationOffloader(store, self.config, meter=self.meter)

@@ -22,6 +22,7 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
+from lightning_nvme import preflight
 from lightning_nvme.config import ConfigError
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_convert_", "_recursive_"}
@@ -193,8 +194,6 @@ def check_store_dir(key: str, path: Any) -> None:
     strategy applies at setup. ``None`` is left to the component: it picks its own default."""
     if path is None:
         return
-    from lightning_nvme import preflight
-
     try:
         preflight.check_store_dir(os.path.expanduser(str(path)), 0, key=key)
     except ConfigError as e:

@@ -41,8 +41,9 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_nvme import atomic
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import atomic, sharded
+from lightning_nvme.checkpoint import sharded
 from lightning_nvme.config import ConfigError, reject_unknown
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
 from lightning_nvme.settings import DDPOffloadSettings, from_arguments, with_settings

@@ -2,17 +2,15 @@
 
 glibc raises its mmap threshold dynamically (up to 32 MiB) each time a large block is freed, after
 which tensors below that size come from the heap, whose freed pages it keeps. An offloaded optimizer
-allocates and frees chunk-sized temporaries every step, and measured on this machine the heap kept
-~0.9x the parameter bytes resident (a 672 MiB saving shrank to 254 MiB). Fixing the threshold hands
-blocks at least that large back to the OS when freed. Measured on a 151 M-param AdamW training step
-(benchmarks/optimizer_offload.py shapes, peak RSS / step time): glibc default 2473 MiB / 4.75 s;
-1 MiB 2036 MiB / 5.45 s (every activation is then a fresh mmap: page faults); 8 MiB 2187 MiB /
-4.55 s. Fixed at 8 MiB, though, every activation above 8 MiB (1536 tokens x 2048 wide) was a fresh
-mmap each step: 307 K page faults per offloaded step vs 18.7 K in memory (docs/performance.md). The
-default is now 32 MiB (glibc's own maximum, still fixed), with chunk updates inside backward pushed off
-the heap (``temporaries_off_heap``) and updates after backward kept on a trimmed heap region. With
-``offload_params`` (the model does not fit: memory first) the default stays 8 MiB: at 2.52 B params the
-32 MiB threshold kept ~500 MiB more on the heap (gradients and update temporaries of 8-32 MiB).
+allocates and frees chunk-sized temporaries every step, so the heap ends up keeping much of what the
+offload saved. Fixing the threshold hands blocks at least that large back to the OS when freed.
+
+The value trades memory for page faults: too low and every activation is a fresh mapping, faulted in
+page by page each step; too high and freed blocks stay on the heap. The default is 32 MiB (glibc's own
+maximum, still fixed), with chunk updates inside backward pushed off the heap (``temporaries_off_heap``)
+and updates after backward kept on a trimmed heap region. With ``offload_params`` (the model does not
+fit: memory first) it is 8 MiB, since gradients and update temporaries of 8-32 MiB would otherwise stay on
+the heap. The measurements behind each choice: docs/performance.md, "The malloc mmap threshold".
 """
 
 from __future__ import annotations
@@ -31,8 +29,8 @@ M_MMAP_THRESHOLD = -3
 
 
 HEAP_MMAP_THRESHOLD_MAX = 32 << 20  # the largest M_MMAP_THRESHOLD glibc accepts on 64-bit
-# Updates inside backward, and every allocation with offload_params ("auto"): measured at 2.52 B params,
-# peak RSS 3194 MiB at 32 MiB vs 2699 MiB at 8 MiB (1.14 vs 0.93 resident bytes/param, docs/params.md).
+# Updates inside backward, and every allocation with offload_params ("auto"): lower peak RSS with parameters
+# offloaded (docs/performance.md, "The malloc mmap threshold").
 OFF_HEAP_THRESHOLD = 8 << 20
 
 _fixed_threshold: int | None = None  # what release_freed_memory set in this process, if anything
@@ -96,8 +94,8 @@ def temporaries_on_heap() -> Iterator[None]:
 
     Why: with the threshold fixed (``release_freed_memory``), every temporary an optimizer update
     allocates (AdamW's ``sqrt``/``div`` of a 16 MiB piece) was a new mapping, faulted in page by page
-    and unmapped again: ~100 K page faults per step for 50 M params (``benchmarks/optimizer_offload.py
-    --profile``). Wrap only the update (not forward/backward, whose blocks the fixed threshold keeps
+    and unmapped again, every chunk of every step (``benchmarks/optimizer_offload.py --profile`` counts
+    them). Wrap only the update (not forward/backward, whose blocks the fixed threshold keeps
     releasing), inside ``keep_freed_heap`` so the next update reuses the pages."""
     with _mmap_threshold_within(HEAP_MMAP_THRESHOLD_MAX):
         yield
@@ -109,7 +107,7 @@ def temporaries_off_heap(threshold: int = OFF_HEAP_THRESHOLD) -> Iterator[None]:
 
     Why: an update that runs inside backward (``overlap="backward"``) interleaves its temporaries with
     backward's own allocations; on the heap, backward's blocks land above the freed temporaries, so the heap
-    can neither reuse nor shrink them and grows with every chunk (3 GiB at 2.5 B params). Off the heap they
+    can neither reuse nor shrink them and grows with every chunk, i.e. with the model. Off the heap they
     cost page faults, but only the update's, not forward's and backward's. A no-op unless
     ``release_freed_memory`` fixed the thresholds."""
     if _fixed_threshold is not None and threshold >= _fixed_threshold:

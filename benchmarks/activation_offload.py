@@ -280,7 +280,7 @@ def profiled(argv: list[str]) -> int:
 
 def offload_mode(store_dir: str) -> str:
     from lightning_nvme.store import FlatStore
-    probe = FlatStore(store_dir, name="mode-probe", io_chunk_bytes=1 * MiB, pool_bytes=1 * MiB, num_workers=1)
+    probe = FlatStore(store_dir, name="mode-probe", io_chunk_bytes=1 * MiB, staging_bytes=1 * MiB, io_workers=1)
     mode = probe.mode
     probe.close(delete=True)
     return mode

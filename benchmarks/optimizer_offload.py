@@ -61,7 +61,7 @@ def child(args) -> dict:
         from lightning_nvme.settings import OffloadSettings
 
         release_freed_memory(OffloadSettings().mmap_threshold())  # what NVMeOffloadStrategy does at setup
-        store = FlatStore(args.dir, io_chunk_bytes=args.io_chunk_mib * MiB, num_workers=args.workers)
+        store = FlatStore(args.dir, io_chunk_bytes=args.io_chunk_mib * MiB, io_workers=args.workers)
         off = OffloadedOptimizer(opt, store, chunk_bytes=args.chunk_mib * MiB, prefetch_depth=args.prefetch,
                                  overlap="backward" if args.child == "bwd" else "step")
     out: dict = {}

@@ -55,7 +55,7 @@ def setup(args, state: str, master: str, directory: str):
         p.grad = (torch.randn(p.shape, generator=g) * 1e-3).bfloat16()
     opt = torch.optim.AdamW(model.parameters(), lr=1e-4, fused=args.fused or None)
     os.makedirs(directory, exist_ok=True)
-    store = FlatStore(directory, io_chunk_bytes=args.io_chunk_mib * MiB, num_workers=args.workers)
+    store = FlatStore(directory, io_chunk_bytes=args.io_chunk_mib * MiB, io_workers=args.workers)
     off = OffloadedOptimizer(opt, store, chunk_bytes=args.chunk_mib * MiB, prefetch_depth=args.prefetch,
                              fmt=StateFormat(state, master))
     opt.step()  # creates the state

@@ -109,8 +109,8 @@ def main() -> None:
     ap.add_argument("--pairs", type=int, default=9, help="store/raw pairs (>= 3)")
     ap.add_argument("--dir", default=None, help="directory on the disk under test (default: a temp dir in the checkout)")
     ap.add_argument("--chunk-mib", type=int, default=None, help="FlatStore chunk_bytes in MiB (default: the store's)")
-    ap.add_argument("--workers", type=int, default=None, help="FlatStore num_workers (default: the store's)")
-    ap.add_argument("--pool-mib", type=int, default=None, help="FlatStore pool_bytes in MiB (default: the store's)")
+    ap.add_argument("--workers", type=int, default=None, help="FlatStore io_workers (default: the store's)")
+    ap.add_argument("--staging-mib", type=int, default=None, help="FlatStore staging_bytes in MiB (default: the store's)")
     ap.add_argument("--raw-threads", type=int, default=4, help="threads (queue depth) of the raw baseline")
     ap.add_argument("--mode", choices=["auto", "direct", "buffered"], default="auto")
     ap.add_argument("--no-aiofiles", action="store_true")
@@ -122,7 +122,7 @@ def main() -> None:
     workdir = tempfile.mkdtemp(prefix=".bench-store-", dir=args.dir or REPO)
     try:
         kw = {k: v for k, v in [("io_chunk_bytes", args.chunk_mib and args.chunk_mib * MiB),
-                                ("num_workers", args.workers), ("pool_bytes", args.pool_mib and args.pool_mib * MiB)]
+                                ("io_workers", args.workers), ("staging_bytes", args.staging_mib and args.staging_mib * MiB)]
               if v}
         direct = {"auto": None, "direct": True, "buffered": False}[args.mode]
         rss_start = current_rss_mib()
@@ -154,7 +154,7 @@ def main() -> None:
         same = dict(threads=args.raw_threads, direct=raw_direct, offset=base)
         print(f"# {nbytes / GiB:.2f} GiB x {args.pairs} pairs in {workdir}; mode={store.mode} "
               f"chunk={store.io_chunk_bytes // MiB} MiB workers={store._engine.alive_threads} "
-              f"pool={store.pool_bytes // MiB} MiB raw_threads={args.raw_threads}", flush=True)
+              f"staging={store.staging_bytes // MiB} MiB raw_threads={args.raw_threads}", flush=True)
 
         def check(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
             """The reads returned what was written: the last BUFFERS requests cycled through the buffers."""
@@ -219,7 +219,7 @@ def main() -> None:
             "read_ratio_min": round(min(s / b for s, b in zip(r.subject, r.baseline)), 3),
             "peak_rss_MiB": round(peak_rss_mib(), 1),
             "rss_at_start_MiB": round(rss_start, 1),
-            "pool_MiB": store.pool_bytes // MiB,
+            "staging_MiB": store.staging_bytes // MiB,
             "buffers_MiB": 2 * BUFFERS * (REQUEST + 4096) // MiB,
             "data_MiB": nbytes // MiB,
             "chunk_MiB": store.io_chunk_bytes // MiB,

@@ -19,6 +19,11 @@ import sys
 import time
 from pathlib import Path
 
+from lightning_nvme import doctor
+from lightning_nvme.checkpoint import convert
+from lightning_nvme.config import ConfigError
+
+# lightning_nvme.launch is imported where it is used: it needs Hydra, an optional dependency (the "recipes" extra).
 EXIT_CONFIG = 2
 BENCHMARKS_HELP = ("the benchmarks are scripts in the source repository, not part of the installed package: from a "
                    "checkout, run `lightning-nvme bench` there or `python benchmarks/<name>.py`")
@@ -42,8 +47,6 @@ def main(argv: list[str] | None = None) -> int:
     if argv[:1] == ["doctor"]:  # pass everything through untouched, including --help
         return _doctor(argv[1:])
     if argv[:1] == ["convert"]:
-        from lightning_nvme.checkpoint import convert
-
         return convert.main(argv[1:])
     args = parser.parse_args(argv)
     if args.command == "train":
@@ -70,8 +73,6 @@ def _train(overrides: list[str], dry_run: bool) -> int:
             raise
         return _config_error(f"`train` composes recipes with Hydra, which is not installed ({e.name}). Fix: "
                              "pip install 'lightning-nvme[recipes,plot]'")
-    from lightning_nvme.settings import ConfigError
-
     recipe = None
     rest = []
     for item in overrides:
@@ -138,8 +139,6 @@ def _bench(names: list[str]) -> int:
 
 
 def _doctor(argv: list[str]) -> int:
-    from lightning_nvme import doctor
-
     return int(doctor.main(argv) or 0)
 
 

@@ -22,12 +22,15 @@ import time
 import warnings
 from dataclasses import asdict, dataclass
 
+import torch
+
 from lightning_nvme import fsinfo
+from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.io_profile import IOProfile
 from lightning_nvme.preflight import check_store_dir, check_writable, ensure_dir
-from lightning_nvme.settings import ConfigError, OffloadSettings
-from lightning_nvme.store import StoreError
+from lightning_nvme.settings import OffloadSettings
+from lightning_nvme.store import FlatStore, StoreError, aligned_empty
 
 # the strategies' defaults: what a tuned profile is compared with
 DEFAULT_SETTING = (OffloadSettings.io_chunk_bytes, OffloadSettings.io_workers)
@@ -82,9 +85,7 @@ def measure_bandwidth(directory: str, nbytes: int, seconds: float, block: int = 
 
 def _trial(directory: str, chunk: int, workers: int, nbytes: int, data) -> tuple[float, float]:
     """Write ``nbytes`` through a fresh FlatStore (durable fence) and read them back; MiB/s each."""
-    from lightning_nvme.store import FlatStore
-
-    store = FlatStore(directory, io_chunk_bytes=chunk, num_workers=workers, pool_bytes=chunk, name="doctor-tune",
+    store = FlatStore(directory, io_chunk_bytes=chunk, io_workers=workers, staging_bytes=chunk, name="doctor-tune",
                       io_timeout_s=120)
     try:
         store.add_region("bench", nbytes)
@@ -111,8 +112,6 @@ def tune(directory: str, *, nbytes: int = 32 * MiB, seconds: float = 6.0, min_ro
     default by ``min_gain`` in a confirmation run of alternating pairs (else the default is kept:
     the difference is within the disk's noise). ``seconds`` bounds the search; confirmation adds
     at most a third of it."""
-    from lightning_nvme.store import aligned_empty
-
     candidates = sorted({(c, w) for c in chunks for w in workers} | {DEFAULT_SETTING})
     data = aligned_empty(nbytes)
     data.copy_(_random_bytes(nbytes))
@@ -158,9 +157,7 @@ def tune(directory: str, *, nbytes: int = 32 * MiB, seconds: float = 6.0, min_ro
                      direct_io=fsinfo.probe_direct_io(directory)[0], trials=trials)
 
 
-def _random_bytes(n: int):
-    import torch
-
+def _random_bytes(n: int) -> torch.Tensor:
     return torch.randint(0, 256, (n,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
 
 

@@ -13,7 +13,9 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_nvme.settings import ConfigError, check_values
+from lightning_nvme import atomic
+from lightning_nvme.config import ConfigError
+from lightning_nvme.settings import OffloadSettings, check_values
 
 PROFILE_VERSION = 2
 _RENAMED = {"chunk_bytes": "io_chunk_bytes", "num_workers": "io_workers"}  # version 1 names
@@ -28,7 +30,7 @@ class IOProfile:
     """Tuned store settings and the figures they were chosen on.
 
     ``io_chunk_bytes``/``io_workers`` are the strategy arguments of the same names (and
-    ``FlatStore(io_chunk_bytes=, num_workers=)``). Bandwidths are MiB/s measured on ``path``.
+    ``FlatStore(io_chunk_bytes=, io_workers=)``). Bandwidths are MiB/s measured on ``path``.
     """
 
     io_chunk_bytes: int
@@ -48,15 +50,8 @@ class IOProfile:
         check_values(io_chunk_bytes=self.io_chunk_bytes, io_workers=self.io_workers)
 
     def save(self, file: str | os.PathLike) -> None:
-        """Write atomically (temp file + rename), so a reader never sees half a profile."""
-        file = os.fspath(file)
-        tmp = f"{file}.tmp{os.getpid()}"
-        with open(tmp, "w") as f:
-            json.dump(asdict(self), f, indent=2)
-            f.write("\n")
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, file)
+        """Write atomically (``atomic.write_json``), so a reader never sees half a profile."""
+        atomic.write_json(os.fspath(file), asdict(self), indent=2)
 
     @classmethod
     def load(cls, file: str | os.PathLike, *, key: str = "io_profile") -> IOProfile:
@@ -82,3 +77,11 @@ class IOProfile:
             return cls(**{k: v for k, v in data.items() if k in known})
         except ConfigError as e:
             raise ConfigError(key, f"I/O profile {file}: {e}") from e
+
+
+def io_request(config: OffloadSettings) -> tuple[int, int]:
+    """``(io_chunk_bytes, io_workers)`` of a strategy: from its tuned ``io_profile`` if given, else its arguments."""
+    if config.io_profile:
+        profile = IOProfile.load(config.io_profile)
+        return profile.io_chunk_bytes, profile.io_workers
+    return config.io_chunk_bytes, config.io_workers

@@ -20,8 +20,8 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
 from lightning_nvme import fsinfo
+from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import ALIGN, GiB
-from lightning_nvme.settings import ConfigError
 from lightning_nvme.store.flat_store import MAGIC as STORE_MAGIC
 
 

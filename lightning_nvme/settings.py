@@ -1,6 +1,7 @@
 """The offload strategies' arguments, each defined once: name, type, default, valid values and a one-line doc.
 
-Everything else derives from or is checked against these dataclasses: the strategies' signatures and
+Each is one ``setting(default, doc, check)`` (``lightning_nvme.config``, with ``ConfigError`` and the
+checks). Everything else derives from or is checked against these dataclasses: the strategies' signatures and
 docstrings (``with_settings``), validation (``__post_init__``: one ``ConfigError(key, message)`` per bad
 value), the Hydra configs ``conf/strategy/nvme_offload*.yaml`` and README's argument table (both checked by
 ``tests/test_settings.py``). To add an argument, add one ``setting(...)`` line to ``OffloadSettings`` (both
@@ -14,69 +15,36 @@ profile, ``FlatStore``), ``chunk_bytes`` the optimizer-state chunk.
 from __future__ import annotations
 
 import dataclasses
-import difflib
 import inspect
 import os
 import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
+from lightning_nvme.config import (
+    ConfigError,
+    boolean,
+    check_fields,
+    count,
+    directory,
+    is_int,
+    nbytes,
+    one_of,
+    reject_unknown,
+    resolve_store_dir,
+    setting,
+)
 from lightning_nvme.constants import ALIGN, MASTER_FORMATS, STATE_FORMATS, STORE_DIR_ENV, GiB, MiB
 from lightning_nvme.memory import HEAP_MMAP_THRESHOLD_MAX, OFF_HEAP_THRESHOLD
+from lightning_nvme.optim import CHUNK_BYTES, OVERLAP_MODES, PREFETCH_DEPTH
+from lightning_nvme.optim.state_format import StateFormat
+from lightning_nvme.store.flat_store import IO_CHUNK_BYTES, IO_WORKERS, STAGING_BYTES
 
 if TYPE_CHECKING:
-    from lightning_nvme.optim.state_format import StateFormat
+    from _typeshed import DataclassInstance
 
 T = TypeVar("T")
-Check = Callable[[Any], "str | None"]  # returns why the value is invalid (and the fix), None when it is valid
-OVERLAP_MODES = ("step", "backward")
-
-
-class ConfigError(ValueError):
-    """A configuration value that cannot work. ``key`` names the setting; the message says the fix."""
-
-    def __init__(self, key: str, message: str) -> None:
-        super().__init__(f"{key}: {message}")
-        self.key = key
-        self.message = message
-
-
-# ---- checks: each returns the problem and the fix, or None ------------------------------------------------
-def _is_int(value: Any) -> bool:
-    return isinstance(value, int) and not isinstance(value, bool)
-
-
-def count(minimum: int, typical: str) -> Check:
-    def check(value: Any) -> str | None:
-        if not _is_int(value) or value < minimum:
-            return f"must be an integer >= {minimum}, got {value!r}. Fix: use {typical}."
-        return None
-    return check
-
-
-def nbytes(minimum: int = 1, *, aligned: bool = False, typical: str = "") -> Check:
-    def check(value: Any) -> str | None:
-        if not _is_int(value) or value < minimum:
-            return f"must be an integer number of bytes >= {minimum}, got {value!r}." + (
-                f" Fix: use {typical}." if typical else "")
-        if aligned and value % ALIGN:
-            up = (value + ALIGN - 1) // ALIGN * ALIGN
-            return f"must be a multiple of {ALIGN} (O_DIRECT alignment), got {value}. Fix: use {up}."
-        return None
-    return check
-
-
-def optional(inner: Check, meaning: str) -> Check:
-    def check(value: Any) -> str | None:
-        problem = None if value is None else inner(value)
-        return None if problem is None else f"{problem} Or null: {meaning}."
-    return check
-
-
-def one_of(*values: str) -> Check:
-    def check(value: Any) -> str | None:
-        return None if value in values else f"must be one of {', '.join(map(repr, values))}, got {value!r}."
-    return check
+D = TypeVar("D", bound="DataclassInstance")  # a settings dataclass
 
 
 def _existing_file(value: Any) -> str | None:
@@ -84,14 +52,6 @@ def _existing_file(value: Any) -> str | None:
         return None
     return (f"file {value!r} not found. Fix: create one with `lightning-nvme doctor STORE_DIR --write-profile "
             f"FILE`, or leave it null.")
-
-
-def _directory(value: Any) -> str | None:
-    return None if value is None or isinstance(value, (str, os.PathLike)) else f"must be a path, got {value!r}."
-
-
-def _boolean(value: Any) -> str | None:
-    return None if isinstance(value, bool) else f"must be true or false, got {value!r}."
 
 
 def _block_classes(value: Any) -> str | None:
@@ -103,15 +63,10 @@ def _block_classes(value: Any) -> str | None:
 
 
 def _mmap_threshold(value: Any) -> str | None:
-    if value is None or value == "auto" or (_is_int(value) and value >= 4096):
+    if value is None or value == "auto" or (is_int(value) and value >= 4096):
         return None
     return (f"must be \"auto\", an integer number of bytes >= 4096 (e.g. 33554432) or null (leave glibc's "
             f"allocator alone), got {value!r}.")
-
-
-def setting(default: T, doc: str, check: Check | None = None) -> T:
-    """One argument: its default, its one-line doc and its check (``None``: any value of its type)."""
-    return dataclasses.field(default=default, metadata={"doc": doc, "check": check})
 
 
 # ---- the arguments -------------------------------------------------------------------------------------
@@ -121,22 +76,22 @@ class OffloadSettings:
 
     store_dir: str | None = setting(
         None, f"Directory on a local SSD for the store file; None: ``${STORE_DIR_ENV}``, else "
-              "``<default_root_dir>/nvme_store``.", _directory)
+              "``<default_root_dir>/nvme_store``.", directory)
     chunk_bytes: int = setting(
-        32 * MiB, "Optimizer state per chunk, the unit that is read, updated and written back; resident "
+        CHUNK_BYTES, "Optimizer state per chunk, the unit that is read, updated and written back; resident "
                   "memory is ``(prefetch_depth + 2) x chunk_bytes``.", nbytes(ALIGN, typical="16-64 MiB"))
     io_chunk_bytes: int = setting(
-        8 * MiB, "Size of one disk request (``FlatStore(io_chunk_bytes=)``); overridden by ``io_profile``.",
-        nbytes(ALIGN, aligned=True, typical=str(8 * MiB)))
+        IO_CHUNK_BYTES, "Size of one disk request (``FlatStore(io_chunk_bytes=)``); overridden by ``io_profile``.",
+        nbytes(ALIGN, aligned=True, typical=str(IO_CHUNK_BYTES)))
     staging_bytes: int = setting(
-        64 * MiB, "Pool of page-aligned buffers for tensors that cannot be read or written in place; holds at "
-                  "least one ``io_chunk_bytes``.", nbytes(1, typical=str(64 * MiB)))
+        STAGING_BYTES, "Pool of page-aligned buffers for tensors that cannot be read or written in place; holds "
+                       "at least one ``io_chunk_bytes``.", nbytes(1, typical=str(STAGING_BYTES)))
     prefetch_depth: int = setting(
-        2, "Chunks read ahead of the one being updated.", count(1, "2 (prefetch the next chunk while one is in use)"))
+        PREFETCH_DEPTH, "Chunks read ahead of the one being updated.", count(1, "2 (prefetch the next chunk while one is in use)"))
     io_workers: int = setting(
-        4, "I/O threads per store (queue depth); overridden by ``io_profile``.", count(1, "1-8 (4 is a good default)"))
+        IO_WORKERS, "I/O threads per store (queue depth); overridden by ``io_profile``.", count(1, "1-8 (4 is a good default)"))
     overlap: str = setting(
-        "step", "``\"step\"``: state I/O overlaps forward and backward; ``\"backward\"``: chunks are also updated "
+        OVERLAP_MODES[0], "``\"step\"``: state I/O overlaps forward and backward; ``\"backward\"``: chunks are also updated "
                 "during backward as their gradients become final.", one_of(*OVERLAP_MODES))
     io_profile: str | None = setting(
         None, "JSON written by ``lightning-nvme doctor PATH --write-profile FILE``: tuned ``io_chunk_bytes`` "
@@ -159,7 +114,7 @@ class OffloadSettings:
         one_of(*MASTER_FORMATS))
     offload_params: bool = setting(
         False, "Parameters of each block (e.g. a transformer layer) live in the store between uses and are "
-               "loaded just in time (``nvme_offload`` only; see docs/params.md).", _boolean)
+               "loaded just in time (``nvme_offload`` only; see docs/params.md).", boolean)
     param_prefetch: int = setting(
         1, "With ``offload_params``: blocks read ahead of need (forward order, then reverse order in backward).",
         count(0, "1 (read the next block while one computes)"))
@@ -169,7 +124,7 @@ class OffloadSettings:
     restore_params: bool = setting(
         True, "With ``offload_params``: at the end of fit, bring the weights back into the module (memory: the "
               "whole model); false keeps them in the store (``strategy.export_weights(path)`` streams them to a "
-              "safetensors file) and ``state_dict()`` after fit raises.", _boolean)
+              "safetensors file) and ``state_dict()`` after fit raises.", boolean)
     inline_weights_bytes: int = setting(
         1 * GiB, "With ``offload_params``: block weights up to this size are gathered into the checkpoint file (a "
                  "plain Lightning checkpoint; memory: that much); larger ones stream from the store into "
@@ -177,55 +132,25 @@ class OffloadSettings:
         nbytes(0, typical="0 to always stream the weights beside the file"))
 
     def __post_init__(self) -> None:
-        for f in dataclasses.fields(self):
-            check = f.metadata.get("check")
-            problem = check(getattr(self, f.name)) if check else None
-            if problem:
-                raise ConfigError(f.name, problem)
+        check_fields(self)
         if self.staging_bytes < self.io_chunk_bytes:
             raise ConfigError("staging_bytes", f"staging_bytes={self.staging_bytes} cannot hold one io_chunk_bytes="
                                                f"{self.io_chunk_bytes}. Fix: set staging_bytes >= io_chunk_bytes.")
 
-    @classmethod
-    def from_arguments(cls: type[S], owner: str, arguments: dict[str, Any]) -> S:
-        """Build from keyword arguments, refusing an unknown name with the closest known one."""
-        known = [f.name for f in dataclasses.fields(cls)]
-        for name in arguments:
-            if name not in known:
-                close = difflib.get_close_matches(name, known, n=1)
-                hint = f" (did you mean {close[0]!r}?)" if close else ""
-                raise TypeError(f"{owner}: unexpected argument {name!r}{hint}; it takes {', '.join(known)}")
-        return cls(**arguments)
-
     @property
     def state_format_spec(self) -> StateFormat:
         """``state_format`` and ``master_format`` as the ``StateFormat`` that stores and decodes the state."""
-        from lightning_nvme.optim.state_format import StateFormat
-
         return StateFormat(self.state_format, self.master_format)
 
     def resolve_store_dir(self, default_root_dir: str) -> str:
         """``store_dir``, else ``$LIGHTNING_NVME_STORE_DIR``, else ``<default_root_dir>/nvme_store``."""
-        return os.path.abspath(self.store_dir or os.environ.get(STORE_DIR_ENV) or
-                               os.path.join(default_root_dir, "nvme_store"))
+        return resolve_store_dir(self.store_dir, default_root_dir)
 
     def mmap_threshold(self) -> int | None:
         """``malloc_mmap_threshold`` in bytes (``"auto"`` resolved), None: leave glibc alone."""
         if self.malloc_mmap_threshold != "auto":
             return self.malloc_mmap_threshold  # type: ignore[return-value]
         return OFF_HEAP_THRESHOLD if self.offload_params else HEAP_MMAP_THRESHOLD_MAX
-
-    def io_request(self) -> tuple[int, int]:
-        """``(io_chunk_bytes, io_workers)``: from the tuned ``io_profile`` if given, else the arguments."""
-        if self.io_profile:
-            from lightning_nvme.io_profile import IOProfile
-
-            profile = IOProfile.load(self.io_profile)
-            return profile.io_chunk_bytes, profile.io_workers
-        return self.io_chunk_bytes, self.io_workers
-
-
-S = TypeVar("S", bound=OffloadSettings)
 
 
 @dataclasses.dataclass(frozen=True, kw_only=True)
@@ -247,15 +172,22 @@ def check_values(**values: Any) -> None:
             raise ConfigError(name, problem)
 
 
-def defaults(settings: type[OffloadSettings]) -> dict[str, Any]:
+def from_arguments(settings: type[D], owner: str, arguments: dict[str, Any]) -> D:
+    """Build the settings dataclass ``settings`` from keyword arguments, refusing an unknown name with the
+    closest known one (``owner`` is named in the message)."""
+    reject_unknown(owner, arguments, [f.name for f in dataclasses.fields(settings)])
+    return settings(**arguments)
+
+
+def defaults(settings: type[DataclassInstance]) -> dict[str, Any]:
     return {f.name: f.default for f in dataclasses.fields(settings)}
 
 
-def docs(settings: type[OffloadSettings]) -> dict[str, str]:
+def docs(settings: type[DataclassInstance]) -> dict[str, str]:
     return {f.name: f.metadata["doc"] for f in dataclasses.fields(settings)}
 
 
-def with_settings(settings: type[OffloadSettings]) -> Callable[[type[T]], type[T]]:
+def with_settings(settings: type[DataclassInstance]) -> Callable[[type[T]], type[T]]:
     """Class decorator for a strategy whose ``__init__`` takes ``**settings``: its signature (what ``inspect``,
     ``help`` and the config validator see) lists every setting with its type and default, and its docstring's
     ``Args:`` section documents them, both from ``settings``."""
@@ -284,7 +216,7 @@ def with_settings(settings: type[OffloadSettings]) -> Callable[[type[T]], type[T
 
 
 def _shown(value: Any) -> str:
-    if _is_int(value) and value >= MiB and value % MiB == 0:
+    if is_int(value) and value >= MiB and value % MiB == 0:
         return f"`{value}` ({value // GiB} GiB)" if value % GiB == 0 else f"`{value}` ({value // MiB} MiB)"
     return "`null`" if value is None else f"`{value}`"
 

@@ -11,7 +11,8 @@ import torch
 from _activation_offload_model import TinyGPT
 from torch.utils.checkpoint import checkpoint
 
-from lightning_nvme.activations import ActivationOffloader
+from lightning_nvme.activations import ActivationOffloader, ActivationSettings
+from lightning_nvme.config import ConfigError
 from lightning_nvme.store import FlatStore
 
 KiB = 1024
@@ -19,15 +20,15 @@ KiB = 1024
 
 @pytest.fixture
 def store(tmp_path):
-    s = FlatStore(tmp_path, name="activations-test", io_chunk_bytes=64 * KiB, pool_bytes=256 * KiB, num_workers=2)
+    s = FlatStore(tmp_path, name="activations-test", io_chunk_bytes=64 * KiB, staging_bytes=256 * KiB, io_workers=2)
     yield s
     s.close(delete=True)
 
 
-def make_offloader(store: FlatStore, **kw) -> ActivationOffloader:
-    kw.setdefault("min_bytes", 4 * KiB)
-    kw.setdefault("min_segment_bytes", 256 * KiB)
-    return ActivationOffloader(store, **kw)
+def make_offloader(store: FlatStore, *, grow_fraction: float = 0.5, **settings) -> ActivationOffloader:
+    settings.setdefault("min_bytes", 4 * KiB)
+    settings.setdefault("min_segment_bytes", 256 * KiB)
+    return ActivationOffloader(store, ActivationSettings(**settings), grow_fraction=grow_fraction)
 
 
 def offloaded_step(off: ActivationOffloader, exclude, fn, *, drain_before_backward: bool = True,
@@ -257,7 +258,7 @@ def test_address_reuse_does_not_alias_records(store):
                 del t
             return total
 
-        off = make_offloader(store, scope="all", min_bytes=0, keep_last=0, max_write_inflight_bytes=1)
+        off = make_offloader(store, scope="all", min_bytes=0, keep_last=0, write_inflight_bytes=1)
         offloaded_step(off, w, fn)
         off.end_step()
         assert torch.equal(w.grad, torch.full((16384,), float(sum(range(1, 9)))))
@@ -361,7 +362,9 @@ def test_exception_in_backward_leaves_nothing_behind(store):
 
 
 def test_bad_settings_name_the_argument(store):
-    with pytest.raises(ValueError, match="scope"):
-        ActivationOffloader(store, scope="everything")
-    with pytest.raises(ValueError, match="max_prefetch_bytes"):
-        ActivationOffloader(store, max_prefetch_bytes=0)
+    with pytest.raises(ValueError, match="scope") as ei:
+        make_offloader(store, scope="everything")
+    assert isinstance(ei.value, ConfigError) and ei.value.key == "scope"
+    with pytest.raises(ValueError, match="prefetch_bytes") as ei:
+        make_offloader(store, prefetch_bytes=0)
+    assert isinstance(ei.value, ConfigError) and ei.value.key == "prefetch_bytes"

@@ -135,6 +135,24 @@ def test_disabled_callback_does_nothing(tmp_path):
     assert cb.offloader is None and not os.path.exists(tmp_path / "store")
 
 
+def test_enabled_switch_can_be_flipped_between_steps(tmp_path):
+    """``enabled`` starts as the argument and may be flipped between steps (benchmarks alternate A/B steps)."""
+    cb = small_callback(store_dir=str(tmp_path / "store"))
+    offloaded = []
+
+    class Toggle(pl.Callback):  # listed before cb: runs first at batch start
+        def on_train_batch_start(self, trainer, pl_module, batch, batch_idx):
+            cb.enabled = batch_idx % 2 == 1
+
+    class Record(pl.Callback):  # listed after cb: the step's stats are final
+        def on_train_batch_end(self, trainer, *args):
+            offloaded.append(cb.last_step_stats.storages if cb.enabled else None)
+
+    fit(LitGPT(TinyGPT(layers=2)), tmp_path, callbacks=[Toggle(), cb, Record()], steps=4)
+    assert offloaded[0::2] == [None, None] and all(n and n > 0 for n in offloaded[1::2]), offloaded
+    assert cb.total_stats.storages == sum(offloaded[1::2])
+
+
 def test_shares_the_nvme_offload_strategy_store(tmp_path):
     strategies = pytest.importorskip("lightning_nvme.strategies", reason="the nvme_offload strategy is not merged yet")
     torch.manual_seed(0)

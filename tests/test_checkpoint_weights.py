@@ -21,7 +21,7 @@ from safetensors.torch import load_file
 from test_param_offload import Snapshots, offload, trainer
 
 from lightning_nvme import cli
-from lightning_nvme.checkpoint import weights
+from lightning_nvme.checkpoint import load_checkpoint, weights
 
 STEPS = 4
 
@@ -108,25 +108,25 @@ def test_weights_beside_the_file_load_everywhere_and_convert(tmp_path, in_memory
         raise AssertionError("the strategy's resume materialized the beside weights")
 
     with pytest.MonkeyPatch.context() as mp:
-        mp.setattr(weights.BesideWeight, "materialize", never)
-        mp.setattr(weights.WeightReaders, "materialized", never)
+        mp.setattr(weights.BesideWeight, "read", never)
+        mp.setattr(weights.WeightReaders, "read_state_dict", never)
         again = TinyGPT()
         trainer(tmp_path / "again", offload(tmp_path / "again"), steps=2 * STEPS).fit(again, ckpt_path=path)
     assert_equal_state(again.state_dict(), reference.state_dict())
 
-    # moved together with its .optim directory: loads relative to the file with weights.load; torch.load names
+    # moved together with its .optim directory: loads relative to the file with load_checkpoint; torch.load names
     # the missing directory and the fixes instead of handing back a model without weights
     moved = tmp_path / "moved"
     moved.mkdir()
     shutil.move(path, moved)
     shutil.move(path + ".optim", moved)
     moved_path = str(moved / os.path.basename(path))
-    assert_equal_state(weights.load(moved_path)["state_dict"], in_memory[STEPS])
+    assert_equal_state(load_checkpoint(moved_path)["state_dict"], in_memory[STEPS])
     with pytest.raises(FileNotFoundError, match=r"\.optim.*convert to-lightning"):
         torch.load(moved_path, weights_only=True)
     shutil.rmtree(moved_path + ".optim")
     with pytest.raises(RuntimeError, match="neither the weights nor the optimizer state"):
-        weights.load(moved_path)
+        load_checkpoint(moved_path)
 
 
 def test_export_weights_after_fit_keeps_memory_bounded(tmp_path, in_memory):

@@ -167,6 +167,29 @@ def test_invalid_arguments_are_named(kwargs, key):
         NVMeOffloadDDPStrategy(**kwargs)
 
 
+@pytest.mark.parametrize(("kwargs", "closest"), [
+    ({"io_worker": 2}, "io_workers"),  # a setting
+    ({"find_unused_parameter": True}, "find_unused_parameters"),  # an argument of DistributedDataParallel
+    ({"ddp_comm_hooks": None}, "ddp_comm_hook"),  # an argument of Lightning's DDPStrategy
+])
+def test_unknown_argument_names_the_closest_one(kwargs, closest):
+    """A misspelt argument is refused when the strategy is built, not passed on to DistributedDataParallel."""
+    from lightning_nvme import NVMeOffloadDDPStrategy
+
+    (name,) = kwargs
+    with pytest.raises(TypeError, match=f"nvme_offload_ddp: unexpected argument '{name}' "
+                                        rf"\(did you mean '{closest}'\?\)"):
+        NVMeOffloadDDPStrategy(**kwargs)
+
+
+def test_arguments_of_distributed_data_parallel_are_passed_on():
+    from lightning_nvme import NVMeOffloadDDPStrategy
+
+    strategy = NVMeOffloadDDPStrategy(find_unused_parameters=True, bucket_cap_mb=1, chunk_bytes=1 << 20)
+    assert strategy._ddp_kwargs == {"find_unused_parameters": True, "bucket_cap_mb": 1}
+    assert strategy.config.chunk_bytes == 1 << 20
+
+
 def test_partition_balances_bytes_and_cuts_large_params():
     from lightning_nvme.optim import partition_by_bytes
 

@@ -12,8 +12,8 @@ import sys
 import pytest
 
 from lightning_nvme import NVMeOffloadStrategy, doctor, fsinfo
+from lightning_nvme.config import ConfigError
 from lightning_nvme.io_profile import IOProfile
-from lightning_nvme.settings import ConfigError
 
 MiB = 1 << 20
 QUICK = ["--bench-bytes", str(16 * MiB), "--tune-bytes", str(2 * MiB), "--seconds", "0.5", "--min-free-bytes", "0"]

@@ -146,7 +146,7 @@ def test_stale_store_space_counts_as_free_but_live_store_does_not(tmp_path):
     """A restart on a nearly full disk must not be refused because of the crashed run's own store."""
     from lightning_nvme.store import FlatStore
 
-    live = FlatStore(tmp_path, io_chunk_bytes=MiB, pool_bytes=MiB)
+    live = FlatStore(tmp_path, io_chunk_bytes=MiB, staging_bytes=MiB)
     live.add_region("x", 8 * MiB)
     assert preflight.stale_store_bytes(str(tmp_path)) == 0  # its lock is held
     live.close()

@@ -12,7 +12,8 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_nvme import NVMeOffloadDDPStrategy, NVMeOffloadStrategy
-from lightning_nvme.settings import ConfigError, DDPOffloadSettings, OffloadSettings, defaults, markdown_table
+from lightning_nvme.config import ConfigError
+from lightning_nvme.settings import DDPOffloadSettings, OffloadSettings, defaults, markdown_table
 
 MiB = 1 << 20
 STRATEGIES = [(NVMeOffloadStrategy, OffloadSettings, "nvme_offload"),

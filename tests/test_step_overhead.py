@@ -81,7 +81,7 @@ def test_counters_attribute_cpu_to_the_io_threads_and_count_store_waits(tmp_path
         spun.set()
         leave.wait()
 
-    with FlatStore(tmp_path, io_chunk_bytes=1 << 20, pool_bytes=1 << 20, num_workers=1) as store:
+    with FlatStore(tmp_path, io_chunk_bytes=1 << 20, staging_bytes=1 << 20, io_workers=1) as store:
         store.add_region("r", 1 << 20)
         counters = Counters(stores=[store])
         with counters:
@@ -135,7 +135,7 @@ def test_bench_command_runs_run_all_from_a_source_checkout(tmp_path: Path, monke
 def test_a_dependency_free_read_is_served_before_queued_writes_and_a_dependent_read_after(tmp_path):
     from lightning_nvme.store import FlatStore
 
-    with FlatStore(tmp_path, io_chunk_bytes=1 << 20, pool_bytes=1 << 20, num_workers=1) as store:
+    with FlatStore(tmp_path, io_chunk_bytes=1 << 20, staging_bytes=1 << 20, io_workers=1) as store:
         store.add_regions([(f"w{i}", 4 << 20) for i in range(4)] + [("r", 1 << 20)])
         src = store.aligned_empty(4 << 20)
         src.fill_(7)

@@ -19,7 +19,7 @@ CHUNK = 64 * KiB  # small chunks so modest tensors span many chunks and workers
 
 @pytest.fixture(params=["direct", "buffered"])
 def store(request, tmp_path):
-    s = FlatStore(tmp_path, io_chunk_bytes=CHUNK, num_workers=4, pool_bytes=4 * CHUNK,
+    s = FlatStore(tmp_path, io_chunk_bytes=CHUNK, io_workers=4, staging_bytes=4 * CHUNK,
                   direct=None if request.param == "direct" else False, io_timeout_s=30)
     if request.param == "direct" and s.mode != "direct":
         s.close()
@@ -121,7 +121,7 @@ def _count_staging(store: FlatStore, monkeypatch) -> list[int]:
 
 
 def test_aligned_tensors_skip_staging_unaligned_use_it(tmp_path, monkeypatch):
-    with FlatStore(tmp_path, io_chunk_bytes=CHUNK, pool_bytes=4 * CHUNK) as store:
+    with FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=4 * CHUNK) as store:
         if store.mode != "direct":
             pytest.skip("staging is only needed under O_DIRECT")
         calls = _count_staging(store, monkeypatch)

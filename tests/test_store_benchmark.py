@@ -16,7 +16,7 @@ def test_store_throughput_benchmark_smoke(tmp_path):
     assert out.returncode == 0, out.stderr
     result = json.loads(out.stdout.strip().splitlines()[-1])
     for key in ("store_write_GBps", "store_read_GBps", "raw_write_GBps", "raw_read_GBps", "write_ratio",
-                "read_ratio", "peak_rss_MiB", "pool_MiB", "mode", "aiofiles_write_GBps", "aiofiles_read_GBps"):
+                "read_ratio", "peak_rss_MiB", "staging_MiB", "mode", "aiofiles_write_GBps", "aiofiles_read_GBps"):
         assert key in result
     assert result["mode"] in ("direct", "buffered") and result["write_ratio"] > 0 and result["read_ratio"] > 0
     assert os.listdir(tmp_path) == []  # the benchmark cleans up its files

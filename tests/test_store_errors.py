@@ -29,7 +29,7 @@ CHUNK = 64 * KiB
 
 @pytest.fixture
 def store(tmp_path):
-    s = FlatStore(tmp_path, io_chunk_bytes=CHUNK, pool_bytes=4 * CHUNK, num_workers=2, io_timeout_s=30)
+    s = FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=4 * CHUNK, io_workers=2, io_timeout_s=30)
     yield s
     try:
         s.close()
@@ -142,7 +142,7 @@ def test_stuck_request_times_out_listing_pending(store, monkeypatch):
 
 
 def test_handle_wait_without_timeout_uses_store_limit(tmp_path, monkeypatch):
-    with FlatStore(tmp_path, io_chunk_bytes=CHUNK, pool_bytes=CHUNK, io_timeout_s=0.2) as store:
+    with FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=CHUNK, io_timeout_s=0.2) as store:
         store.add_region("r", CHUNK)
         gate = threading.Event()
         real = os.pwrite
@@ -169,7 +169,7 @@ def test_space_error_names_bytes_and_path(store, monkeypatch):
 def test_min_free_bytes_margin(tmp_path, monkeypatch):
     Usage = namedtuple("Usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: Usage(10 << 30, 6 << 30, 4 << 30))
-    with FlatStore(tmp_path, io_chunk_bytes=CHUNK, pool_bytes=CHUNK, min_free_bytes=(4 << 30) - (1 << 20)) as store:
+    with FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=CHUNK, min_free_bytes=(4 << 30) - (1 << 20)) as store:
         store.add_region("fits", 512 << 10)
         with pytest.raises(StoreSpaceError, match="safety margin"):
             store.add_region("r", 2 << 20)
@@ -186,7 +186,7 @@ def _roundtrip_ok(store: FlatStore) -> bool:
 
 
 def test_buffered_mode_when_asked(tmp_path):
-    with FlatStore(tmp_path, direct=False, io_chunk_bytes=CHUNK, pool_bytes=CHUNK) as store:
+    with FlatStore(tmp_path, direct=False, io_chunk_bytes=CHUNK, staging_bytes=CHUNK) as store:
         assert store.mode == "buffered" and not fcntl.fcntl(store.fd, fcntl.F_GETFL) & os.O_DIRECT
         assert _roundtrip_ok(store)
 
@@ -204,7 +204,7 @@ def _refuse_o_direct_open(monkeypatch):
 
 def test_auto_mode_falls_back_when_open_refuses_o_direct(tmp_path, monkeypatch):
     _refuse_o_direct_open(monkeypatch)
-    with FlatStore(tmp_path, io_chunk_bytes=CHUNK, pool_bytes=CHUNK) as store:
+    with FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=CHUNK) as store:
         assert store.mode == "buffered"
         assert _roundtrip_ok(store)
 
@@ -212,10 +212,10 @@ def test_auto_mode_falls_back_when_open_refuses_o_direct(tmp_path, monkeypatch):
 def test_forced_direct_on_refusing_filesystem_is_an_actionable_error(tmp_path, monkeypatch):
     _refuse_o_direct_open(monkeypatch)
     with pytest.raises(StoreIOError, match="O_DIRECT was requested") as info:
-        FlatStore(tmp_path, direct=True, io_chunk_bytes=CHUNK, pool_bytes=CHUNK)
+        FlatStore(tmp_path, direct=True, io_chunk_bytes=CHUNK, staging_bytes=CHUNK)
     assert str(tmp_path) in str(info.value)
     monkeypatch.undo()
-    FlatStore(tmp_path, io_chunk_bytes=CHUNK, pool_bytes=CHUNK).close()  # the failed attempt left no lock behind
+    FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=CHUNK).close()  # the failed attempt left no lock behind
 
 
 def test_auto_mode_falls_back_when_direct_writes_are_refused(tmp_path, monkeypatch):
@@ -228,7 +228,7 @@ def test_auto_mode_falls_back_when_direct_writes_are_refused(tmp_path, monkeypat
         return real(fd, buf, off)
 
     monkeypatch.setattr(os, "pwrite", refuse_direct)
-    with FlatStore(tmp_path, io_chunk_bytes=CHUNK, pool_bytes=CHUNK) as store:
+    with FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=CHUNK) as store:
         assert store.mode == "buffered"
         assert _roundtrip_ok(store)
 
@@ -245,7 +245,7 @@ def test_tmpfs_auto_mode_roundtrips(tmp_path):
             expected = "direct"
         except OSError:
             expected = "buffered"
-        with FlatStore(d, io_chunk_bytes=CHUNK, pool_bytes=CHUNK) as store:
+        with FlatStore(d, io_chunk_bytes=CHUNK, staging_bytes=CHUNK) as store:
             assert store.mode == expected
             assert _roundtrip_ok(store)
     finally:
@@ -254,7 +254,7 @@ def test_tmpfs_auto_mode_roundtrips(tmp_path):
 
 def test_exit_after_an_exception_does_not_mask_it(tmp_path, monkeypatch):
     with pytest.raises(KeyError, match="user bug"):
-        with FlatStore(tmp_path, io_chunk_bytes=CHUNK, pool_bytes=CHUNK) as store:
+        with FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=CHUNK) as store:
             store.add_region("r", CHUNK)
             monkeypatch.setattr(os, "pwrite", lambda fd, b, o: (_ for _ in ()).throw(OSError(errno.EIO, "EIO")))
             store.write("r", torch.ones(CHUNK, dtype=torch.uint8))
@@ -264,7 +264,7 @@ def test_exit_after_an_exception_does_not_mask_it(tmp_path, monkeypatch):
 
 def test_close_with_a_stuck_worker_keeps_fd_and_lock(tmp_path, monkeypatch, caplog):
     """A worker blocked in pwrite at close must not be left holding a closed (reusable) fd number."""
-    store = FlatStore(tmp_path, io_chunk_bytes=CHUNK, pool_bytes=CHUNK, num_workers=1, io_timeout_s=0.2)
+    store = FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=CHUNK, io_workers=1, io_timeout_s=0.2)
     store.add_region("r", CHUNK)
     gate = threading.Event()
     real = os.pwrite
@@ -275,7 +275,7 @@ def test_close_with_a_stuck_worker_keeps_fd_and_lock(tmp_path, monkeypatch, capl
     assert "still blocked" in caplog.text
     os.fstat(store.fd)  # still open: the stuck write cannot land in some other file
     with pytest.raises(StoreLockedError):
-        FlatStore(tmp_path, io_chunk_bytes=CHUNK, pool_bytes=CHUNK)
+        FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=CHUNK)
     gate.set()
     for t in store._engine._threads:
         t.join(10)

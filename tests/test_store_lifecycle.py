@@ -22,11 +22,11 @@ MiB = 1 << 20
 
 # ---- lock -----------------------------------------------------------------------------------------
 def test_second_store_in_same_process_is_refused(tmp_path):
-    with FlatStore(tmp_path, rank=0, io_chunk_bytes=MiB, pool_bytes=MiB):
+    with FlatStore(tmp_path, rank=0, io_chunk_bytes=MiB, staging_bytes=MiB):
         with pytest.raises(StoreLockedError, match=f"pid {os.getpid()}"):
-            FlatStore(tmp_path, rank=0, io_chunk_bytes=MiB, pool_bytes=MiB)
-        FlatStore(tmp_path, rank=1, io_chunk_bytes=MiB, pool_bytes=MiB).close()  # another rank is another file
-    FlatStore(tmp_path, rank=0, io_chunk_bytes=MiB, pool_bytes=MiB).close()  # released on close
+            FlatStore(tmp_path, rank=0, io_chunk_bytes=MiB, staging_bytes=MiB)
+        FlatStore(tmp_path, rank=1, io_chunk_bytes=MiB, staging_bytes=MiB).close()  # another rank is another file
+    FlatStore(tmp_path, rank=0, io_chunk_bytes=MiB, staging_bytes=MiB).close()  # released on close
 
 
 def test_live_process_lock_is_refused_and_killed_process_lock_is_taken_over(tmp_path, caplog):
@@ -34,17 +34,17 @@ def test_live_process_lock_is_refused_and_killed_process_lock_is_taken_over(tmp_
         [sys.executable, "-c", textwrap.dedent(f"""
             import sys
             from lightning_nvme.store import FlatStore
-            s = FlatStore({str(tmp_path)!r}, io_chunk_bytes=1 << 20, pool_bytes=1 << 20)
+            s = FlatStore({str(tmp_path)!r}, io_chunk_bytes=1 << 20, staging_bytes=1 << 20)
             print("ready", flush=True)
             sys.stdin.read()
         """)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True)
     try:
         assert holder.stdout.readline().strip() == "ready"
         with pytest.raises(StoreLockedError, match=f"pid {holder.pid}"):
-            FlatStore(tmp_path, io_chunk_bytes=MiB, pool_bytes=MiB)
+            FlatStore(tmp_path, io_chunk_bytes=MiB, staging_bytes=MiB)
         holder.send_signal(signal.SIGKILL)
         holder.wait(10)
-        with FlatStore(tmp_path, io_chunk_bytes=MiB, pool_bytes=MiB) as store:
+        with FlatStore(tmp_path, io_chunk_bytes=MiB, staging_bytes=MiB) as store:
             assert store._lock.took_over_stale
         assert f"left by pid {holder.pid}" in caplog.text
     finally:
@@ -56,7 +56,7 @@ def test_live_process_lock_is_refused_and_killed_process_lock_is_taken_over(tmp_
 # ---- reopen -----------------------------------------------------------------------------------------
 def _make_store(d, **kw) -> dict[str, torch.Tensor]:
     data = {"w": torch.randn(1000), "m": torch.arange(77, dtype=torch.int64)}
-    with FlatStore(d, io_chunk_bytes=64 * KiB, pool_bytes=64 * KiB, **kw) as store:
+    with FlatStore(d, io_chunk_bytes=64 * KiB, staging_bytes=64 * KiB, **kw) as store:
         store.add_regions([(k, v.numel() * v.element_size()) for k, v in data.items()])
         for k, v in data.items():
             store.write(k, v)
@@ -71,7 +71,7 @@ def _manifest_regions(d) -> list[str]:
 def test_layout_is_written_at_once_and_made_durable_by_fence_and_close(tmp_path, monkeypatch):
     """add_region writes the table at once (so a disk that fills up later cannot refuse it) but does not
     fsync it per call; fence(durable=True) and close() do."""
-    store = FlatStore(tmp_path, io_chunk_bytes=64 * KiB, pool_bytes=64 * KiB)
+    store = FlatStore(tmp_path, io_chunk_bytes=64 * KiB, staging_bytes=64 * KiB)
     synced = []
     real_fsync = os.fsync
     monkeypatch.setattr(os, "fsync", lambda fd: synced.append(fd) or real_fsync(fd))
@@ -90,7 +90,7 @@ def test_killed_process_store_reopens_with_its_data(tmp_path):
     child = subprocess.run([sys.executable, "-c", textwrap.dedent(f"""
         import os, signal, torch
         from lightning_nvme.store import FlatStore
-        s = FlatStore({str(tmp_path)!r}, io_chunk_bytes=1 << 16, pool_bytes=1 << 16)
+        s = FlatStore({str(tmp_path)!r}, io_chunk_bytes=1 << 16, staging_bytes=1 << 16)
         s.add_region("kept", 400)
         s.write("kept", torch.arange(100, dtype=torch.int32))
         s.fence(durable=True)
@@ -98,7 +98,7 @@ def test_killed_process_store_reopens_with_its_data(tmp_path):
         os.kill(os.getpid(), signal.SIGKILL)
     """)], timeout=60)
     assert child.returncode == -signal.SIGKILL
-    with FlatStore(tmp_path, reopen=True, io_chunk_bytes=64 * KiB, pool_bytes=64 * KiB) as store:
+    with FlatStore(tmp_path, reopen=True, io_chunk_bytes=64 * KiB, staging_bytes=64 * KiB) as store:
         assert list(store.layout.regions) == ["kept", "later"]
         out = torch.empty(100, dtype=torch.int32)
         store.read("kept", out).wait()
@@ -107,7 +107,7 @@ def test_killed_process_store_reopens_with_its_data(tmp_path):
 
 def test_reopen_reads_back_what_was_written(tmp_path):
     data = _make_store(tmp_path)
-    with FlatStore(tmp_path, io_chunk_bytes=64 * KiB, pool_bytes=64 * KiB, reopen=True) as store:
+    with FlatStore(tmp_path, io_chunk_bytes=64 * KiB, staging_bytes=64 * KiB, reopen=True) as store:
         assert set(store.layout.regions) == set(data)
         for k, v in data.items():
             out = torch.empty_like(v)
@@ -147,9 +147,9 @@ def test_reopen_refuses_tampered_manifest(tmp_path, edit, match):
     _tamper_manifest(tmp_path / "store-rank0.json", edit)
     fds = len(os.listdir("/proc/self/fd"))
     with pytest.raises(StoreFormatError, match=match):
-        FlatStore(tmp_path, reopen=True, io_chunk_bytes=MiB, pool_bytes=MiB)
+        FlatStore(tmp_path, reopen=True, io_chunk_bytes=MiB, staging_bytes=MiB)
     assert len(os.listdir("/proc/self/fd")) == fds, "a refused reopen leaked a file descriptor"
-    FlatStore(tmp_path, io_chunk_bytes=MiB, pool_bytes=MiB).close()  # the refusal released lock and file
+    FlatStore(tmp_path, io_chunk_bytes=MiB, staging_bytes=MiB).close()  # the refusal released lock and file
 
 
 @pytest.mark.parametrize("size", [0, 100, 4096 + 10])
@@ -157,7 +157,7 @@ def test_reopen_refuses_truncated_file(tmp_path, size):
     _make_store(tmp_path)
     os.truncate(tmp_path / "store-rank0.bin", size)
     with pytest.raises(StoreFormatError, match="truncated"):
-        FlatStore(tmp_path, reopen=True, io_chunk_bytes=MiB, pool_bytes=MiB)
+        FlatStore(tmp_path, reopen=True, io_chunk_bytes=MiB, staging_bytes=MiB)
 
 
 def test_reopen_refuses_corrupt_header_and_missing_files(tmp_path):
@@ -165,12 +165,12 @@ def test_reopen_refuses_corrupt_header_and_missing_files(tmp_path):
     with open(tmp_path / "store-rank0.bin", "r+b") as f:
         f.write(b"garbage")
     with pytest.raises(StoreFormatError, match="header"):
-        FlatStore(tmp_path, reopen=True, io_chunk_bytes=MiB, pool_bytes=MiB)
+        FlatStore(tmp_path, reopen=True, io_chunk_bytes=MiB, staging_bytes=MiB)
     os.remove(tmp_path / "store-rank0.json")
     with pytest.raises(StoreFormatError, match="manifest"):
-        FlatStore(tmp_path, reopen=True, io_chunk_bytes=MiB, pool_bytes=MiB)
+        FlatStore(tmp_path, reopen=True, io_chunk_bytes=MiB, staging_bytes=MiB)
     with pytest.raises(StoreFormatError, match="does not exist"):
-        FlatStore(tmp_path / "empty", reopen=True, io_chunk_bytes=MiB, pool_bytes=MiB)
+        FlatStore(tmp_path / "empty", reopen=True, io_chunk_bytes=MiB, staging_bytes=MiB)
 
 
 # ---- memory, threads, files -------------------------------------------------------------------------
@@ -181,7 +181,7 @@ def _rss_mib() -> float:
 
 def test_staging_pool_is_bounded(tmp_path, monkeypatch):
     """200 MiB of unaligned writes through a 4 MiB pool: never more than 4 buffers in use, RSS flat."""
-    with FlatStore(tmp_path, io_chunk_bytes=MiB, pool_bytes=4 * MiB, num_workers=4) as store:
+    with FlatStore(tmp_path, io_chunk_bytes=MiB, staging_bytes=4 * MiB, io_workers=4) as store:
         if store.mode != "direct":
             pytest.skip("unaligned tensors need staging only under O_DIRECT")
         pool = store._pool
@@ -236,7 +236,7 @@ def _io_threads() -> list[threading.Thread]:
 
 def test_close_drains_and_stops_workers(tmp_path):
     before = len(_io_threads())
-    store = FlatStore(tmp_path, io_chunk_bytes=64 * KiB, pool_bytes=64 * KiB, num_workers=3)
+    store = FlatStore(tmp_path, io_chunk_bytes=64 * KiB, staging_bytes=64 * KiB, io_workers=3)
     assert len(_io_threads()) == before + 3
     store.add_region("r", MiB)
     src = torch.randint(0, 255, (MiB,), dtype=torch.uint8)
@@ -246,14 +246,14 @@ def test_close_drains_and_stops_workers(tmp_path):
     with pytest.raises(StoreError, match="closed"):
         store.write("r", src)
     store.close()  # idempotent
-    with FlatStore(tmp_path, reopen=True, io_chunk_bytes=64 * KiB, pool_bytes=64 * KiB) as again:
+    with FlatStore(tmp_path, reopen=True, io_chunk_bytes=64 * KiB, staging_bytes=64 * KiB) as again:
         out = torch.empty_like(src)
         again.read("r", out).wait()
         assert torch.equal(out, src)
 
 
 def test_one_file_per_rank_for_many_regions(tmp_path):
-    with FlatStore(tmp_path, io_chunk_bytes=64 * KiB, pool_bytes=64 * KiB) as store:
+    with FlatStore(tmp_path, io_chunk_bytes=64 * KiB, staging_bytes=64 * KiB) as store:
         store.add_regions([(f"p{i}", 4 * (i % 7 + 1)) for i in range(500)])
         for i in range(500, 1000):  # one call per region too: no per-call manifest file or fsync
             store.add_region(f"p{i}", 4 * (i % 7 + 1))
@@ -267,7 +267,7 @@ def test_one_file_per_rank_for_many_regions(tmp_path):
 
 
 def test_close_delete_removes_store_files(tmp_path):
-    store = FlatStore(tmp_path, io_chunk_bytes=64 * KiB, pool_bytes=64 * KiB)
+    store = FlatStore(tmp_path, io_chunk_bytes=64 * KiB, staging_bytes=64 * KiB)
     store.add_region("r", 10)
     store.close(delete=True)
     assert not os.path.exists(store.path) and not os.path.exists(store.manifest_path)

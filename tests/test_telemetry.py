@@ -53,7 +53,7 @@ def _fit(tmp_path: Path, callbacks: list[Callback]) -> pl.Trainer:
 
 @pytest.fixture()
 def store(tmp_path: Path):  # noqa: ANN201
-    s = FlatStore(tmp_path / "store", io_chunk_bytes=1 << 20, num_workers=2, pool_bytes=2 << 20)
+    s = FlatStore(tmp_path / "store", io_chunk_bytes=1 << 20, io_workers=2, staging_bytes=2 << 20)
     s.add_region("state", WRITE_BYTES)
     yield s
     s.close(delete=True)

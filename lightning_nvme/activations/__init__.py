@@ -2,6 +2,8 @@
 
 from lightning_nvme.activations.arena import ActivationArena
 from lightning_nvme.activations.meter import ResidencyMeter, SavedActivationMeter
-from lightning_nvme.activations.offloader import ActivationOffloader, OffloadStats
+from lightning_nvme.activations.offloader import ActivationOffloader
+from lightning_nvme.activations.records import OffloadStats
+from lightning_nvme.activations.settings import ActivationSettings
 
-__all__ = ["ActivationArena", "ActivationOffloader", "OffloadStats", "ResidencyMeter", "SavedActivationMeter"]
+__all__ = ["ActivationArena", "ActivationOffloader", "ActivationSettings", "OffloadStats", "ResidencyMeter", "SavedActivationMeter"]

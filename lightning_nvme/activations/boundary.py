@@ -41,7 +41,7 @@ DETECTION_AVAILABLE = bool(_SAVE_INPUTS_CODE) or _REENTRANT_FN is not None
 
 def saved_at_checkpoint_boundary() -> bool:
     """True when called (from a pack hook) while torch.utils.checkpoint saves a region's inputs."""
-    frame = sys._getframe(1)
+    frame: types.FrameType | None = sys._getframe(1)
     for _ in range(_MAX_DEPTH):
         if frame is None:
             return False

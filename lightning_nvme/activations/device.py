@@ -10,6 +10,11 @@ ordered after it; the pinned buffer is kept until that copy's event has complete
 
 from __future__ import annotations
 
+import mmap
+import threading
+import weakref
+from collections.abc import Callable
+
 import torch
 
 from lightning_nvme.store import align_up, aligned_empty
@@ -68,19 +73,14 @@ class ReadBufferPool:
     ``clear`` at the end of the step so none sits in memory through the next forward.
     """
 
-    def __init__(self, max_idle_bytes: int, on_idle_change=None) -> None:
-        import threading
-
+    def __init__(self, max_idle_bytes: int, on_idle_change: Callable[[int], None] | None = None) -> None:
         self.max_idle_bytes = max_idle_bytes
-        self._free: dict[int, list] = {}
+        self._free: dict[int, list[mmap.mmap]] = {}
         self._idle_bytes = 0
         self._lock = threading.Lock()
         self._on_idle_change = on_idle_change or (lambda delta: None)
 
     def get(self, nbytes: int) -> torch.Tensor:
-        import mmap
-        import weakref
-
         size = align_up(max(nbytes, 1))
         with self._lock:
             free = self._free.get(size)
@@ -95,7 +95,7 @@ class ReadBufferPool:
         weakref.finalize(t.untyped_storage(), self._put, buf)
         return t[:nbytes]
 
-    def _put(self, buf) -> None:
+    def _put(self, buf: mmap.mmap) -> None:
         with self._lock:
             keep = self._idle_bytes + len(buf) <= self.max_idle_bytes
             if keep:

@@ -12,50 +12,58 @@ Store: with ``strategy="nvme_offload"`` the strategy's store is shared (the call
 
 from __future__ import annotations
 
-import os
+import dataclasses
 from typing import Any
 
 import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
-from lightning_nvme.activations import ActivationOffloader, OffloadStats, ResidencyMeter
-from lightning_nvme.constants import STORE_DIR_ENV, MiB
+from lightning_nvme.activations import ActivationOffloader, ActivationSettings, OffloadStats, ResidencyMeter
+from lightning_nvme.config import boolean, check_fields, count, directory, nbytes, resolve_store_dir, setting
+from lightning_nvme.constants import ALIGN, STORE_DIR_ENV
+from lightning_nvme.settings import from_arguments, with_settings
 from lightning_nvme.store import FlatStore
+from lightning_nvme.store.flat_store import IO_CHUNK_BYTES, IO_WORKERS, STAGING_BYTES
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class ActivationOffloadSettings(ActivationSettings):
+    """The callback's arguments: the offloader's (``ActivationSettings``) and those of its own store."""
+
+    store_dir: str | None = setting(
+        None, f"Directory of the callback's own store (ignored when the strategy provides one); None: "
+              f"``${STORE_DIR_ENV}``, else ``<default_root_dir>/nvme_store``.", directory)
+    io_workers: int = setting(IO_WORKERS, "I/O threads of the callback's own store.", count(1, "1-8 (4 is a good default)"))
+    io_chunk_bytes: int = setting(
+        IO_CHUNK_BYTES, "Size of one disk request of the callback's own store.",
+        nbytes(ALIGN, aligned=True, typical=str(IO_CHUNK_BYTES)))
+    staging_bytes: int = setting(
+        STAGING_BYTES, "Staging pool of the callback's own store (tensors that cannot be written in place).",
+        nbytes(1, typical=str(STAGING_BYTES)))
+    min_free_bytes: int = setting(
+        0, "Free space that must remain on the SSD after the callback's own store grows.",
+        nbytes(0, typical="0 to disable the margin"))
+    enabled: bool = setting(True, "When false the callback does nothing (handy to compare runs).", boolean)
+
+    def __post_init__(self) -> None:
+        check_fields(self)
+
+
+@with_settings(ActivationOffloadSettings)
 class NVMeActivationOffload(Callback):
     """Keep the activations saved for backward on a local SSD instead of in memory.
 
-    Args:
-        store_dir: directory of the callback's own store (ignored when the strategy provides one);
-            default ``$LIGHTNING_NVME_STORE_DIR``, else ``<trainer.default_root_dir>/nvme_store``.
-        scope: ``"checkpoint"`` (inputs of ``torch.utils.checkpoint`` regions) or ``"all"`` (any
-            saved tensor of at least ``min_bytes``).
-        min_bytes: smaller storages stay in memory.
-        keep_last: the last N saved storages stay in memory (backward needs them first).
-        prefetch_depth: reads issued ahead of backward.
-        write_inflight_bytes / prefetch_bytes: budgets of activation memory waiting for writes / read ahead.
-        min_segment_bytes: the activation area of the store grows by at least this much.
-        io_workers / io_chunk_bytes / staging_bytes / min_free_bytes: for the callback's own store.
-        enabled: when False the callback does nothing (handy to compare runs).
-    """
+    Takes the arguments listed below, each defined once in ``ActivationOffloadSettings`` (this module) and
+    ``lightning_nvme.activations.ActivationSettings``; a bad value raises ``ConfigError`` naming it."""
 
-    def __init__(self, store_dir: str | None = None, *, scope: str = "checkpoint", min_bytes: int = 1 * MiB,
-                 keep_last: int = 1, prefetch_depth: int = 2, write_inflight_bytes: int = 256 * MiB,
-                 prefetch_bytes: int = 512 * MiB, min_segment_bytes: int = 256 * MiB, io_workers: int = 4,
-                 io_chunk_bytes: int = 8 * MiB, staging_bytes: int = 64 * MiB, min_free_bytes: int = 0,
-                 enabled: bool = True) -> None:
-        self.store_dir = store_dir
-        self.enabled = enabled
+    config: ActivationOffloadSettings
+
+    def __init__(self, store_dir: str | None = None, **settings: Any) -> None:
+        self.config = from_arguments(ActivationOffloadSettings, type(self).__name__,
+                                     {"store_dir": store_dir, **settings})
+        self.enabled = self.config.enabled  # the switch: may be flipped between steps (A/B runs, benchmarks)
         self.meter = ResidencyMeter()
-        self._offloader_kwargs: dict[str, Any] = dict(
-            scope=scope, min_bytes=min_bytes, keep_last=keep_last, prefetch_depth=prefetch_depth,
-            max_write_inflight_bytes=write_inflight_bytes, max_prefetch_bytes=prefetch_bytes,
-            min_segment_bytes=min_segment_bytes)
-        ActivationOffloader.check_args(**self._offloader_kwargs)
-        self._store_kwargs: dict[str, Any] = dict(io_chunk_bytes=io_chunk_bytes, num_workers=io_workers, pool_bytes=staging_bytes,
-                                  min_free_bytes=min_free_bytes)
         self._store: FlatStore | None = None
         self._owns_store = False
         self.offloader: ActivationOffloader | None = None
@@ -69,19 +77,18 @@ class NVMeActivationOffload(Callback):
 
 
     # ---- store --------------------------------------------------------------------------------
-    def _resolve_store_dir(self, trainer: pl.Trainer) -> str:
-        return self.store_dir or os.environ.get(STORE_DIR_ENV) or os.path.join(trainer.default_root_dir, "nvme_store")
-
     def _connect(self, trainer: pl.Trainer) -> ActivationOffloader:
         shared = getattr(trainer.strategy, "nvme_store", None)
         if shared is not None:
             store, owned = shared, False
         else:
-            store = FlatStore(self._resolve_store_dir(trainer), rank=trainer.global_rank,
-                              name=f"activations-rank{trainer.global_rank}", **self._store_kwargs)
+            c = self.config
+            store = FlatStore(resolve_store_dir(c.store_dir, trainer.default_root_dir), rank=trainer.global_rank,
+                              name=f"activations-rank{trainer.global_rank}", io_chunk_bytes=c.io_chunk_bytes,
+                              io_workers=c.io_workers, staging_bytes=c.staging_bytes, min_free_bytes=c.min_free_bytes)
             owned = True
         self._store, self._owns_store = store, owned
-        self.offloader = ActivationOffloader(store, meter=self.meter, **self._offloader_kwargs)
+        self.offloader = ActivationOffloader(store, self.config, meter=self.meter)
         return self.offloader
 
     def _disconnect(self, *, clean: bool, exc: BaseException | None = None) -> None:
@@ -117,7 +124,7 @@ class NVMeActivationOffload(Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        if self.offloader is not None:
+        if self.offloader is not None and self.offloader.phase != "idle":  # not a step run with enabled=False
             self.offloader.end_step()
             self.last_step_stats = self.offloader.last_step_stats
             self.total_stats.add(self.last_step_stats)

@@ -32,7 +32,8 @@ GB = 1e9
 def find_stores(trainer: pl.Trainer) -> list[tuple[str, Any]]:
     """Every distinct ``nvme_store`` on the strategy and the callbacks, as ``(owner name, store)``."""
     found: dict[int, tuple[str, Any]] = {}
-    for owner in (trainer.strategy, *trainer.callbacks):
+    callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set by Lightning, not declared
+    for owner in (trainer.strategy, *callbacks):
         try:
             store = getattr(owner, "nvme_store", None)
         except Exception:  # a property that is not ready before setup
@@ -52,7 +53,9 @@ class StepHistory:
     wait_ms: list[float] = field(default_factory=list)
 
     def append(self, step: int, gbps: float, wait_ms: float) -> None:
-        self.step.append(step), self.gbps.append(gbps), self.wait_ms.append(wait_ms)
+        self.step.append(step)
+        self.gbps.append(gbps)
+        self.wait_ms.append(wait_ms)
         if len(self.step) > self.max_points:
             self.step, self.gbps, self.wait_ms = self.step[::2], self.gbps[::2], self.wait_ms[::2]
 

@@ -23,10 +23,10 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint import legacy, paired, weights
+from lightning_nvme.checkpoint import paired, weights
+from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
 from lightning_nvme.checkpoint.streamed import (
-    OptimizerParts,
     file_metadata,
     open_readers,
     optimizer_file,
@@ -36,16 +36,8 @@ from lightning_nvme.checkpoint.streamed import (
 from lightning_nvme.optim.state_format import BLOCK, SCALE_SUFFIX, STATE_DICT_KEY, StateFormat, decode_entries
 
 
-def load_any(src: str) -> tuple[dict[str, Any], OptimizerParts | None]:
-    """Lightning's dict of a lightning_nvme checkpoint of either format, and where its optimizer state is."""
-    if legacy.is_legacy_dir(src):
-        return legacy.load_legacy(src)
-    with weights.deferred():  # weights beside the file: found relative to it (``paired.read``), read below
-        return paired.read(torch.load(src, map_location="cpu", weights_only=False), src)
-
-
 def to_lightning(src: str, dst_file: str) -> None:
-    checkpoint, parts = load_any(src)
+    checkpoint, parts = open_checkpoint(src)
     if parts is not None and parts.problem is not None:
         raise RuntimeError(parts.problem)
     for i, state in enumerate(checkpoint.get("optimizer_states", [])):
@@ -61,7 +53,7 @@ def to_lightning(src: str, dst_file: str) -> None:
             for reader in readers:
                 reader.close()
         _dequantize(state, marker.get("state_format"))
-    weights.materialize(checkpoint)
+    weights.read_all(checkpoint)
     paired.save_plain(checkpoint, dst_file)
 
 

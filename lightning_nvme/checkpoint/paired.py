@@ -40,7 +40,8 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint import atomic, weights
+from lightning_nvme import atomic
+from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.streamed import OptimizerParts
 
 FORMAT_VERSION = 2

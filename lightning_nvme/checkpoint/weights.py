@@ -10,7 +10,7 @@ then holds a ``BesideWeight`` for each such key: a few strings, pickled as a cal
 What each loader gets:
 
 * ``torch.load`` / ``LightningModule.load_from_checkpoint`` / ``Trainer(strategy="auto")``: the call
-  reads the tensor from the beside file (``safetensors.safe_open``): a complete model, materialized in
+  reads the tensor from the beside file (``safetensors.safe_open``): a complete model, read into
   memory as those loaders always do. ``import lightning_nvme`` registers ``beside_weight`` with
   ``torch.serialization.add_safe_globals`` so ``weights_only=True`` loads work; a missing file or one of
   another save is an error that names it and the fix, never a model with random weights.
@@ -29,8 +29,9 @@ from dataclasses import dataclass, field
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
-from lightning_nvme.checkpoint import atomic
+from lightning_nvme import atomic
 from lightning_nvme.checkpoint.safetensors_stream import CODES, DTYPES, SafetensorsReader, SafetensorsWriter
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -74,14 +75,12 @@ class BesideWeight:
             raise FileNotFoundError(
                 f"checkpoint weight {self.key!r} is streamed beside its checkpoint file, in {self.path}, which does "
                 f"not exist (the checkpoint was moved or copied without its {self.parts_dir} directory, or deleted). "
-                f"Keep {self.parts_dir}/ beside the file, load it with lightning_nvme.checkpoint.weights.load(path) "
+                f"Keep {self.parts_dir}/ beside the file, load it with lightning_nvme.checkpoint.load_checkpoint(path) "
                 f"(finds it relative to the file wherever both are), or convert it into one plain Lightning "
                 f"checkpoint: {CONVERT.format(src='CHECKPOINT')}")
 
-    def materialize(self) -> torch.Tensor:
+    def read(self) -> torch.Tensor:
         """The tensor, read from the beside file (checked to belong to the same save)."""
-        from safetensors import safe_open
-
         self.check_readable()
         with safe_open(self.path, framework="pt") as f:
             found = (f.metadata() or {}).get("save_id")
@@ -93,7 +92,7 @@ def beside_weight(key: str, dtype: str, shape: tuple[int, ...], parts_dir: str, 
                   save_id: str) -> torch.Tensor | BesideWeight:
     """Unpickling a ``BesideWeight``: the tensor, or (under ``deferred()``) the reference itself."""
     ref = BesideWeight(key, dtype, tuple(shape), parts_dir, directory, save_id)
-    return ref if _deferred.get() else ref.materialize()
+    return ref if _deferred.get() else ref.read()
 
 
 @contextmanager
@@ -194,7 +193,7 @@ class WeightReaders:
                            "resume from an older one.")
         return reader.read(ref.key).view(ref.shape)
 
-    def materialized(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
+    def read_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         """``state_dict`` with every reference read (for a model that is in memory anyway)."""
         return {k: self.read(v) if isinstance(v, BesideWeight) else v for k, v in state_dict.items()}
 
@@ -210,18 +209,8 @@ class WeightReaders:
         self.close()
 
 
-def materialize(checkpoint: dict[str, Any]) -> None:
+def read_all(checkpoint: dict[str, Any]) -> None:
     """Read every reference of ``checkpoint``'s state dict in place: the whole model in memory."""
     if "state_dict" in checkpoint:
         with WeightReaders() as readers:
-            checkpoint["state_dict"] = readers.materialized(checkpoint["state_dict"])
-
-
-def load(path: str) -> dict[str, Any]:
-    """Lightning's dict of a lightning_nvme checkpoint with every weight in it, the beside ones found relative to
-    the file (so a checkpoint moved together with its ``.optim`` directory still loads); materializes the model."""
-    from lightning_nvme.checkpoint.convert import load_any
-
-    checkpoint, _ = load_any(path)
-    materialize(checkpoint)
-    return checkpoint
+            checkpoint["state_dict"] = readers.read_state_dict(checkpoint["state_dict"])

@@ -19,12 +19,13 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_nvme.config import ConfigError, default_store_dir
 from lightning_nvme.launch.validate import import_target, signature_of
-from lightning_nvme.settings import ConfigError
 
 CONF_MODULE = "lightning_nvme.conf"
 RECIPES_MODULE = "lightning_nvme.recipes"
 RECIPES_GROUP = "recipes"
+STORE_DIR_RESOLVER = "lightning_nvme.default_store_dir"
 
 
 def _recipe_files() -> dict[str, resources.abc.Traversable]:
@@ -56,8 +57,15 @@ def _register_recipes() -> None:
         store.store(name=name, group=RECIPES_GROUP, package="_global_", node=OmegaConf.create(recipe_text(name)))
 
 
+def _register_resolvers() -> None:
+    """``${lightning_nvme.default_store_dir:ROOT}`` (``conf/paths``): the store directory rule of the code itself."""
+    if not OmegaConf.has_resolver(STORE_DIR_RESOLVER):
+        OmegaConf.register_new_resolver(STORE_DIR_RESOLVER, default_store_dir)
+
+
 def _compose(overrides: list[str]) -> DictConfig:
     _register_recipes()
+    _register_resolvers()
     with initialize_config_module(config_module=CONF_MODULE, version_base="1.3", job_name="lightning_nvme"):
         return compose("config", overrides=overrides)
 

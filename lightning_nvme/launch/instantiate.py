@@ -12,8 +12,8 @@ import lightning.pytorch as pl
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
+from lightning_nvme.config import ConfigError
 from lightning_nvme.launch.validate import validate
-from lightning_nvme.settings import ConfigError
 
 
 def lightning_strategy(name: str = "auto") -> str:

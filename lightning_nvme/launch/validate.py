@@ -7,6 +7,7 @@ Why: a typo in an override should cost one line of output, not a traceback after
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import enum
 import importlib
@@ -21,7 +22,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
-from lightning_nvme.settings import ConfigError, OffloadSettings
+from lightning_nvme import preflight
+from lightning_nvme.config import ConfigError
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_convert_", "_recursive_"}
 STORE_DIR_KEYS = ("store_dir",)
@@ -92,9 +94,10 @@ def _check_node(key: str, node: dict[str, Any]) -> None:
 
 
 def _check_settings(key: str, obj: Any, node: dict[str, Any]) -> None:
-    """A target whose arguments are defined in ``lightning_nvme.settings`` is checked by those definitions."""
+    """A target whose arguments are a settings dataclass (``with_settings``: the strategies, the activation
+    callback) is checked by those definitions."""
     settings_class = getattr(obj, "settings_class", None)
-    if not (isinstance(settings_class, type) and issubclass(settings_class, OffloadSettings)):
+    if not (isinstance(settings_class, type) and dataclasses.is_dataclass(settings_class)):
         return
     names = settings_class.__dataclass_fields__
     try:
@@ -191,8 +194,6 @@ def check_store_dir(key: str, path: Any) -> None:
     strategy applies at setup. ``None`` is left to the component: it picks its own default."""
     if path is None:
         return
-    from lightning_nvme import preflight
-
     try:
         preflight.check_store_dir(os.path.expanduser(str(path)), 0, key=key)
     except ConfigError as e:

@@ -13,6 +13,7 @@ import json
 import math
 import os
 from dataclasses import asdict, dataclass, fields
+from typing import cast
 
 import torch
 import torch.nn.functional as F
@@ -115,15 +116,16 @@ class GPT(nn.Module):
         super().__init__()
         self.config = cfg
         self.activation_checkpointing = activation_checkpointing
+        wte = nn.Embedding(cfg.vocab_size, cfg.n_embd)
         self.transformer = nn.ModuleDict(dict(
-            wte=nn.Embedding(cfg.vocab_size, cfg.n_embd),
+            wte=wte,
             wpe=nn.Embedding(cfg.n_positions, cfg.n_embd),
             drop=nn.Dropout(cfg.dropout),
             h=nn.ModuleList(Block(cfg) for _ in range(cfg.n_layer)),
             ln_f=nn.LayerNorm(cfg.n_embd, eps=cfg.layer_norm_epsilon),
         ))
         self.lm_head = nn.Linear(cfg.n_embd, cfg.vocab_size, bias=False)
-        self.lm_head.weight = self.transformer.wte.weight  # tied, as in GPT-2
+        self.lm_head.weight = wte.weight  # tied, as in GPT-2
         self.apply(self._init_weights)
         for name, p in self.named_parameters():  # GPT-2's scaled init of residual projections
             if name.endswith("c_proj.weight"):
@@ -153,13 +155,14 @@ class GPT(nn.Module):
         if t > self.config.n_positions:
             raise ValueError(f"sequence length {t} exceeds the model's n_positions={self.config.n_positions}")
         pos = torch.arange(t, device=idx.device)
-        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))
-        for block in self.transformer.h:
+        tr = self.transformer
+        x = tr["drop"](tr["wte"](idx) + tr["wpe"](pos))
+        for block in cast(nn.ModuleList, tr["h"]):
             if self.activation_checkpointing and self.training and torch.is_grad_enabled():
                 x = checkpoint(block, x, use_reentrant=False)
             else:
                 x = block(x)
-        return self.lm_head(self.transformer.ln_f(x))
+        return self.lm_head(tr["ln_f"](x))
 
     # ---- Hugging Face GPT-2 layout: config.json + model.safetensors ------------------------------------
     def save_pretrained(self, directory: str | os.PathLike) -> None:

@@ -190,12 +190,13 @@ class HFCausalLM(CausalLMModule):
                                  "use the peft library, or set model.lora_rank=0")
             from transformers import AutoModelForCausalLM
 
-            self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True)
-            self.model.train()  # from_pretrained returns eval mode; Lightning switches modes per loop
+            hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True)
+            hf.train()  # from_pretrained returns eval mode; Lightning switches modes per loop
             if activation_checkpointing:
-                enable = getattr(self.model, "activation_checkpointing_enable", None)  # transformers >= 5
-                (enable or self.model.gradient_checkpointing_enable)()
-            self._vocab = int(self.model.get_output_embeddings().weight.shape[0])
+                enable = getattr(hf, "activation_checkpointing_enable", None)  # transformers >= 5
+                (enable or hf.gradient_checkpointing_enable)()
+            self._vocab = int(hf.get_output_embeddings().weight.shape[0])
+            self.model = hf
         if lora_rank:
             add_lora(self.model, lora_rank, lora_alpha)
         max_positions = _max_positions(self.model)

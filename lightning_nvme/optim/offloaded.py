@@ -28,6 +28,7 @@ from typing import Any, Protocol
 import torch
 from torch.optim import Optimizer
 
+from lightning_nvme.constants import MiB
 from lightning_nvme.memory import keep_freed_heap, temporaries_off_heap, temporaries_on_heap
 from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing, DecodeArena
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, Plan, plan_chunks
@@ -35,9 +36,12 @@ from lightning_nvme.optim.probe import UnsupportedOptimizerError, raw_step
 from lightning_nvme.optim.state_format import EXACT, STATE_DICT_KEY, Component, StateFormat
 from lightning_nvme.optim.step_hooks import call_with_step_hooks, hooks_silenced
 from lightning_nvme.optim.store_ref import StoreRef
-from lightning_nvme.settings import OVERLAP_MODES, OffloadSettings
 from lightning_nvme.store import FlatStore, IOHandle
 
+# Defaults of the strategies' arguments of the same names (lightning_nvme.settings reads them from here).
+CHUNK_BYTES = 32 * MiB
+PREFETCH_DEPTH = 2
+OVERLAP_MODES = ("step", "backward")  # the first is the default
 
 class StateSource(Protocol):
     """Where ``import_state`` reads per-parameter state from (a dict, a checkpoint file...)."""
@@ -103,8 +107,8 @@ class OffloadedOptimizer:
     """
 
     def __init__(self, optimizer: Optimizer, store: FlatStore, *, name: str = "opt0",
-                 chunk_bytes: int = OffloadSettings.chunk_bytes, prefetch_depth: int = OffloadSettings.prefetch_depth,
-                 overlap: str = OffloadSettings.overlap, clip_value: float | None = None,
+                 chunk_bytes: int = CHUNK_BYTES, prefetch_depth: int = PREFETCH_DEPTH,
+                 overlap: str = OVERLAP_MODES[0], clip_value: float | None = None,
                  owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, grad_hooks: bool = True,
                  plan: Plan | None = None, store_ref: StoreRef | None = None, free_grads: bool = False,
                  listener: UpdateListener | None = None, fmt: StateFormat = EXACT) -> None:

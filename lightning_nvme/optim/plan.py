@@ -21,7 +21,7 @@ from torch.optim import Optimizer
 
 from lightning_nvme.optim.probe import StateSpec, UnsupportedOptimizerError, check_supported, probe_state_spec, shape_class
 from lightning_nvme.optim.state_format import EXACT, HALF_DTYPES, MASTER_KEY, Component, StateFormat
-from lightning_nvme.params.placeholder import is_placeholder
+from lightning_nvme.placeholder import is_placeholder
 
 SLOT_ALIGN = 64  # bytes; keeps every state view SIMD-aligned inside a chunk buffer
 

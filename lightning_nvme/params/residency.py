@@ -17,8 +17,8 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_nvme.params.layout import BlockLayout
-from lightning_nvme.params.placeholder import placeholder
 from lightning_nvme.params.staging import DONE, HostStaging, Ready, Staging, StagingStats
+from lightning_nvme.placeholder import placeholder
 from lightning_nvme.store import FlatStore, IOHandle
 
 

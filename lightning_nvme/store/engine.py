@@ -26,16 +26,16 @@ from lightning_nvme.store.handle import IOHandle
 
 
 class IOEngine:
-    def __init__(self, num_workers: int, name: str = "lightning-nvme-io") -> None:
-        if num_workers < 1:
-            raise ValueError(f"num_workers must be >= 1, got {num_workers}")
+    def __init__(self, io_workers: int, name: str = "lightning-nvme-io") -> None:
+        if io_workers < 1:
+            raise ValueError(f"io_workers must be >= 1, got {io_workers}")
         self._queue: queue.PriorityQueue = queue.PriorityQueue()  # (lane, seq, handle, job)
         self._seq = itertools.count()
         self._pending: list[IOHandle] = []
         self._lock = threading.Lock()
         self._stopping = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
-                         for i in range(num_workers)]
+                         for i in range(io_workers)]
         for t in self._threads:
             t.start()
 

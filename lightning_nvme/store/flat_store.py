@@ -24,6 +24,7 @@ from collections.abc import Callable
 
 import torch
 
+from lightning_nvme import atomic
 from lightning_nvme.constants import MiB
 from lightning_nvme.store.buffers import StagingPool, aligned_empty, copy_bytes, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
@@ -36,6 +37,10 @@ from lightning_nvme.store.stats import IOStats, StatsRecorder
 log = logging.getLogger(__name__)
 
 MAGIC = "lightning-nvme-store"
+# Defaults of the strategies' arguments of the same names (lightning_nvme.settings reads them from here).
+IO_CHUNK_BYTES = 8 * MiB
+IO_WORKERS = 4
+STAGING_BYTES = 64 * MiB
 
 
 def _as_bytes(t: torch.Tensor) -> torch.Tensor:
@@ -50,8 +55,8 @@ class FlatStore:
         directory: where the store file lives (created if missing). Use a local SSD.
         rank: the store file is ``store-rank{rank}.bin``; one store per process.
         io_chunk_bytes: requests are split into chunks of this size (multiple of 4 KiB, >= 1 MiB advised).
-        num_workers: I/O threads; a few give the disk queue depth.
-        pool_bytes: the staging pool (used only when a tensor is not page-aligned); bounded.
+        io_workers: I/O threads; a few give the disk queue depth.
+        staging_bytes: the staging pool (used only when a tensor is not page-aligned); bounded.
         direct: force O_DIRECT on (True) or off (False); ``None`` probes the filesystem.
         reopen: open an existing store and check it against its manifest instead of creating one. The
             layout (like the data) is persisted by ``fence(durable=True)`` and ``close()``.
@@ -59,14 +64,14 @@ class FlatStore:
         min_free_bytes: safety margin kept free on the disk when the store grows.
     """
 
-    def __init__(self, directory: str | os.PathLike, rank: int = 0, *, io_chunk_bytes: int = 8 * MiB,
-                 num_workers: int = 4, pool_bytes: int = 64 * MiB, direct: bool | None = None,
+    def __init__(self, directory: str | os.PathLike, rank: int = 0, *, io_chunk_bytes: int = IO_CHUNK_BYTES,
+                 io_workers: int = IO_WORKERS, staging_bytes: int = STAGING_BYTES, direct: bool | None = None,
                  reopen: bool = False, io_timeout_s: float = 600.0, min_free_bytes: int = 0,
                  name: str | None = None) -> None:
         if io_chunk_bytes <= 0 or io_chunk_bytes % ALIGN:
             raise ValueError(f"io_chunk_bytes must be a positive multiple of {ALIGN}, got {io_chunk_bytes}")
-        if pool_bytes < io_chunk_bytes:
-            raise ValueError(f"pool_bytes ({pool_bytes}) must hold at least one chunk ({io_chunk_bytes})")
+        if staging_bytes < io_chunk_bytes:
+            raise ValueError(f"staging_bytes ({staging_bytes}) must hold at least one chunk ({io_chunk_bytes})")
         self.directory = os.path.abspath(os.fspath(directory))
         os.makedirs(self.directory, exist_ok=True)
         base = name or f"store-rank{rank}"
@@ -87,15 +92,15 @@ class FlatStore:
         try:
             self.layout = Layout()
             self._open(direct, reopen)
-            self._pool = StagingPool(max(1, pool_bytes // io_chunk_bytes), io_chunk_bytes, pin=torch.cuda.is_available())
-            self._engine = IOEngine(num_workers)
+            self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes, pin=torch.cuda.is_available())
+            self._engine = IOEngine(io_workers)
         except BaseException:
             if self.fd >= 0:
                 os.close(self.fd)  # a refused reopen must not leak the descriptor
             self._lock.release()
             raise
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d pool=%d MiB", self.path, self.mode,
-                 io_chunk_bytes // 1024, num_workers, self._pool.total_bytes // MiB)
+                 io_chunk_bytes // 1024, io_workers, self._pool.total_bytes // MiB)
 
     # ---- file, header, manifest -------------------------------------------------------------
     def _open(self, direct: bool | None, reopen: bool) -> None:
@@ -131,7 +136,7 @@ class FlatStore:
         return header.ljust(HEADER_BYTES, b"\0")
 
     def _persist_layout(self, *, sync: bool = True) -> None:
-        """Write the header block and the manifest (temp file, rename; fsync'ed when ``sync``).
+        """Write the header block and the manifest (``atomic.write_json``; fsync'ed when ``sync``).
 
         ``add_regions`` writes without fsync (an fsync'ed rewrite per call made 1000 ``add_region``
         calls take 48 s on this disk) so the table is on disk at once, before a disk that fills up later
@@ -149,23 +154,13 @@ class FlatStore:
                 raise
         manifest = {"magic": MAGIC, "version": FORMAT_VERSION, "digest": self.layout.digest(),
                     "layout": self.layout.to_json()}
-        tmp = self.manifest_path + ".tmp"
-        with open(tmp, "w") as f:
-            json.dump(manifest, f)
-            f.flush()
-            if sync:
-                os.fsync(f.fileno())
-        os.replace(tmp, self.manifest_path)
+        atomic.write_json(self.manifest_path, manifest, durable=sync)
         self._layout_unsynced = not sync
 
     def _sync_layout(self) -> None:
         """Make the last written manifest durable (no new blocks needed: works on a full disk)."""
         if self._layout_unsynced:
-            fd = os.open(self.manifest_path, os.O_RDONLY)
-            try:
-                os.fsync(fd)
-            finally:
-                os.close(fd)
+            atomic.fsync_path(self.manifest_path)
             self._layout_unsynced = False
 
     def _check_existing(self) -> None:
@@ -445,7 +440,7 @@ class FlatStore:
         return self._stats.snapshot()
 
     @property
-    def pool_bytes(self) -> int:
+    def staging_bytes(self) -> int:
         return self._pool.total_bytes
 
     def close(self, *, delete: bool = False) -> None:

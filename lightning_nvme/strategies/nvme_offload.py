@@ -43,7 +43,7 @@ from lightning_nvme.constants import MiB
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
-from lightning_nvme.settings import OffloadSettings, with_settings
+from lightning_nvme.settings import OffloadSettings, from_arguments, with_settings
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
 from lightning_nvme.strategies.offload import OffloadStrategy
@@ -65,7 +65,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                  accelerator: pl.accelerators.Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
                  precision_plugin: Precision | None = None, parallel_devices: list[torch.device] | None = None,
                  **settings: Any) -> None:
-        config = OffloadSettings.from_arguments(self.strategy_name, {"store_dir": store_dir, **settings})
+        config = from_arguments(OffloadSettings, self.strategy_name, {"store_dir": store_dir, **settings})
         super().__init__(device=device or "cpu", accelerator=accelerator, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self._init_offload(config)

@@ -25,6 +25,7 @@ k's all-reduce and the rest of backward proceed. The last bucket's chunks are up
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -40,12 +41,27 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_nvme import atomic
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import atomic, sharded
+from lightning_nvme.checkpoint import sharded
+from lightning_nvme.config import ConfigError, reject_unknown
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
-from lightning_nvme.settings import ConfigError, DDPOffloadSettings, with_settings
+from lightning_nvme.settings import DDPOffloadSettings, from_arguments, with_settings
 from lightning_nvme.strategies.offload import OffloadStrategy
 from lightning_nvme.strategies.param_broadcast import ParamBroadcast, plan_items
+
+
+def _ddp_arguments() -> list[str]:
+    """What ``**kwargs`` may carry besides the settings: ``DDPStrategy``'s own arguments and those it passes on to
+    ``DistributedDataParallel`` (all but the module and device ids, which Lightning sets). Anything else is a
+    misspelling, refused here rather than by ``DistributedDataParallel`` when training starts."""
+    strategy = inspect.signature(DDPStrategy.__init__).parameters
+    ddp = inspect.signature(DistributedDataParallel.__init__).parameters
+    skip = {"self", "module", "device_ids"}
+    return [n for n, p in (*strategy.items(), *ddp.items()) if n not in skip and p.kind is not p.VAR_KEYWORD]
+
+
+_DDP_ARGUMENTS = _ddp_arguments()
 
 
 @with_settings(DDPOffloadSettings)
@@ -66,9 +82,10 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
                  timeout: timedelta | None = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **kwargs: Any) -> None:
         names = DDPOffloadSettings.__dataclass_fields__
+        reject_unknown(self.strategy_name, kwargs, [*names, *_DDP_ARGUMENTS])
         settings = {k: v for k, v in kwargs.items() if k in names}
         ddp_kwargs = {k: v for k, v in kwargs.items() if k not in names}  # DDP's own, passed to DistributedDataParallel
-        config = DDPOffloadSettings.from_arguments(self.strategy_name, {"store_dir": store_dir, **settings})
+        config = from_arguments(DDPOffloadSettings, self.strategy_name, {"store_dir": store_dir, **settings})
         if config.offload_params:
             raise ConfigError("offload_params", "nvme_offload_ddp does not offload parameters yet. Fix: use "
                               "strategy='nvme_offload' (one device) for parameter offload, or offload_params=False.")

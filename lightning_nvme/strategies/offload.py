@@ -12,6 +12,7 @@ follows an update (``_after_update``) and how its optimizer state is saved (``_s
 
 from __future__ import annotations
 
+import functools
 import os
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -29,9 +30,12 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_nvme import atomic
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import atomic, plugin_io, weights
+from lightning_nvme.checkpoint import plugin_io, weights
+from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.constants import GiB, MiB
+from lightning_nvme.io_profile import io_request
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
 from lightning_nvme.optim.store_ref import StoreRef
@@ -124,13 +128,13 @@ class OffloadStrategy(Strategy):
         check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
         if self.nvme_store is not None:
             return self.nvme_store
-        io_chunk_bytes, io_workers = self.config.io_request()
+        io_chunk_bytes, io_workers = io_request(self.config)
         threshold = self.config.mmap_threshold()
         if threshold is not None:
             release_freed_memory(threshold)  # see lightning_nvme.memory: bounded RSS
         name = claim_store_name(store_dir, self._store_rank, self, self._run_token)
         self.nvme_store = FlatStore(store_dir, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
-                                    num_workers=io_workers, pool_bytes=max(self.config.staging_bytes, io_chunk_bytes),
+                                    io_workers=io_workers, staging_bytes=max(self.config.staging_bytes, io_chunk_bytes),
                                     min_free_bytes=self.config.min_free_bytes, name=name)
         self.nvme_store.add_region(owner_region(self._run_token), ALIGN)
         return self.nvme_store
@@ -159,7 +163,7 @@ class OffloadStrategy(Strategy):
             for i, opt in enumerate(self.optimizers)
         ]
         state = sum(o.state_bytes for o in self.offloaded)
-        resident = sum(o.ring.total_bytes for o in self.offloaded) + self.nvme_store.pool_bytes
+        resident = sum(o.ring.total_bytes for o in self.offloaded) + self.nvme_store.staging_bytes
         rank_zero_info(f"{self.strategy_name}: optimizer state store {self.nvme_store.path} ({self.nvme_store.mode} "
                        f"I/O): {state / GiB:.2f} GiB on disk in {sum(len(o.chunks) for o in self.offloaded)} "
                        f"chunks; {resident / MiB:.0f} MiB of resident buffers; overlap={self.config.overlap}; "
@@ -262,14 +266,10 @@ class OffloadStrategy(Strategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         self._optimizer_parts = None
         if plugin_io.is_local(checkpoint_path):
-            path = os.path.abspath(os.fspath(checkpoint_path))
-            self._recover_before_load(path)
-            if ckpt.is_legacy_dir(path):
-                checkpoint, self._optimizer_parts = ckpt.legacy.load_legacy(path)
-                return checkpoint
-        with weights.deferred():  # weights beside the file stay references until load_model_state_dict
-            checkpoint = super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        checkpoint, self._optimizer_parts = ckpt.paired.read(checkpoint, os.fspath(checkpoint_path))
+            self._recover_before_load(os.path.abspath(os.fspath(checkpoint_path)))
+        # weights beside the file stay references until load_model_state_dict
+        checkpoint, self._optimizer_parts = open_checkpoint(
+            checkpoint_path, functools.partial(super().load_checkpoint, weights_only=weights_only))
         return checkpoint
 
     def _weights_streamed_by(self, readers: weights.WeightReaders) -> AbstractContextManager[set[str]]:

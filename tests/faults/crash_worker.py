@@ -220,8 +220,7 @@ def run_job(spec: dict) -> None:
     from torch.utils.data import DataLoader
 
     import lightning_nvme  # noqa: F401
-    from lightning_nvme import NVMeOffloadStrategy
-    from lightning_nvme.checkpoint import atomic
+    from lightning_nvme import NVMeOffloadStrategy, atomic
 
     if TESTS not in sys.path:
         sys.path.insert(0, TESTS)

@@ -32,7 +32,7 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # crash_worker, whether or not faults/ is a package
 import crash_worker as cw  # noqa: E402
 
-from lightning_nvme.checkpoint.convert import load_any
+from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.checkpoint.streamed import open_readers
 
 SEED = int(os.environ.get("CRASH_SEED", "20261129"))
@@ -105,7 +105,7 @@ def _equal(a, b) -> bool:
 def _load_complete(path: str) -> tuple[dict, list[dict[str, torch.Tensor]]]:
     """A checkpoint (file + optimizer state, or an old-format directory) loaded completely: its dict and, per
     optimizer, every streamed tensor (read in full: a truncated file or another save's is refused)."""
-    ckpt, parts = load_any(path)
+    ckpt, parts = open_checkpoint(path)
     assert parts is not None and parts.problem is None, f"{path}: {parts and parts.problem}"
     tensors = []
     for marker in parts.markers:
@@ -376,11 +376,11 @@ def test_kill9_between_fallback_renames_is_recovered(jobs, reference, tmp_path):
     resumes from it (old format) bitwise.
 
     Known limit, pinned here: Lightning resolves ``ckpt_path="last"`` before the strategy runs, so on such a
-    filesystem call ``lightning_nvme.checkpoint.atomic.recover(<dir>/last.ckpt)`` before ``fit``."""
+    filesystem call ``lightning_nvme.atomic.recover(<dir>/last.ckpt)`` before ``fit``."""
     from ckpt_helpers import write_legacy
 
+    from lightning_nvme.atomic import recover
     from lightning_nvme.checkpoint import convert, paired
-    from lightning_nvme.checkpoint.atomic import recover
 
     root = str(tmp_path / "run")
     ckpts, last = cw.paths(root)["ckpts"], cw.paths(root)["last"]

@@ -55,7 +55,7 @@ def _pattern(store: FlatStore, nbytes: int) -> torch.Tensor:
 # ---- injected ENOSPC: always runs ----------------------------------------------------------------
 def test_injected_enospc_mid_run_surfaces_at_fence(tmp_path, faulty_disk):
     before = set(io_threads())
-    store = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, num_workers=2, pool_bytes=2 * MiB, io_timeout_s=20)
+    store = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, io_workers=2, staging_bytes=2 * MiB, io_timeout_s=20)
     store.add_region("state", 8 * MiB)
     faulty_disk.written_budget = faulty_disk.bytes_written + 3 * MiB  # the disk fills after 3 MiB
     store.write("state", _pattern(store, 8 * MiB))
@@ -67,7 +67,7 @@ def test_injected_enospc_mid_run_surfaces_at_fence(tmp_path, faulty_disk):
     with pytest.raises(StoreIOError):
         store.close()
     assert set(io_threads()) <= before
-    FlatStore(tmp_path, io_chunk_bytes=1 * MiB, pool_bytes=2 * MiB, reopen=True).close()  # lock released
+    FlatStore(tmp_path, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB, reopen=True).close()  # lock released
 
 
 # ---- real small filesystems ------------------------------------------------------------------------
@@ -93,7 +93,7 @@ def test_preflight_margin_on_real_disk(tiny_fs):
 
 
 def test_store_refuses_region_that_does_not_fit_and_stays_usable(tiny_fs):
-    store = FlatStore(tiny_fs, io_chunk_bytes=1 * MiB, pool_bytes=2 * MiB, io_timeout_s=20)
+    store = FlatStore(tiny_fs, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB, io_timeout_s=20)
     store.add_region("small", 4 * MiB)
     with pytest.raises(StoreSpaceError) as ei:
         store.add_region("huge", 64 * MiB)
@@ -111,7 +111,7 @@ def test_store_refuses_region_that_does_not_fit_and_stays_usable(tiny_fs):
 def test_preallocated_store_survives_disk_filling_up(tiny_fs):
     """The store's blocks are reserved up front (fallocate), so other writers filling the disk
     mid-run cannot make a store write fail."""
-    store = FlatStore(tiny_fs, io_chunk_bytes=1 * MiB, num_workers=2, pool_bytes=2 * MiB, io_timeout_s=20)
+    store = FlatStore(tiny_fs, io_chunk_bytes=1 * MiB, io_workers=2, staging_bytes=2 * MiB, io_timeout_s=20)
     store.add_region("state", 8 * MiB)
     _fill(tiny_fs)
     data = _pattern(store, 8 * MiB)
@@ -132,7 +132,7 @@ def test_real_enospc_on_unpreallocated_store_surfaces_at_fence(tiny_fs, monkeypa
 
     monkeypatch.setattr(os, "posix_fallocate", no_fallocate)
     before = set(io_threads())
-    store = FlatStore(tiny_fs, io_chunk_bytes=1 * MiB, num_workers=2, pool_bytes=2 * MiB, io_timeout_s=20)
+    store = FlatStore(tiny_fs, io_chunk_bytes=1 * MiB, io_workers=2, staging_bytes=2 * MiB, io_timeout_s=20)
     store.add_region("state", 16 * MiB)
     _fill(tiny_fs)
     store.write("state", _pattern(store, 16 * MiB))
@@ -143,7 +143,7 @@ def test_real_enospc_on_unpreallocated_store_surfaces_at_fence(tiny_fs, monkeypa
         store.close()
     assert set(io_threads()) <= before
     os.remove(os.path.join(tiny_fs, "filler"))
-    FlatStore(tiny_fs, io_chunk_bytes=1 * MiB, pool_bytes=2 * MiB).close()  # the lock was released
+    FlatStore(tiny_fs, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB).close()  # the lock was released
 
 
 def test_preflight_warns_on_real_tmpfs(tmp_path):

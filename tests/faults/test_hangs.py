@@ -17,7 +17,7 @@ MiB = 1 << 20
 
 
 def _stuck_store(tmp_path, faulty_disk, timeout_s=0.5) -> tuple[FlatStore, list]:
-    store = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, num_workers=2, pool_bytes=2 * MiB, io_timeout_s=timeout_s)
+    store = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, io_workers=2, staging_bytes=2 * MiB, io_timeout_s=timeout_s)
     store.add_regions([("alpha", MiB), ("beta", MiB)])
     faulty_disk.hang.set()
     a, b = store.aligned_empty(MiB), store.aligned_empty(MiB)
@@ -48,16 +48,16 @@ def test_close_while_stuck_keeps_lock_until_worker_returns(tmp_path, faulty_disk
         store.close()
     # a blocked worker may still write the file, so no second store may take it yet
     with pytest.raises(StoreLockedError):
-        FlatStore(tmp_path, io_chunk_bytes=1 * MiB, pool_bytes=2 * MiB)
+        FlatStore(tmp_path, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB)
     faulty_disk.release()
     store.close()
     assert store._engine.alive_threads == 0 and set(io_threads()) <= before
-    FlatStore(tmp_path, io_chunk_bytes=1 * MiB, pool_bytes=2 * MiB, reopen=True).close()
+    FlatStore(tmp_path, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB, reopen=True).close()
 
 
 def test_close_cancels_requests_that_never_started(tmp_path, faulty_disk):
     """With one worker stuck, queued requests are cancelled, not run after the store let go of the file."""
-    store = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, num_workers=1, pool_bytes=2 * MiB, io_timeout_s=0.3)
+    store = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, io_workers=1, staging_bytes=2 * MiB, io_timeout_s=0.3)
     store.add_regions([("alpha", MiB), ("beta", 4 * MiB)])
     faulty_disk.hang.set()
     store.write("alpha", store.aligned_empty(MiB))

@@ -17,7 +17,7 @@ MiB = 1 << 20
 
 
 def _store(d, **kw) -> FlatStore:
-    kw = {"io_chunk_bytes": 1 * MiB, "num_workers": 2, "pool_bytes": 4 * MiB, "io_timeout_s": 20.0} | kw
+    kw = {"io_chunk_bytes": 1 * MiB, "io_workers": 2, "staging_bytes": 4 * MiB, "io_timeout_s": 20.0} | kw
     store = FlatStore(d, **kw)
     store.add_regions([("alpha", 4 * MiB), ("beta", 4 * MiB)])
     return store
@@ -59,7 +59,7 @@ def test_close_after_error_stops_workers_and_releases_lock(tmp_path, faulty_disk
     assert store._engine.alive_threads == 0
     assert set(io_threads()) <= before  # no zombie I/O threads
     faulty_disk.write_errno = None
-    again = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, pool_bytes=4 * MiB, reopen=True)  # lock was released
+    again = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, staging_bytes=4 * MiB, reopen=True)  # lock was released
     assert "alpha" in again and "beta" in again
     again.close()
 
@@ -98,7 +98,7 @@ def test_read_after_failed_write_is_not_run(tmp_path, faulty_disk):
 
 def test_unaligned_tensor_error_returns_staging_buffers(tmp_path, faulty_disk):
     """Errors on the staged (non page-aligned) path give their buffer back: the pool stays whole."""
-    store = _store(tmp_path, pool_bytes=2 * MiB)
+    store = _store(tmp_path, staging_bytes=2 * MiB)
     faulty_disk.write_errno = errno.EIO
     src = torch.zeros(4 * MiB + 1, dtype=torch.uint8)[1:]  # misaligned -> staged copies
     store.write("alpha", src)

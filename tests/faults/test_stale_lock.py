@@ -20,7 +20,7 @@ MiB = 1 << 20
 HOLDER = textwrap.dedent("""
     import sys, time, torch
     from lightning_nvme.store import FlatStore
-    s = FlatStore(sys.argv[1], io_chunk_bytes=1 << 20, pool_bytes=1 << 20)
+    s = FlatStore(sys.argv[1], io_chunk_bytes=1 << 20, staging_bytes=1 << 20)
     s.add_region("w", 1 << 20)
     s.write("w", torch.full((1 << 20,), 7, dtype=torch.uint8))
     s.fence(durable=True)
@@ -46,12 +46,12 @@ def test_live_store_refused_then_stale_lock_taken_over(tmp_path):
         before = _digest(path), os.stat(path).st_mtime_ns
         for reopen in (False, True):
             with pytest.raises(StoreLockedError) as ei:
-                FlatStore(tmp_path, io_chunk_bytes=MiB, pool_bytes=MiB, reopen=reopen)
+                FlatStore(tmp_path, io_chunk_bytes=MiB, staging_bytes=MiB, reopen=reopen)
             assert f"pid {proc.pid}" in str(ei.value) and "store_dir" in str(ei.value)
         assert (_digest(path), os.stat(path).st_mtime_ns) == before  # the live store was not touched
         os.kill(proc.pid, signal.SIGKILL)
         proc.wait(30)
-        store = FlatStore(tmp_path, io_chunk_bytes=MiB, pool_bytes=MiB, reopen=True)
+        store = FlatStore(tmp_path, io_chunk_bytes=MiB, staging_bytes=MiB, reopen=True)
         assert store._lock.took_over_stale and "w" in store
         store.close()
     finally:

@@ -16,7 +16,7 @@ MiB = 1 << 20
 
 @pytest.fixture
 def saved(tmp_path):
-    store = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, pool_bytes=2 * MiB)
+    store = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB)
     store.add_regions([("w", 2 * MiB), ("m", 3000)])
     data = store.aligned_empty(2 * MiB)
     data.copy_(torch.arange(2 * MiB, dtype=torch.int64).to(torch.uint8))
@@ -28,7 +28,7 @@ def saved(tmp_path):
 
 
 def _reopen(d):
-    return FlatStore(d, io_chunk_bytes=1 * MiB, pool_bytes=2 * MiB, reopen=True)
+    return FlatStore(d, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB, reopen=True)
 
 
 def test_intact_store_reopens_with_data(saved):
@@ -48,7 +48,7 @@ def test_truncated_store_is_refused(saved, size):
         _reopen(d)
     assert path in str(ei.value)
     os.truncate(path, 8 * MiB)  # the refused open released its lock and fd: a fresh store can start
-    FlatStore(d, io_chunk_bytes=1 * MiB, pool_bytes=2 * MiB).close()
+    FlatStore(d, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB).close()
 
 
 def test_tampered_header_is_refused(saved):
@@ -105,7 +105,7 @@ def test_missing_or_corrupt_manifest_is_refused(saved):
 def test_header_from_another_store_is_refused(saved, tmp_path_factory):
     d, path, _, _ = saved
     other = tmp_path_factory.mktemp("other")
-    s = FlatStore(other, io_chunk_bytes=1 * MiB, pool_bytes=2 * MiB)
+    s = FlatStore(other, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB)
     s.add_region("x", MiB)
     s.close()
     with open(s.path, "rb") as src, open(path, "r+b") as dst:
@@ -136,7 +136,7 @@ def test_digest_detects_changed_data_bytes(saved):
 def test_digest_matches_independent_hash_of_written_bytes(tmp_path):
     import hashlib
 
-    store = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, pool_bytes=2 * MiB)
+    store = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB)
     store.add_region("odd", 3 * MiB + 5)  # not a multiple of the chunk or of 4 KiB
     src = torch.randint(0, 256, (3 * MiB + 5,), dtype=torch.uint8, generator=torch.Generator().manual_seed(1))
     store.write("odd", src)

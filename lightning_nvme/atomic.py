@@ -1,4 +1,8 @@
-"""Atomic file-system steps of a checkpoint commit: the old entry or the new one, never half of each.
+"""Atomic file-system steps: the old entry or the new one, never half of each.
+
+Every file this package replaces in place goes through here: a checkpoint's file and directories
+(``checkpoint.paired``), the store's manifest, an I/O profile (``write_json``). A leaf module (the standard
+library only), so the store, below the checkpoints, uses it too.
 
 A file or directory is written under a hidden temporary name beside its target (``.NAME.tmp-PID``),
 fsynced, then moved into place in one step: ``os.replace`` when the target is a file or absent,
@@ -12,8 +16,10 @@ from __future__ import annotations
 
 import ctypes
 import glob
+import json
 import os
 import shutil
+from typing import Any
 
 _RENAME_EXCHANGE = 2
 _AT_FDCWD = -100
@@ -79,13 +85,24 @@ def recover(path: str) -> None:
     sweep_dead_temps(os.path.dirname(os.path.abspath(path)))
 
 
-def begin_dir(path: str, tmp: str) -> str:
-    """Recover an interrupted commit of ``path`` and create ``tmp``, the empty directory to write into."""
-    os.makedirs(os.path.dirname(os.path.abspath(path)), exist_ok=True)
-    recover(path)
-    shutil.rmtree(tmp, ignore_errors=True)
-    os.makedirs(tmp)
-    return tmp
+def write_json(path: str, obj: Any, *, durable: bool = True, indent: int | None = None) -> None:
+    """Replace the JSON file ``path`` by ``obj`` in one step (a reader sees the old file or the new one).
+    ``durable=False`` skips the fsyncs (the caller makes the file durable later with ``fsync_path``)."""
+    tmp = temp_name(path)
+    try:
+        with open(tmp, "w") as f:
+            json.dump(obj, f, indent=indent)
+            if indent is not None:
+                f.write("\n")
+            f.flush()
+            if durable:
+                os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except BaseException:
+        delete(tmp)
+        raise
+    if durable:
+        fsync_path(os.path.dirname(os.path.abspath(path)))
 
 
 def commit(tmp: str, path: str) -> None:

@@ -5,6 +5,9 @@ tensors and the user's references all hold it), so only its ``.data`` is swapped
 keeps shape, dtype and device (model summaries, optimizer planning and shape checks still work) but
 owns one element: a NaN for floating dtypes, so code that reads an offloaded parameter without the
 strategy loading it produces NaNs instead of plausible numbers. ``stride 0`` marks it.
+
+A leaf module (torch only): parameter offload (``params``) makes placeholders, and the optimizer's plan
+(``optim``, a lower layer) recognises them.
 """
 
 from __future__ import annotations

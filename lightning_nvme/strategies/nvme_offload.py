@@ -22,6 +22,7 @@ weights from the store into a safetensors file beside it (``lightning_nvme.check
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -37,8 +38,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import weights
+from lightning_nvme import reflink
+from lightning_nvme.checkpoint import snapshot, weights
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
+from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload
@@ -70,6 +73,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                          precision_plugin=precision_plugin)
         self._init_offload(config)
         self.param_offload: ParamOffload | None = None
+        self.checkpoint_saves: list[snapshot.SaveRecord] = []  # how each save copied the state (telemetry)
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices
@@ -226,18 +230,44 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
 
     @override
     def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
-        def write_parts(directory: str, save_id: str) -> list[dict[str, Any]]:
-            markers = [write_optimizer(off, directory, i, save_id) for i, off in enumerate(self.offloaded)] \
-                if "optimizer_states" in checkpoint else []
-            if weights.has_refs(checkpoint):
-                assert self.param_offload is not None
-                weights.write(os.path.join(directory, weights.WEIGHTS_FILE), checkpoint["state_dict"],
-                              self.param_offload.read_block, file_metadata(save_id))
-            return markers
-
+        t0 = time.perf_counter()
+        with_optimizer = "optimizer_states" in checkpoint
         with self._open_store() as store:
             store.fence(durable=True)
+            clone, reason = self._clone_plan(store, path) if with_optimizer else (False, "no optimizer state")
+            record = snapshot.SaveRecord("reflink" if clone else "streamed", path, reason)
+            block = reflink.probe(os.path.dirname(path)).block_size if clone else 0
+
+            def write_parts(directory: str, save_id: str) -> list[dict[str, Any]]:
+                markers = []
+                for i, off in enumerate(self.offloaded if with_optimizer else []):
+                    if clone:
+                        marker, cloned = snapshot.write_optimizer(off, directory, i, save_id, block)
+                        markers.append(marker)
+                        record.bytes_cloned += cloned
+                    else:
+                        markers.append(write_optimizer(off, directory, i, save_id))
+                if weights.has_refs(checkpoint):
+                    assert self.param_offload is not None
+                    weights.write(os.path.join(directory, weights.WEIGHTS_FILE), checkpoint["state_dict"],
+                                  self.param_offload.read_block, file_metadata(save_id))
+                record.files = sorted(os.listdir(directory))
+                record.bytes_written = snapshot.bytes_written(directory, record.files, clone)
+                return markers
+
             ckpt.paired.save(checkpoint, path, write_parts)
+        self.checkpoint_saves.append(snapshot.timed(record, t0))
+
+    def _clone_plan(self, store: FlatStore, path: str) -> tuple[bool, str]:
+        """Whether this save clones the store (``checkpoint_copy``); ``"reflink"`` refuses where it cannot."""
+        if self.config.checkpoint_copy == "streamed":
+            return False, "checkpoint_copy='streamed'"
+        clone, reason = snapshot.choose(store, path, [c.region for off in self.offloaded for c in off.chunks])
+        if not clone and self.config.checkpoint_copy == "reflink":
+            raise ConfigError("checkpoint_copy", f"nvme_offload: 'reflink' is set but {path} cannot be a reflink snapshot of "
+                              f"the store: {reason}. Put the checkpoints on the store's XFS/btrfs filesystem, or "
+                              "set checkpoint_copy='auto' (streamed where clones are impossible).")
+        return clone, reason
 
     def export_weights(self, path: str) -> None:
         """Write the LightningModule's ``state_dict()`` to one safetensors file (``safetensors.torch.load_file``

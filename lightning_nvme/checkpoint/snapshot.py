@@ -1,0 +1,163 @@
+"""Optimizer state files made of reflinks to the store: a checkpoint that writes its header and nothing else.
+
+Where the store's filesystem shares extents (``lightning_nvme.reflink``), ``optimizer-<i>.safetensors`` is laid
+out as the store's chunks themselves: a header padded to a filesystem block, then each chunk region with state,
+cloned whole (``FICLONERANGE``) at a block-aligned offset. Each piece's state is one entry inside its chunk's
+bytes (``state.<index>.<key>`` for a whole parameter, ``state.<index>.<key>[<start>:<stop>]`` for a range, as
+data-parallel shards name them); the bytes between entries (slot alignment, a chunk's unused tail, pieces without
+state) are ``pad.<n>`` entries, so the file stays a standard safetensors file and every reader of the streamed
+format (resume, ``convert``) reads it unchanged. Training's next writes to the store go to new extents (copy on
+write), so the file keeps the state of the instant it was cloned: after the store's fence and fdatasync.
+
+Why whole regions: chunk regions start and end on 4 KiB boundaries, the pieces inside them do not; cloning the
+region keeps every clone block-aligned and the written bytes independent of how pieces are packed.
+"""
+
+from __future__ import annotations
+
+import json
+import logging
+import os
+import struct
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_nvme import reflink
+from lightning_nvme.checkpoint.safetensors_stream import DTYPES
+from lightning_nvme.checkpoint.streamed import PAD_PREFIX, file_metadata, format_entry, optimizer_file, tensor_name
+from lightning_nvme.optim import OffloadedOptimizer
+from lightning_nvme.store import FlatStore
+
+log = logging.getLogger(__name__)
+
+@dataclass
+class SaveRecord:
+    """How one save wrote its streamed state: ``path`` is ``"reflink"`` or ``"streamed"`` (with ``reason``)."""
+
+    path: str
+    checkpoint: str
+    reason: str = ""
+    seconds: float = 0.0
+    bytes_written: int = 0  # bytes this save wrote into its state files (headers for reflink)
+    bytes_cloned: int = 0  # bytes shared with the store instead of written
+    files: list[str] = field(default_factory=list)
+
+    def describe(self) -> str:
+        moved = (f"{self.bytes_cloned} bytes cloned, {self.bytes_written} written" if self.path == "reflink"
+                 else f"{self.bytes_written} bytes written" + (f" ({self.reason})" if self.reason else ""))
+        return f"checkpoint {self.checkpoint}: {self.path} save in {self.seconds:.3f} s, {moved}"
+
+
+def choose(store: FlatStore, checkpoint_path: str, regions: list[str]) -> tuple[bool, str]:
+    """Whether this save can clone ``regions`` of ``store`` into ``checkpoint_path``'s directory, and if not why."""
+    directory = os.path.dirname(os.path.abspath(checkpoint_path))
+    os.makedirs(directory, exist_ok=True)
+    if not reflink.same_filesystem(store.path, directory):
+        return False, (f"the checkpoint directory {directory} is not on the store's filesystem ({store.directory}); "
+                       "a reflink cannot cross filesystems")
+    support = reflink.probe(directory)
+    if not support.supported:
+        return False, support.reason
+    bs = support.block_size
+    bad = [r for r in regions if store.region(r).offset % bs or store.region(r).capacity % bs]
+    if bad:
+        return False, (f"store regions ({bad[0]}, ...) are not aligned to the filesystem block size {bs}: "
+                       "clones need block-aligned ranges")
+    return True, ""
+
+
+@dataclass
+class _Entry:
+    name: str
+    dtype: str
+    shape: list[int]
+    begin: int  # relative to the data start
+    end: int
+
+
+def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[str, int, int]]]:
+    """The file's entries, and the (region, file data offset, bytes) of each chunk to clone."""
+    entries: list[_Entry] = []
+    clones: list[tuple[str, int, int]] = []
+    pos = 0
+    for chunk in off.chunks:
+        pieces = [p for p in chunk.pieces if off.initialized(p)]
+        if not pieces:
+            continue
+        region = off.store.region(chunk.region)
+        base = pos
+        items = []
+        for piece in pieces:
+            for comp in piece.stored():
+                count = comp.count(piece.numel)
+                name = (tensor_name(piece.index, comp.name) if piece.whole else
+                        tensor_name(piece.index, comp.name, piece.start // comp.per, piece.start // comp.per + count))
+                shape = list(piece.param.shape) if piece.whole and comp.per == 1 else [count]
+                begin = base + piece.slots[comp.name]
+                items.append(_Entry(name, DTYPES[comp.dtype], shape, begin, begin + count * comp.dtype.itemsize))
+        items.sort(key=lambda e: e.begin)
+        for item in items:
+            if item.begin > pos:
+                entries.append(_Entry(f"{PAD_PREFIX}{len(entries)}", "U8", [item.begin - pos], pos, item.begin))
+            entries.append(item)
+            pos = item.end
+        end = base + region.capacity
+        if end > pos:
+            entries.append(_Entry(f"{PAD_PREFIX}{len(entries)}", "U8", [end - pos], pos, end))
+        pos = end
+        clones.append((chunk.region, base, region.capacity))
+    return entries, clones
+
+
+def _header(entries: list[_Entry], metadata: dict[str, str], block: int) -> bytes:
+    """``<u64 length><json>`` padded with spaces so the data starts on a filesystem block."""
+    header: dict[str, Any] = {"__metadata__": metadata}
+    for e in entries:
+        header[e.name] = {"dtype": e.dtype, "shape": e.shape, "data_offsets": [e.begin, e.end]}
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-(8 + len(blob)) % block)
+    return struct.pack("<Q", len(blob)) + blob
+
+
+def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: str, block: int) -> tuple[dict, int]:
+    """Optimizer ``i``'s state file in ``directory`` as clones of its store regions (fsynced); returns its marker
+    (as ``streamed.write_optimizer``'s, plus the param shapes its range entries need) and the bytes cloned.
+    The caller has fenced and fdatasynced the store: a clone copies what is on disk."""
+    entries, clones = _layout(off)
+    head = _header(entries, file_metadata(save_id), block)
+    path = os.path.join(directory, optimizer_file(i))
+    src = os.open(off.store.path, os.O_RDONLY)
+    try:
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        try:
+            os.pwrite(fd, head, 0)
+            for region, data_offset, nbytes in clones:
+                reflink.clone_range(src, off.store.region(region).offset, fd, len(head) + data_offset, nbytes, block)
+            os.ftruncate(fd, len(head) + (entries[-1].end if entries else 0))
+            os.fsync(fd)
+        finally:
+            os.close(fd)
+    finally:
+        os.close(src)
+    marker = {"file": optimizer_file(i), **format_entry(off), "shapes": [list(p.shape) for p in off.params]}
+    return marker, sum(n for _, _, n in clones)
+
+
+def bytes_written(directory: str, files: list[str], cloned: bool) -> int:
+    """Bytes a save wrote into its state files: whole files, but only the header of each cloned optimizer file."""
+    total = 0
+    for name in files:
+        path = os.path.join(directory, name)
+        if cloned and name.startswith("optimizer-"):
+            with open(path, "rb") as f:
+                total += 8 + struct.unpack("<Q", f.read(8))[0]
+        else:
+            total += os.path.getsize(path)
+    return total
+
+
+def timed(record: SaveRecord, t0: float) -> SaveRecord:
+    record.seconds = time.perf_counter() - t0
+    log.info(record.describe())
+    return record

@@ -32,8 +32,9 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # crash_worker, whether or not faults/ is a package
 import crash_worker as cw  # noqa: E402
 
+from lightning_nvme.checkpoint import convert
 from lightning_nvme.checkpoint.load import open_checkpoint
-from lightning_nvme.checkpoint.streamed import open_readers
+from lightning_nvme.checkpoint.streamed import is_padding, open_readers
 
 SEED = int(os.environ.get("CRASH_SEED", "20261129"))
 TRIALS = int(os.environ.get("CRASH_TRIALS", "8"))  # per phase
@@ -102,19 +103,25 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def _load_complete(path: str) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+def _load_complete(path: str) -> tuple[dict, list[dict]]:
     """A checkpoint (file + optimizer state, or an old-format directory) loaded completely: its dict and, per
-    optimizer, every streamed tensor (read in full: a truncated file or another save's is refused)."""
+    optimizer, every streamed tensor (read in full: a truncated file or another save's is refused), assembled
+    per parameter and key (a reflink save's range entries and padding are layout, not state)."""
     ckpt, parts = open_checkpoint(path)
     assert parts is not None and parts.problem is None, f"{path}: {parts and parts.problem}"
     tensors = []
     for marker in parts.markers:
         readers = open_readers(parts.directory, marker, parts.save_id)
+        state: dict = {}
         try:
-            tensors.append({name: r.read(name) for r in readers for name in r.entries})
+            for r in readers:
+                for name in r.entries:
+                    if not is_padding(name):
+                        convert._gather(state, r, name, marker.get("shapes"))
         finally:
             for r in readers:
                 r.close()
+        tensors.append(state)
     return ckpt, tensors
 
 

@@ -15,15 +15,21 @@ region keeps every clone block-aligned and the written bytes independent of how 
 
 from __future__ import annotations
 
+import errno
 import json
 import logging
+import math
 import os
+import shutil
 import struct
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
+import torch
+
 from lightning_nvme import reflink
+from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.safetensors_stream import DTYPES
 from lightning_nvme.checkpoint.streamed import PAD_PREFIX, file_metadata, format_entry, optimizer_file, tensor_name
 from lightning_nvme.optim import OffloadedOptimizer
@@ -155,6 +161,27 @@ def bytes_written(directory: str, files: list[str], cloned: bool) -> int:
         else:
             total += os.path.getsize(path)
     return total
+
+
+class CheckpointSpaceError(OSError):
+    """A save refused before it wrote anything: the checkpoint's filesystem cannot hold it."""
+
+
+def weight_bytes(checkpoint: dict[str, Any]) -> int:
+    """Bytes of the weights a save writes: the file's tensors and the weights streamed beside it."""
+    state = checkpoint.get("state_dict") or {}
+    inline = sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
+    return inline + sum(math.prod(r.shape) * r.torch_dtype.itemsize for r in weights.refs(state).values())
+
+
+def check_space(path: str, needed: int, how: str) -> None:
+    """Refuse a save of ``needed`` bytes into ``path``'s directory before it writes anything, naming the bytes."""
+    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    if needed > free:
+        raise CheckpointSpaceError(errno.ENOSPC, f"checkpoint {path} ({how}) needs {needed} bytes "
+                                   f"({needed / 2**30:.2f} GiB) but {free} bytes ({free / 2**30:.2f} GiB) are free "
+                                   f"there; nothing was written. Free {needed - free} bytes, keep fewer checkpoints "
+                                   "(save_top_k), or save to a larger disk.")
 
 
 def timed(record: SaveRecord, t0: float) -> SaveRecord:

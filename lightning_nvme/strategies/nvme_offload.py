@@ -255,6 +255,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 record.bytes_written = snapshot.bytes_written(directory, record.files, clone)
                 return markers
 
+            state = sum(off.state_bytes for off in self.offloaded) if with_optimizer and not clone else 0
+            snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint), f"{record.path} save")
             ckpt.paired.save(checkpoint, path, write_parts)
         self.checkpoint_saves.append(snapshot.timed(record, t0))
 

@@ -43,6 +43,7 @@ from lightning_nvme.preflight import check_store_dir
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import ALIGN, FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
+from lightning_nvme.strategies.checkpoint_space import check_run_space
 from lightning_nvme.strategies.store_claim import claim_store_name, owner_region
 
 
@@ -147,6 +148,10 @@ class OffloadStrategy(Strategy):
         planned = sum(align_up(c.nbytes) for plan in plans for c in plan.chunks)
         if self.nvme_store is None:  # else header, owner region and parameter blocks are allocated already
             planned += HEADER_BYTES + ALIGN + self._extra_store_bytes()
+        check_run_space(trainer, self.config.resolve_store_dir(trainer.default_root_dir),
+                        planned + (self.nvme_store.size_bytes if self.nvme_store is not None else 0),
+                        sum(align_up(c.nbytes) for plan in plans for c in plan.chunks), self.config.min_free_bytes,
+                        self.strategy_name)
         self._open_new_store(trainer, planned)
         assert self.nvme_store is not None
         store_ref = StoreRef.of(self.nvme_store, owner_region(self._run_token))

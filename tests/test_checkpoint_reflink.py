@@ -141,3 +141,67 @@ def test_trainer_without_xfs_takes_the_streamed_path(tmp_path):
     if reflink.probe(str(tmp_path)).supported:
         pytest.skip(f"{tmp_path} supports reflinks: this test needs a filesystem without them")
     assert record.path == "streamed" and "FICLONE" in record.reason
+
+
+class _SaveAtEpochEnd(Callback):
+    def __init__(self, *paths: str) -> None:
+        self.paths = paths
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        for path in self.paths:
+            trainer.save_checkpoint(path)
+
+
+def test_offload_params_weights_are_cloned_too_and_resume_bitwise(xfs_dir, tmp_path, tmp_path_factory):
+    """``offload_params`` with the weights beside the file: saved mid-fit (blocks may be resident, some changed),
+    the weights file is the block regions cloned (changed resident blocks written after them); every loader reads
+    the same weights and optimizer state as a streamed save of that instant; a resume is bitwise in-memory
+    Lightning's (as ``test_param_offload``'s streamed case)."""
+    import json
+    import subprocess
+    import sys
+
+    from _param_offload_model import TinyGPT
+    from test_param_offload import offload
+    from test_param_offload import reference as param_reference
+    from test_param_offload import trainer as param_trainer
+
+    _, snapshots = param_reference(tmp_path_factory)
+    a, b = str(xfs_dir / "params" / "a.ckpt"), str(tmp_path / "b.ckpt")
+    strategy = offload(xfs_dir / "params", inline_weights_bytes=0)
+    t = param_trainer(tmp_path / "run", strategy, steps=-1, max_epochs=1, callbacks=[_SaveAtEpochEnd(a, b)])
+    t.fit(TinyGPT())
+    assert [r.path for r in strategy.checkpoint_saves] == ["reflink", "streamed"]
+    record = strategy.checkpoint_saves[0]
+    assert record.bytes_cloned > 0 and "weights.safetensors" in record.files
+    saved_a, saved_b = (torch.load(p, weights_only=True)["state_dict"] for p in (a, b))
+    for name, p in snapshots[16].items():
+        assert torch.equal(saved_a[name], p) and torch.equal(saved_b[name], p), name
+    for (i, s), (_, r) in zip(enumerate(_optimizer_tensors(a, tmp_path)), enumerate(_optimizer_tensors(b, tmp_path))):
+        for index, entries in r["state"].items():
+            for key, v in entries.items():
+                assert torch.equal(s["state"][index][key], v) if torch.is_tensor(v) else s["state"][index][key] == v
+    ref_trainer = param_trainer(tmp_path / "ref", "auto", steps=-1, max_epochs=1)
+    ref = TinyGPT()
+    ref_trainer.fit(ref)
+    ref_trainer.save_checkpoint(tmp_path / "ref.ckpt")
+    ref = TinyGPT()
+    param_trainer(tmp_path / "ref2", "auto").fit(ref, ckpt_path=str(tmp_path / "ref.ckpt"))
+    script = f"""
+import sys, json, torch
+sys.path.insert(0, {os.path.dirname(__file__)!r})
+from test_param_offload import offload, trainer
+from _param_offload_model import TinyGPT
+from pathlib import Path
+model = TinyGPT()
+t = trainer({str(tmp_path / 'c')!r}, offload(Path({str(xfs_dir / 'params-resume')!r})))
+t.fit(model, ckpt_path={a!r})
+torch.save(dict(model.named_parameters()), {str(tmp_path / 'resumed.pt')!r})
+print(json.dumps({{"step": t.global_step}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = torch.load(tmp_path / "resumed.pt")
+    assert json.loads(out.stdout.strip().splitlines()[-1])["step"] > 16
+    for name, p in ref.named_parameters():
+        assert torch.equal(resumed[name], p), name

@@ -23,6 +23,7 @@ import os
 import shutil
 import struct
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -34,6 +35,7 @@ from lightning_nvme.checkpoint.safetensors_stream import DTYPES
 from lightning_nvme.checkpoint.streamed import PAD_PREFIX, file_metadata, format_entry, optimizer_file, tensor_name
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.store import FlatStore
+from lightning_nvme.store.buffers import memview
 
 log = logging.getLogger(__name__)
 
@@ -82,17 +84,16 @@ class _Entry:
     end: int
 
 
-def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[str, int, int]]]:
-    """The file's entries, and the (region, file data offset, bytes) of each chunk to clone."""
+def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[int, int, int]]]:
+    """The file's entries, and the (store offset, file data offset, bytes) of each chunk to clone."""
     entries: list[_Entry] = []
-    clones: list[tuple[str, int, int]] = []
+    clones: list[tuple[int, int, int]] = []
     pos = 0
     for chunk in off.chunks:
         pieces = [p for p in chunk.pieces if off.initialized(p)]
         if not pieces:
             continue
         region = off.store.region(chunk.region)
-        base = pos
         items = []
         for piece in pieces:
             for comp in piece.stored():
@@ -100,19 +101,11 @@ def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[str, int,
                 name = (tensor_name(piece.index, comp.name) if piece.whole else
                         tensor_name(piece.index, comp.name, piece.start // comp.per, piece.start // comp.per + count))
                 shape = list(piece.param.shape) if piece.whole and comp.per == 1 else [count]
-                begin = base + piece.slots[comp.name]
+                begin = pos + piece.slots[comp.name]
                 items.append(_Entry(name, DTYPES[comp.dtype], shape, begin, begin + count * comp.dtype.itemsize))
-        items.sort(key=lambda e: e.begin)
-        for item in items:
-            if item.begin > pos:
-                entries.append(_Entry(f"{PAD_PREFIX}{len(entries)}", "U8", [item.begin - pos], pos, item.begin))
-            entries.append(item)
-            pos = item.end
-        end = base + region.capacity
-        if end > pos:
-            entries.append(_Entry(f"{PAD_PREFIX}{len(entries)}", "U8", [end - pos], pos, end))
-        pos = end
-        clones.append((chunk.region, base, region.capacity))
+        _padded(items, pos, pos + region.capacity, entries)
+        clones.append((region.offset, pos, region.capacity))
+        pos += region.capacity
     return entries, clones
 
 
@@ -132,35 +125,98 @@ def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: st
     The caller has fenced and fdatasynced the store: a clone copies what is on disk."""
     entries, clones = _layout(off)
     head = _header(entries, file_metadata(save_id), block)
-    path = os.path.join(directory, optimizer_file(i))
-    src = os.open(off.store.path, os.O_RDONLY)
+    _write_file(os.path.join(directory, optimizer_file(i)), off.store.path, head, clones,
+                entries[-1].end if entries else 0, block)
+    marker = {"file": optimizer_file(i), **format_entry(off), "shapes": [list(p.shape) for p in off.params]}
+    return marker, sum(n for _, _, n in clones)
+
+
+def _write_file(path: str, store_path: str, head: bytes, clones: list[tuple[int, int, int]], end: int, block: int,
+                writes: Callable[[int], None] = lambda fd: None) -> None:
+    """Header, clones ``(store offset, data offset, bytes)``, then ``writes(fd)``; sized and fsynced."""
+    src = os.open(store_path, os.O_RDONLY)
     try:
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.pwrite(fd, head, 0)
-            for region, data_offset, nbytes in clones:
-                reflink.clone_range(src, off.store.region(region).offset, fd, len(head) + data_offset, nbytes, block)
-            os.ftruncate(fd, len(head) + (entries[-1].end if entries else 0))
+            for offset, data_offset, nbytes in clones:
+                reflink.clone_range(src, offset, fd, len(head) + data_offset, nbytes, block)
+            writes(fd)
+            os.ftruncate(fd, len(head) + end)
             os.fsync(fd)
         finally:
             os.close(fd)
     finally:
         os.close(src)
-    marker = {"file": optimizer_file(i), **format_entry(off), "shapes": [list(p.shape) for p in off.params]}
-    return marker, sum(n for _, _, n in clones)
 
 
-def bytes_written(directory: str, files: list[str], cloned: bool) -> int:
-    """Bytes a save wrote into its state files: whole files, but only the header of each cloned optimizer file."""
-    total = 0
-    for name in files:
-        path = os.path.join(directory, name)
-        if cloned and name.startswith("optimizer-"):
-            with open(path, "rb") as f:
-                total += 8 + struct.unpack("<Q", f.read(8))[0]
-        else:
-            total += os.path.getsize(path)
-    return total
+def _padded(items: list[_Entry], start: int, end: int, entries: list[_Entry]) -> None:
+    """Append ``items`` (sorted, inside ``[start, end)``) to ``entries`` with padding entries in every gap."""
+    pos = start
+    for item in sorted(items, key=lambda e: e.begin):
+        if item.begin > pos:
+            entries.append(_Entry(f"{PAD_PREFIX}{len(entries)}", "U8", [item.begin - pos], pos, item.begin))
+        entries.append(item)
+        pos = item.end
+    if end > pos:
+        entries.append(_Entry(f"{PAD_PREFIX}{len(entries)}", "U8", [end - pos], pos, end))
+
+
+def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_store: Callable[[Any], bool],
+                  read_source: weights.ReadSource, metadata: dict[str, str], block: int) -> int:
+    """``weights.write`` as clones: the beside weights of blocks whose current values are in the store
+    (``in_store(block)``) are entries inside their block region, cloned whole; the others (a block resident and
+    changed, a second name of one parameter) are written after them. Returns the bytes cloned."""
+    entries: list[_Entry] = []
+    clones: list[tuple[int, int, int]] = []
+    written: list[tuple[weights.BesideWeight, str]] = []
+    by_block: dict[int, list[weights.BesideWeight]] = {}
+    for ref in weights.refs(state_dict).values():
+        by_block.setdefault(id(ref.source[0]), []).append(ref)
+    pos = 0
+    for refs in by_block.values():
+        source = refs[0].source[0]
+        if not in_store(source):
+            written += [(ref, ref.source[1]) for ref in refs]
+            continue
+        region, slots, used = store.region(source.region), {s.name: s for s in source.slots}, set()
+        items = []
+        for ref in refs:
+            slot = slots.get(ref.source[1])
+            if slot is None or slot.name in used or slot.dtype != ref.torch_dtype:
+                written.append((ref, ref.source[1]))
+                continue
+            used.add(slot.name)
+            items.append(_Entry(ref.key, ref.dtype, list(ref.shape), pos + slot.offset, pos + slot.offset + slot.nbytes))
+        if items:
+            _padded(items, pos, pos + region.capacity, entries)
+            clones.append((region.offset, pos, region.capacity))
+            pos += region.capacity
+    tail = []
+    for ref, _ in written:
+        nbytes = math.prod(ref.shape) * ref.torch_dtype.itemsize
+        tail.append(_Entry(ref.key, ref.dtype, list(ref.shape), pos, pos + nbytes))
+        pos += nbytes
+    entries += tail
+    head = _header(entries, dict(metadata), block)
+    at = {e.name: e.begin for e in tail}
+
+    def write_rest(fd: int) -> None:
+        groups: dict[int, list[tuple[weights.BesideWeight, str]]] = {}
+        for ref, slot in written:
+            groups.setdefault(id(ref.source[0]), []).append((ref, slot))
+        for group in groups.values():
+            values = read_source(group[0][0].source[0])
+            for ref, slot in group:
+                data = values[slot].contiguous()
+                view = memview(data.data_ptr(), data.numel() * data.element_size())
+                done = 0
+                while done < len(view):
+                    done += os.pwrite(fd, view[done:], len(head) + at[ref.key] + done)
+            del values
+
+    _write_file(path, store.path, head, clones, pos, block, write_rest)
+    return sum(n for _, _, n in clones)
 
 
 class CheckpointSpaceError(OSError):

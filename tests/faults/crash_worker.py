@@ -193,7 +193,12 @@ class _Injector:
 
         def ioctl(fd, request, *args):  # FICLONERANGE of a reflink checkpoint (lightning_nvme.reflink)
             if self._counting():
-                self.hit("checkpoint", what=f"ioctl {_fd_name(fd)}")
+                try:
+                    target = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    target = "?"
+                self._targeted("fcntl.ioctl", (target,))
+                self.hit("checkpoint", what=f"ioctl {_norm(target)}")
             return real_ioctl(fd, request, *args)
 
         os.pwrite, os.fsync, os.fdatasync, fcntl.ioctl = self.pwrite, fsync, fdatasync, ioctl

@@ -122,10 +122,10 @@ def test_checkpoint_copy_streamed_streams_on_xfs(xfs_dir, tmp_path):
                                    checkpoint_copy="streamed")
     t = trainer(tmp_path, strategy, 1, enable_checkpointing=False, limit_train_batches=2)
     t.fit(MLP())
-    t.save_checkpoint(xfs_dir / "streamed" / "s.ckpt")
+    t.save_checkpoint(xfs_dir / "streamed" / "new" / "s.ckpt")  # into a directory the save creates
     record = strategy.checkpoint_saves[-1]
     assert (record.path, record.reason, record.bytes_cloned) == ("streamed", "checkpoint_copy='streamed'", 0)
-    assert not any(n.startswith("pad.") for n in load_file(_parts_file(xfs_dir / "streamed" / "s.ckpt")))
+    assert not any(n.startswith("pad.") for n in load_file(_parts_file(xfs_dir / "streamed" / "new" / "s.ckpt")))
 
 
 def test_trainer_without_xfs_takes_the_streamed_path(tmp_path):

@@ -29,7 +29,7 @@ from typing import Any
 
 import torch
 
-from lightning_nvme import reflink
+from lightning_nvme import fsinfo, reflink
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.safetensors_stream import DTYPES
 from lightning_nvme.checkpoint.streamed import PAD_PREFIX, file_metadata, format_entry, optimizer_file, tensor_name
@@ -232,7 +232,7 @@ def weight_bytes(checkpoint: dict[str, Any]) -> int:
 
 def check_space(path: str, needed: int, how: str) -> None:
     """Refuse a save of ``needed`` bytes into ``path``'s directory before it writes anything, naming the bytes."""
-    free = shutil.disk_usage(os.path.dirname(os.path.abspath(path))).free
+    free = shutil.disk_usage(fsinfo.existing_ancestor(os.path.dirname(os.path.abspath(path)))).free
     if needed > free:
         raise CheckpointSpaceError(errno.ENOSPC, f"checkpoint {path} ({how}) needs {needed} bytes "
                                    f"({needed / 2**30:.2f} GiB) but {free} bytes ({free / 2**30:.2f} GiB) are free "

@@ -16,6 +16,7 @@ from test_checkpoint import assert_params_equal, reference, resume_in_new_proces
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
+from lightning_nvme.callbacks import IOTelemetry
 from lightning_nvme.checkpoint import convert
 from lightning_nvme.config import ConfigError
 from lightning_nvme.store.layout import align_up
@@ -73,9 +74,15 @@ class _SaveTwice(Callback):
 def test_snapshot_keeps_the_saved_state_while_training_rewrites_the_store(xfs_dir, tmp_path):
     a, b = str(xfs_dir / "snap" / "a.ckpt"), str(tmp_path / "b.ckpt")
     strategy = NVMeOffloadStrategy(store_dir=str(xfs_dir / "snap" / "store"), chunk_bytes=16 << 10)
-    t = trainer(tmp_path, strategy, 3, enable_checkpointing=False, callbacks=[_SaveTwice(a, b)])
+    telemetry = IOTelemetry(plot=False, summary=False, prog_bar=False)
+    t = trainer(tmp_path, strategy, 3, enable_checkpointing=False, callbacks=[_SaveTwice(a, b), telemetry])
     t.fit(MLP())
     assert [r.path for r in strategy.checkpoint_saves] == ["reflink", "streamed"]
+    summary = telemetry.summary_dict()  # checkpoint writes count in the wear, next to training's
+    assert summary["checkpoint_saves"] == {"reflink": 1, "streamed": 1}
+    assert summary["checkpoint_bytes_written"] == sum(r.bytes_written for r in strategy.checkpoint_saves)
+    assert summary["bytes_written_per_day"] == pytest.approx(
+        (summary["bytes_written"] + summary["checkpoint_bytes_written"]) / summary["train_seconds"] * 86400)
     t.save_checkpoint(str(tmp_path / "final.ckpt"))
     saved, copied, final = (_optimizer_tensors(p, tmp_path) for p in (a, b, str(tmp_path / "final.ckpt")))
     tensors = [(i, k) for i, s in copied[0]["state"].items() for k, v in s.items() if torch.is_tensor(v) and v.dim()]

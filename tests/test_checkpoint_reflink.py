@@ -169,7 +169,7 @@ def test_offload_params_weights_are_cloned_too_and_resume_bitwise(xfs_dir, tmp_p
     import sys
 
     from _param_offload_model import TinyGPT
-    from test_param_offload import offload
+    from test_param_offload import offload, resumed_in_memory
     from test_param_offload import reference as param_reference
     from test_param_offload import trainer as param_trainer
 
@@ -188,12 +188,7 @@ def test_offload_params_weights_are_cloned_too_and_resume_bitwise(xfs_dir, tmp_p
         for index, entries in r["state"].items():
             for key, v in entries.items():
                 assert torch.equal(s["state"][index][key], v) if torch.is_tensor(v) else s["state"][index][key] == v
-    ref_trainer = param_trainer(tmp_path / "ref", "auto", steps=-1, max_epochs=1)
-    ref = TinyGPT()
-    ref_trainer.fit(ref)
-    ref_trainer.save_checkpoint(tmp_path / "ref.ckpt")
-    ref = TinyGPT()
-    param_trainer(tmp_path / "ref2", "auto").fit(ref, ckpt_path=str(tmp_path / "ref.ckpt"))
+    ref = resumed_in_memory(tmp_path)
     script = f"""
 import sys, json, torch
 sys.path.insert(0, {os.path.dirname(__file__)!r})

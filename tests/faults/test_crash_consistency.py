@@ -355,24 +355,32 @@ def test_kill9_mid_removal_of_previous_checkpoint(jobs, reference, tmp_path):
     assert checkpoint_state(root, reference)[0] == EPOCHS * STEPS
 
 
-@pytest.mark.parametrize("kill,expected_last", [
+COMMIT_STEPS = pytest.mark.parametrize("kill,expected_last", [
     ({"event": "os.rename", "match": "/last.ckpt.optim/.", "nth": 2}, STEPS),  # publishing the new optimizer state
     ({"event": "os.rename", "match": "/last.ckpt', -1", "nth": 2}, STEPS),  # just before the file's switch
     ({"event": "shutil.rmtree", "match": "/last.ckpt.optim/.", "nth": 1}, 2 * STEPS),  # deleting the replaced save
 ], ids=["before-publish", "before-switch", "mid-sweep"])
+
+
+def kill_and_resume(jobs: cw.Jobs, ref: Reference, root: str, kill: dict, expected_last: int | None) -> None:
+    """Kill a run at ``kill`` (during ``save_checkpoint``): ``last.ckpt`` is then the one of ``expected_last``
+    (every visible checkpoint exact); the resumed run ends bitwise equal to ``ref`` with no leftovers."""
+    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, kill={**kill, "during": "save_checkpoint"}))
+    assert rc == KILLED, _log(root)
+    assert checkpoint_state(root, ref)[0] == expected_last
+    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True))
+    assert rc == 0, _log(root)
+    assert params_equal(torch.load(cw.paths(root)["final"]), ref.final)
+    assert checkpoint_state(root, ref) == (FINAL_STEP, 0)
+
+
+@COMMIT_STEPS
 def test_kill9_at_each_commit_step(jobs, reference, tmp_path, kill, expected_last):
     """Targeted kills at the steps of the commit protocol (``lightning_nvme.checkpoint.paired``) while epoch 1's
     save replaces ``last.ckpt``: before its optimizer state is renamed into place, just before the file's
     ``os.replace``, and while the previous save's state is deleted. ``last.ckpt`` is then the old checkpoint or
     the new one, complete with its own save's state, and the resumed run ends bitwise equal."""
-    root = str(tmp_path / "run")
-    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, kill={**kill, "during": "save_checkpoint"}))
-    assert rc == KILLED, _log(root)
-    assert checkpoint_state(root, reference)[0] == expected_last
-    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True))
-    assert rc == 0, _log(root)
-    assert params_equal(torch.load(cw.paths(root)["final"]), reference.final)
-    assert checkpoint_state(root, reference) == (FINAL_STEP, 0)
+    kill_and_resume(jobs, reference, str(tmp_path / "run"), kill, expected_last)
 
 
 def test_kill9_between_fallback_renames_is_recovered(jobs, reference, tmp_path):

@@ -15,6 +15,7 @@ import torch
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import crash_worker as cw  # noqa: E402
 from test_crash_consistency import (  # noqa: E402
+    COMMIT_STEPS,
     EPOCHS,
     FINAL_STEP,
     KILLED,
@@ -25,6 +26,7 @@ from test_crash_consistency import (  # noqa: E402
     _reference,
     checkpoint_state,
     jobs,  # noqa: F401 - the fork server fixture
+    kill_and_resume,
     params_equal,
     run_chain,
 )
@@ -67,17 +69,7 @@ def test_kill9_mid_clone_leaves_the_previous_checkpoint(jobs, xfs_reference, xfs
     assert checkpoint_state(root, xfs_reference) == (FINAL_STEP, 0)
 
 
-@pytest.mark.parametrize("kill,expected_last", [
-    ({"event": "os.rename", "match": "/last.ckpt.optim/.", "nth": 2}, STEPS),
-    ({"event": "os.rename", "match": "/last.ckpt', -1", "nth": 2}, STEPS),
-    ({"event": "shutil.rmtree", "match": "/last.ckpt.optim/.", "nth": 1}, 2 * STEPS),
-], ids=["before-publish", "before-switch", "mid-sweep"])
+@COMMIT_STEPS
 def test_kill9_at_each_reflink_commit_step(jobs, xfs_reference, xfs_dir, kill, expected_last):  # noqa: F811
     root = str(xfs_dir / f"kill9-{kill['event']}-{kill['nth']}-{len(kill['match'])}")
-    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, kill={**kill, "during": "save_checkpoint"}))
-    assert rc == KILLED, _log(root)
-    assert checkpoint_state(root, xfs_reference)[0] == expected_last
-    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True))
-    assert rc == 0, _log(root)
-    assert params_equal(torch.load(cw.paths(root)["final"]), xfs_reference.final)
-    assert checkpoint_state(root, xfs_reference) == (FINAL_STEP, 0)
+    kill_and_resume(jobs, xfs_reference, root, kill, expected_last)

@@ -71,9 +71,12 @@ class _SaveTwice(Callback):
                 trainer.save_checkpoint(path)
 
 
-def test_snapshot_keeps_the_saved_state_while_training_rewrites_the_store(xfs_dir, tmp_path):
-    a, b = str(xfs_dir / "snap" / "a.ckpt"), str(tmp_path / "b.ckpt")
-    strategy = NVMeOffloadStrategy(store_dir=str(xfs_dir / "snap" / "store"), chunk_bytes=16 << 10)
+@pytest.mark.parametrize("state_format", ["exact", "int8"])
+def test_snapshot_keeps_the_saved_state_while_training_rewrites_the_store(xfs_dir, tmp_path, state_format):
+    """(``int8``: codes and per-block scales, whose range entries count blocks.)"""
+    a, b = str(xfs_dir / f"snap-{state_format}" / "a.ckpt"), str(tmp_path / "b.ckpt")
+    strategy = NVMeOffloadStrategy(store_dir=str(xfs_dir / f"snap-{state_format}" / "store"), chunk_bytes=16 << 10,
+                                   state_format=state_format)
     telemetry = IOTelemetry(plot=False, summary=False, prog_bar=False)
     t = trainer(tmp_path, strategy, 3, enable_checkpointing=False, callbacks=[_SaveTwice(a, b), telemetry])
     t.fit(MLP())

@@ -122,11 +122,14 @@ class OffloadStrategy(Strategy):
                                  "see no gradients (e.g. gradient-norm logging) and already-updated parameters. "
                                  "Use overlap='step', or remove that hook.")
 
-    def _open_new_store(self, trainer: pl.Trainer, planned: int) -> FlatStore:
+    def _open_new_store(self, trainer: pl.Trainer, planned: int, state_bytes: int | None = None) -> FlatStore:
         """This process's store, created once; ``planned`` bytes (beyond what it already holds) are
-        checked against the free space first: writable, enough free space (+ margin), warn on tmpfs/NFS."""
+        checked against the free space first: writable, enough free space (+ margin), warn on tmpfs/NFS;
+        with the optimizer's ``state_bytes`` known, also with the checkpoints the run keeps."""
         store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
         check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
+        if state_bytes is not None:
+            check_run_space(trainer, store_dir, planned, state_bytes, self.config.min_free_bytes, self.strategy_name)
         if self.nvme_store is not None:
             return self.nvme_store
         io_chunk_bytes, io_workers = io_request(self.config)
@@ -148,11 +151,7 @@ class OffloadStrategy(Strategy):
         planned = sum(align_up(c.nbytes) for plan in plans for c in plan.chunks)
         if self.nvme_store is None:  # else header, owner region and parameter blocks are allocated already
             planned += HEADER_BYTES + ALIGN + self._extra_store_bytes()
-        check_run_space(trainer, self.config.resolve_store_dir(trainer.default_root_dir),
-                        planned + (self.nvme_store.size_bytes if self.nvme_store is not None else 0),
-                        sum(align_up(c.nbytes) for plan in plans for c in plan.chunks), self.config.min_free_bytes,
-                        self.strategy_name)
-        self._open_new_store(trainer, planned)
+        self._open_new_store(trainer, planned, sum(align_up(c.nbytes) for plan in plans for c in plan.chunks))
         assert self.nvme_store is not None
         store_ref = StoreRef.of(self.nvme_store, owner_region(self._run_token))
         clip_value = None

@@ -93,7 +93,7 @@ class StateFormat:
     def elements_per_value(self, entry: str) -> int:
         """Parameter elements one value of the stored entry ``entry`` stands for: 1, or e.g. a block for
         per-block scales (a checkpoint entry ``<key>`` or ``<key><suffix>`` of a compressed key)."""
-        for key in (entry, entry.rpartition(".")[0]):
+        for key in (entry.rpartition(".")[0], entry):  # side data of a key first: ``exp_avg.absmax`` is exp_avg's
             for comp in (self.components(key, torch.float32) if key else ()):
                 if comp.name == entry:
                     return comp.per

@@ -35,6 +35,7 @@ import crash_worker as cw  # noqa: E402
 from lightning_nvme.checkpoint import convert
 from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.checkpoint.streamed import is_padding, open_readers
+from lightning_nvme.optim.state_format import StateFormat
 
 SEED = int(os.environ.get("CRASH_SEED", "20261129"))
 TRIALS = int(os.environ.get("CRASH_TRIALS", "8"))  # per phase
@@ -117,7 +118,8 @@ def _load_complete(path: str) -> tuple[dict, list[dict]]:
             for r in readers:
                 for name in r.entries:
                     if not is_padding(name):
-                        convert._gather(state, r, name, marker.get("shapes"))
+                        convert._gather(state, r, name, marker.get("shapes"),
+                                        StateFormat.from_dict(marker.get("state_format")))
         finally:
             for r in readers:
                 r.close()

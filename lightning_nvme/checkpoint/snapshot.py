@@ -89,11 +89,13 @@ def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[int, int,
     entries: list[_Entry] = []
     clones: list[tuple[int, int, int]] = []
     pos = 0
+    store = off.store
+    assert store is not None, "the optimizer's store is closed"
     for chunk in off.chunks:
         pieces = [p for p in chunk.pieces if off.initialized(p)]
         if not pieces:
             continue
-        region = off.store.region(chunk.region)
+        region = store.region(chunk.region)
         items = []
         for piece in pieces:
             for comp in piece.stored():
@@ -125,6 +127,7 @@ def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: st
     The caller has fenced and fdatasynced the store: a clone copies what is on disk."""
     entries, clones = _layout(off)
     head = _header(entries, file_metadata(save_id), block)
+    assert off.store is not None
     _write_file(os.path.join(directory, optimizer_file(i)), off.store.path, head, clones,
                 entries[-1].end if entries else 0, block)
     marker = {"file": optimizer_file(i), **format_entry(off), "shapes": [list(p.shape) for p in off.params]}

@@ -28,7 +28,7 @@ def launch(tmp_path, runs: list[dict], world: int = 2, expect_kill: bool = False
     spec.write_text(json.dumps({"world": world, "runs": runs}))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env["OMP_NUM_THREADS"] = "1"
-    proc = subprocess.run([sys.executable, os.path.join(HERE, "test_ddp.py"), str(spec)], env=env, timeout=240,
+    proc = subprocess.run([sys.executable, os.path.join(HERE, "test_ddp.py"), str(spec)], env=env, timeout=900,
                           capture_output=True, text=True)
     if expect_kill:
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]

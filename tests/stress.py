@@ -78,6 +78,8 @@ def main(argv: list[str] | None = None) -> int:
     ap.add_argument("--no-writer", action="store_true")
     ap.add_argument("--seed", type=int, default=None, help="base seed of the shuffles (default: random, printed)")
     ap.add_argument("--round-timeout", type=float, default=1800.0)
+    ap.add_argument("--max-minutes", type=float, default=None,
+                    help="start no new round after this many minutes (the table counts the rounds that ran)")
     ap.add_argument("--out", default=None, help="directory for the per-round logs and reports (default: a temp dir)")
     args = ap.parse_args(ours)
     if not pytest_args:
@@ -98,8 +100,13 @@ def main(argv: list[str] | None = None) -> int:
     counts: dict[str, Counter] = defaultdict(Counter)
     seconds: list[float] = []
     loads: list[float] = []
+    started = time.monotonic()
+    rounds_run = 0
     try:
         for r in range(args.rounds):
+            if args.max_minutes is not None and time.monotonic() - started > args.max_minutes * 60:
+                print(f"--max-minutes {args.max_minutes:g} reached: stopping after {r} round(s)", flush=True)
+                break
             junit = os.path.join(out_dir, f"round-{r}.xml")
             cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", f"--shuffle={seed + r}",
                    f"--junitxml={junit}", *pytest_args]
@@ -120,6 +127,9 @@ def main(argv: list[str] | None = None) -> int:
                   f"load {loads[-1]:.1f}" + (f", FAILED: {bad}" if bad else ""), flush=True)
             if not got:
                 counts["<round produced no report>"]["error"] += 1
+            rounds_run += 1
+    except KeyboardInterrupt:  # Ctrl-C / SIGINT: report the rounds that completed
+        print(f"interrupted: reporting {rounds_run} completed round(s)", flush=True)
     finally:
         stop.set()
         for p in procs:
@@ -135,7 +145,10 @@ def main(argv: list[str] | None = None) -> int:
         print(f"| {test:<{width}} | {c['passed']:>6} | {c['failed']:>6} | {c['error']:>5} | {c['skipped']:>7} | "
               f"{sum(c.values()):>6} |")
     ok = all(c["failed"] == 0 and c["error"] == 0 for c in counts.values())
-    print(json.dumps({"rounds": args.rounds, "seed": seed, "burners": args.burners, "writer": not args.no_writer,
+    if not seconds:
+        seconds, loads = [0.0], [os.getloadavg()[0]]
+    print(json.dumps({"rounds": rounds_run, "rounds_asked": args.rounds, "seed": seed, "burners": args.burners,
+                      "writer": not args.no_writer,
                       "pytest_args": pytest_args, "round_seconds_median": sorted(seconds)[len(seconds) // 2],
                       "round_seconds_max": max(seconds), "load1_min": min(loads), "load1_max": max(loads),
                       "all_passed": ok, "out": out_dir,

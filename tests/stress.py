@@ -16,6 +16,7 @@ import json
 import multiprocessing as mp
 import os
 import random
+import signal
 import subprocess
 import sys
 import tempfile
@@ -90,6 +91,11 @@ def main(argv: list[str] | None = None) -> int:
     writer_dir = args.writer_dir or tempfile.mkdtemp(prefix="lightning-nvme-stress-writer-")
     os.makedirs(writer_dir, exist_ok=True)
 
+    def interrupted(signum, frame):  # noqa: ANN001, ANN202 - SIGTERM/SIGINT: report the completed rounds
+        raise KeyboardInterrupt
+
+    for sig in (signal.SIGTERM, signal.SIGINT):  # (a background job started by a shell ignores SIGINT)
+        signal.signal(sig, interrupted)
     stop = mp.Event()
     procs = [mp.Process(target=burn, args=(stop,), daemon=True) for _ in range(args.burners)]
     if not args.no_writer:
@@ -128,7 +134,7 @@ def main(argv: list[str] | None = None) -> int:
             if not got:
                 counts["<round produced no report>"]["error"] += 1
             rounds_run += 1
-    except KeyboardInterrupt:  # Ctrl-C / SIGINT: report the rounds that completed
+    except KeyboardInterrupt:  # Ctrl-C / SIGINT / SIGTERM: report the rounds that completed
         print(f"interrupted: reporting {rounds_run} completed round(s)", flush=True)
     finally:
         stop.set()

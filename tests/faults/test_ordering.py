@@ -162,8 +162,7 @@ def test_read_after_a_write_that_already_failed_fails_with_it_even_when_racing_t
 
     monkeypatch.setattr(store, "_check_usable", check_then_fail_the_write)
     out = _filled(store, 1 * MiB, 0)
-    r = store.read("beta", out)
-    assert r.deps == [w]
+    r = store.read("beta", out)  # (r.deps is not checked: it is cleared once r has failed, which may be already)
     with pytest.raises(StoreError, match="depends on failed"):
         r.wait(WAIT_S)
     assert ("read", "beta") not in disk.log

@@ -7,6 +7,7 @@ often it passed. A guarantee that holds only on a quiet machine is not one (issu
 Everything after ``--`` goes to pytest (paths, node ids, ``-k``). Prints a table (test, passed, failed,
 error, skipped, rounds), then one JSON line with the same counts and the conditions (load average).
 Exit status 0 only if every test that ran passed in every round it ran.
+``python tests/stress.py --report DIR...`` prints the table of earlier runs' ``--out`` directories, summed.
 """
 
 from __future__ import annotations
@@ -67,8 +68,36 @@ def outcomes(junit: str) -> dict[str, str]:
     return out
 
 
+def table(counts: dict[str, Counter]) -> bool:
+    """Print the per-test table; True if nothing failed or errored."""
+    width = max((len(t) for t in counts), default=10)
+    print(f"\n| {'test':<{width}} | passed | failed | error | skipped | rounds |")
+    print(f"|{'-' * (width + 2)}|-------:|-------:|------:|--------:|-------:|")
+    for test in sorted(counts):
+        c = counts[test]
+        print(f"| {test:<{width}} | {c['passed']:>6} | {c['failed']:>6} | {c['error']:>5} | {c['skipped']:>7} | "
+              f"{sum(c.values()):>6} |")
+    return all(c["failed"] == 0 and c["error"] == 0 for c in counts.values())
+
+
+def report(directories: list[str]) -> int:
+    """The table of earlier runs (their ``--out`` directories), rounds summed."""
+    counts: dict[str, Counter] = defaultdict(Counter)
+    rounds = 0
+    for d in directories:
+        for name in sorted(os.listdir(d)):
+            if name.startswith("round-") and name.endswith(".xml"):
+                rounds += 1
+                for test, state in outcomes(os.path.join(d, name)).items():
+                    counts[test][state] += 1
+    print(f"{rounds} round(s) from {directories}")
+    return 0 if table(counts) else 1
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["--report"]:
+        return report(argv[1:])
     ours, pytest_args = (argv[:argv.index("--")], argv[argv.index("--") + 1:]) if "--" in argv else (argv, [])
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--rounds", type=int, default=20)
@@ -143,14 +172,7 @@ def main(argv: list[str] | None = None) -> int:
             if p.is_alive():
                 p.terminate()
 
-    width = max((len(t) for t in counts), default=10)
-    print(f"\n| {'test':<{width}} | passed | failed | error | skipped | rounds |")
-    print(f"|{'-' * (width + 2)}|-------:|-------:|------:|--------:|-------:|")
-    for test in sorted(counts):
-        c = counts[test]
-        print(f"| {test:<{width}} | {c['passed']:>6} | {c['failed']:>6} | {c['error']:>5} | {c['skipped']:>7} | "
-              f"{sum(c.values()):>6} |")
-    ok = all(c["failed"] == 0 and c["error"] == 0 for c in counts.values())
+    ok = table(counts)
     if not seconds:
         seconds, loads = [0.0], [os.getloadavg()[0]]
     print(json.dumps({"rounds": rounds_run, "rounds_asked": args.rounds, "seed": seed, "burners": args.burners,

@@ -23,12 +23,15 @@ class ChunkBuffer:
 
 
 class ChunkRing:
-    def __init__(self, store: FlatStore, count: int, nbytes: int) -> None:
+    """``pin``: the parameters are on a CUDA device, whose copies of the state read from these buffers."""
+
+    def __init__(self, store: FlatStore, count: int, nbytes: int, pin: bool = False) -> None:
         if count < 2:
             raise ValueError(f"the chunk ring needs at least 2 buffers, got {count}")
         self.store = store
         self.nbytes = nbytes
-        self._free: deque[ChunkBuffer] = deque(ChunkBuffer(store.aligned_empty(nbytes)) for _ in range(count))
+        self._free: deque[ChunkBuffer] = deque(ChunkBuffer(store.aligned_empty(nbytes, pin=pin)) for _ in range(count))
+        self.pin = pin
         self.count = count
 
     @property

@@ -136,7 +136,8 @@ class OffloadedOptimizer:
         self._index(self.plan)
         store.add_regions([(c.region, c.nbytes) for c in self.chunks])
         self.capacity = {c.index: store.region(c.region).capacity for c in self.chunks}
-        self.ring = ChunkRing(store, prefetch_depth + 2, max(self.capacity.values(), default=4096))
+        self.ring = ChunkRing(store, prefetch_depth + 2, max(self.capacity.values(), default=4096),
+                              pin=any(p.device.type == "cuda" for p in self.params))
         self.arena = DecodeArena()  # compressed formats: one chunk's decoded state
         self.scalars: dict[tuple[int, int], dict[str, Any]] = {}  # (param index, start) -> scalar state
         self._known = [id(p) for p in self.params]  # the param order the plan's indices refer to
@@ -431,7 +432,7 @@ class OffloadedOptimizer:
         need = max(self.capacity.values(), default=4096)
         if need > self.ring.nbytes:
             self.fence()  # no write may still read from the old buffers
-            self.ring = ChunkRing(self.store, self.prefetch_depth + 2, need)
+            self.ring = ChunkRing(self.store, self.prefetch_depth + 2, need, pin=self.ring.pin)
         self.chunks.extend(extra.chunks)
         self.resident.extend(extra.resident)
         self.plan.planned |= extra.planned

@@ -241,6 +241,12 @@ class BlockResidency:
         self.store.wait(handle)
         self.staging.recycle(buf)
 
+    def unbind(self, block: BlockLayout, device: torch.device) -> None:
+        """Give a block that is not resident placeholders on ``device`` (the end of fit: on the CPU)."""
+        if self.is_resident(block):
+            raise RuntimeError(f"block {block.name} is resident; it cannot be given placeholders (a bug)")
+        self._unbind(block, device)
+
     def _unbind(self, block: BlockLayout, device: torch.device | None = None) -> None:
         for slot in block.slots:
             slot.param.data = placeholder(slot.shape, slot.dtype, device or slot.param.device)

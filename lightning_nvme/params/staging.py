@@ -15,12 +15,12 @@ Why one object with two implementations: ``BlockResidency`` makes the same calls
   a device copy; blocks read ahead wait in host memory.
 
 Host buffers on CUDA: a pool of ``pool_size`` page-aligned buffers (anonymous mmap, as the store's own,
-so O_DIRECT moves them without a staging copy), each registered once with ``cudaHostRegister`` (so the
-copies are asynchronous) and unregistered by ``close``. Why not pin each fresh buffer: registration
-pins the pages at every block load (slow) and an mmap freed while registered keeps its pages pinned;
-why not ``torch.empty(pin_memory=True)``: its allocator rounds sizes up to a power of two and does not
-promise page alignment. Needs beyond the pool get pageable buffers (correct, copies synchronous;
-counted in ``StagingStats.pageable_buffers``).
+so O_DIRECT moves them without a staging copy), each registered once with CUDA (``store.pinned``: portable,
+errors cleared, unregistered by ``close`` or at the latest before its memory is freed). Why not pin each
+fresh buffer: registration pins the pages at every block load (slow); why not
+``torch.empty(pin_memory=True)``: its allocator rounds sizes up to a power of two and does not promise page
+alignment. Needs beyond the pool get pageable buffers (correct, copies synchronous; counted in
+``StagingStats.pageable_buffers``). The CPU staging pins nothing (no device copy: no CUDA context).
 """
 
 from __future__ import annotations
@@ -32,6 +32,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_nvme.store import aligned_empty
+from lightning_nvme.store.pinned import pinned_empty, unpin
 
 
 class Ready(Protocol):
@@ -92,7 +93,7 @@ class HostStaging:
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """Page-aligned and padded: the store moves it with O_DIRECT, no staging copy (as ``FlatStore.aligned_empty``)."""
-        return aligned_empty(nbytes, pin=torch.cuda.is_available())
+        return aligned_empty(nbytes)
 
     caller_buffer = host_buffer
 
@@ -130,11 +131,9 @@ class CudaOps:
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
-    def pin(self, t: torch.Tensor) -> bool:
-        return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0
-
-    def unpin(self, t: torch.Tensor) -> None:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One host <-> device copy on the current stream (``gpu_check`` delays it to expose missing waits)."""
+        dst.copy_(src, non_blocking=True)
 
 
 class CudaStaging:
@@ -167,8 +166,8 @@ class CudaStaging:
             busy.synchronize()  # a host -> device copy may still read it; the store is about to overwrite it
             return base[:nbytes]
         if len(self._pinned) < self.pool_size:
-            base = aligned_empty(self.buffer_bytes)
-            if self.ops.pin(base):
+            base = pinned_empty(self.buffer_bytes)
+            if base is not None:
                 self._pinned[base.data_ptr()] = base
                 self.stats.pinned_buffers += 1
                 return base[:nbytes]
@@ -210,7 +209,7 @@ class CudaStaging:
     def _copy(self, kind: str, dst: torch.Tensor, src: torch.Tensor) -> Any:
         start, done = self.ops.event(timing=True), self.ops.event(timing=True)
         start.record(self.side)
-        dst.copy_(src, non_blocking=True)
+        self.ops.copy(dst, src)
         done.record(self.side)
         self._timed.append((kind, start, done, src.numel()))
         return done
@@ -240,7 +239,7 @@ class CudaStaging:
         """Unregister the pool (after the residency drained its I/O); later buffers are pageable."""
         self.collect(wait=True)  # every copy has completed
         for base in self._pinned.values():
-            self.ops.unpin(base)
+            unpin(base)  # now, even if a caller still holds a view of it
         self._pinned, self._free, self._reading, self.pool_size = {}, [], {}, 0
 
 

@@ -238,3 +238,26 @@ def test_every_slot_is_256_byte_aligned():
     assert len(slots) == 2 * len(sizes)
     for s in slots:
         assert s.offset % 256 == 0, f"{s.name} at offset {s.offset}"
+
+
+def test_checkpoint_saved_with_64_byte_slots_loads_into_256_byte_slots(tmp_path, monkeypatch):
+    """Checkpoints hold block weights by name (inline, or beside in safetensors), never a region's bytes, and
+    every run creates its own store: one saved before the alignment changed loads as it is."""
+    from _param_offload_model import TinyGPT
+    from test_param_offload import offload, trainer
+
+    from lightning_nvme.params import layout
+
+    monkeypatch.setattr(layout, "SLOT_ALIGN", 64)
+    old = trainer(tmp_path / "old", offload(tmp_path / "old", restore_params=False, inline_weights_bytes=0), steps=2)
+    old.fit(TinyGPT())
+    assert any(s.offset % 256 for b in old.strategy.param_offload.blocks for s in b.slots)  # the old layout
+    old.save_checkpoint(tmp_path / "old.ckpt")
+    saved = torch.load(tmp_path / "old.ckpt", weights_only=True)["state_dict"]
+    monkeypatch.setattr(layout, "SLOT_ALIGN", 256)
+    model = TinyGPT()
+    new = trainer(tmp_path / "new", offload(tmp_path / "new"), steps=2)
+    new.fit(model, ckpt_path=str(tmp_path / "old.ckpt"))  # at max_steps already: loads, restores the weights
+    assert all(s.offset % 256 == 0 for b in new.strategy.param_offload.blocks for s in b.slots)
+    for name, p in model.state_dict().items():
+        assert torch.equal(p, saved[name]), name

@@ -159,9 +159,9 @@ def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_facto
         return made[-1]
 
     monkeypatch.setattr(staging, "staging_for", fake_cuda)
-    ref, _ = reference(tmp_path_factory)
+    ref, _ = reference(tmp_path_factory, checkpointing=True)  # required on CUDA (tests/test_cuda_path.py)
     strategy = offload(tmp_path)
-    off, t = fit(tmp_path / "off", strategy)
+    off, t = fit(tmp_path / "off", strategy, {"checkpointing": True})
     assert_same_params(ref, off)
     stats = strategy.param_offload.stats
     assert len(made) == 1 and rt.live == {} and rt.registers > 0  # unregistered at the end of fit

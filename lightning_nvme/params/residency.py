@@ -46,6 +46,7 @@ class _State:
     dirty: bool = False
     dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
     placed: bool = False  # its values are in the store
+    retained: bool = False  # at its last eviction, something (autograd) still held its device copy
     refs: Counter = field(default_factory=Counter)
 
 
@@ -112,6 +113,10 @@ class BlockResidency:
     def is_resident(self, block: BlockLayout) -> bool:
         return self._state[block.index].buffer is not None
 
+    def retained(self, block: BlockLayout) -> bool:
+        """Its device copy outlived its last eviction (see ``Staging.retained``)."""
+        return self._state[block.index].retained
+
     def holders(self, block: BlockLayout) -> Counter:
         return self._state[block.index].refs
 
@@ -167,6 +172,7 @@ class BlockResidency:
         else:
             self.staging.recycle(st.buffer)
         self._unbind(block)
+        st.retained = st.device is not None and st.device is not st.buffer and self.staging.retained(st.device)
         if st.bound:
             self._count_bound(-1)
         st.buffer, st.device, st.read, st.bound, st.dirty, st.dirty_whole = None, None, None, False, False, False

@@ -78,6 +78,8 @@ class Staging(Protocol):
 
     def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready: ...
 
+    def retained(self, device: torch.Tensor) -> bool: ...
+
     def finish_step(self) -> None: ...
 
     def close(self) -> None: ...
@@ -105,6 +107,9 @@ class HostStaging:
 
     def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready:
         return DONE
+
+    def retained(self, device: torch.Tensor) -> bool:
+        return False  # the host buffer: host memory, bounded by the store's reads only with checkpointing too
 
     def finish_step(self) -> None:
         pass
@@ -205,6 +210,14 @@ class CudaStaging:
         self.side.wait_event(updated)
         with self.ops.on(self.side):
             return self._copy("d2h", host, device)
+
+    def retained(self, device: torch.Tensor) -> bool:
+        """Whether anything besides ``device`` itself still holds its memory once the parameters no longer
+        point into it: autograd's saved tensors (``F.linear`` saves ``weight.t()``, a view, not the Parameter)."""
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None:
+            return False
+        return int(use_count(device.untyped_storage()._cdata)) > 2  # ``device`` and the storage object asked for
 
     def _copy(self, kind: str, dst: torch.Tensor, src: torch.Tensor) -> Any:
         start, done = self.ops.event(timing=True), self.ops.event(timing=True)

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -20,6 +21,15 @@ from lightning_nvme.store import FlatStore, IOHandle
 class ChunkBuffer:
     data: torch.Tensor  # uint8, page-aligned, capacity bytes
     pending_write: IOHandle | None = None
+    uploaded: Any = None  # a CUDA event after the asynchronous copies of its state to the device
+
+
+def uploads_done(device: torch.device) -> Any:
+    """An event on ``device``'s current stream, after the copies just issued from a (pinned) chunk buffer:
+    the ring waits on it before the store reads into that buffer again."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class ChunkRing:
@@ -42,6 +52,9 @@ class ChunkRing:
         if not self._free:
             raise RuntimeError("chunk ring exhausted: more buffers held than prefetch_depth + 2 (a bug)")
         buf = self._free.popleft()
+        if buf.uploaded is not None:
+            buf.uploaded.synchronize()
+            buf.uploaded = None
         if buf.pending_write is not None:
             self.store.wait(buf.pending_write)
             buf.pending_write = None

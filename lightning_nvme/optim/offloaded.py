@@ -30,7 +30,7 @@ from torch.optim import Optimizer
 
 from lightning_nvme.constants import MiB
 from lightning_nvme.memory import keep_freed_heap, temporaries_off_heap, temporaries_on_heap
-from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing, DecodeArena
+from lightning_nvme.optim.buffers import ChunkBuffer, ChunkRing, DecodeArena, uploads_done
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece, Plan, plan_chunks
 from lightning_nvme.optim.probe import UnsupportedOptimizerError, raw_step
 from lightning_nvme.optim.state_format import EXACT, STATE_DICT_KEY, Component, StateFormat
@@ -304,6 +304,9 @@ class OffloadedOptimizer:
         work = [w for w in (self._prepare_piece(piece, buf, state) for piece in chunk.pieces) if w is not None]
         if not work:
             return False
+        uploaded = [piece.param.device for piece, _, _, _ in work if piece.param.device.type == "cuda"]
+        if uploaded:  # the buffer is not read into again before these copies have completed
+            buf.uploaded = uploads_done(uploaded[-1])
         for piece, target, _, _ in work:
             chunk_params[piece.group].append(target)
         self._step_on(chunk_params, state)
@@ -319,8 +322,12 @@ class OffloadedOptimizer:
             return None
         shape = p.shape if piece.whole else (piece.numel,)
         host = {k: self._load(buf, piece, k, d, self.arena).view(shape) for k, d in piece.keys}
-        working = host if p.device.type == "cpu" else {
-            k: v.to(p.device, non_blocking=True) for k, v in host.items()}
+        if p.device.type == "cpu":
+            working = host
+        elif self._initialized(piece):
+            working = {k: v.to(p.device, non_blocking=True) for k, v in host.items()}
+        else:  # nothing stored yet: nothing to upload (the optimizer initializes its state, the master is copied)
+            working = {k: torch.empty_like(v, device=p.device) for k, v in host.items()}
         working = dict(working)
         grad = p.grad if piece.whole else _flat(p.grad)[piece.start:piece.stop]
         if self.clip_value is not None:

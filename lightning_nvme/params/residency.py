@@ -221,7 +221,8 @@ class BlockResidency:
     def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0, ready: Ready = DONE) -> None:
         """Write ``buf[start:]`` (``start`` page-aligned) to the block's region at ``start``, once ``ready``
         (the copy filling ``buf``) has completed."""
-        if start >= buf.numel():
+        if start >= buf.numel():  # nothing to write (unreachable today: a trainable tail is never empty)
+            ready.synchronize()  # the device -> host copy may still write into the buffer
             self.staging.recycle(buf)
             return
         self._copies.append((block, buf, start, ready))

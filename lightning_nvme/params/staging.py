@@ -171,11 +171,11 @@ class CudaStaging:
             busy.synchronize()  # a host -> device copy may still read it; the store is about to overwrite it
             return base[:nbytes]
         if len(self._pinned) < self.pool_size:
-            base = pinned_empty(self.buffer_bytes)
-            if base is not None:
-                self._pinned[base.data_ptr()] = base
+            fresh = pinned_empty(self.buffer_bytes)
+            if fresh is not None:
+                self._pinned[fresh.data_ptr()] = fresh
                 self.stats.pinned_buffers += 1
-                return base[:nbytes]
+                return fresh[:nbytes]
             self.pool_size = len(self._pinned)  # registration refused (e.g. a locked-memory limit): stop asking
         self.stats.pageable_buffers += 1
         return aligned_empty(nbytes)

@@ -163,7 +163,8 @@ def staging_figures(strategy: NVMeOffloadStrategy, timer: StepTimer, args: argpa
     stats = strategy.param_offload.stats
     st, store = stats.staging, timer.store_stats
     out = {"peak_device_blocks": stats.peak_bound_blocks, "peak_host_blocks": stats.peak_resident_blocks,
-           "block_loads": stats.loads, "sync_loads": stats.sync_loads, "writebacks": stats.writebacks,
+           "block_loads": stats.loads, "sync_loads": stats.sync_loads, "early_uploads": stats.early_uploads,
+           "writebacks": stats.writebacks,
            "h2d_GBps": gbps(st.h2d_bytes, st.h2d_s), "d2h_GBps": gbps(st.d2h_bytes, st.d2h_s),
            "pinned_buffers": st.pinned_buffers, "pageable_buffers": st.pageable_buffers,
            "offload_step_s": timer.step_s}

@@ -141,7 +141,7 @@ class FakeOps:
         self.delay_s = delay_s
 
     def stream(self, device: torch.device) -> FakeStream:
-        self.streams.append(FakeStream(self.log, "side" if not self.streams else f"side{len(self.streams)}"))
+        self.streams.append(FakeStream(self.log, f"side{len(self.streams)}"))  # in the order made
         return self.streams[-1]
 
     def current_stream(self, device: torch.device) -> FakeStream:

@@ -1,6 +1,6 @@
 """The staging between a block's host buffer and the device its parameters are used on
 (``lightning_nvme.params.staging``): on CPU no copy at all; the CUDA implementation's ordering (copy on a
-side stream, the compute stream waits on its event before the parameters point at the device buffer, a
+side stream (uploads and downloads on two), the compute stream waits on its event before the parameters point at the device buffer, a
 dirty block's store write only after its device -> host copy completed, a bounded pinned pool) checked
 on CPU with recorded streams and events in place of CUDA's, and training through it (the device copy a
 separate buffer, the source of truth while bound) bitwise equal to in-memory training."""
@@ -52,9 +52,9 @@ def test_cuda_staging_orders_copies_with_events(tmp_path, monkeypatch):
     ops.log.clear()
     res.prefetch(block)
     res.acquire(block, "forward")
-    # read into a pinned host buffer; copy to the device buffer on the side stream between two events;
+    # read into a pinned host buffer; copy to the device buffer on the upload stream (side0) between two events;
     # the compute stream waits on the copy's event; the device buffer is recorded on the compute stream
-    assert ops.log == [("read", block.region), ("record", 1, "side"), ("record", 2, "side"), ("wait", "compute", 2),
+    assert ops.log == [("read", block.region), ("record", 1, "side0"), ("record", 2, "side0"), ("wait", "compute", 2),
                        ("record_stream", "compute")]
     assert weight.untyped_storage().data_ptr() not in rt.live  # views of the device copy, not of the host buffer
     expected = weight.detach() + 1
@@ -62,9 +62,11 @@ def test_cuda_staging_orders_copies_with_events(tmp_path, monkeypatch):
     res.mark_dirty(block)
     ops.log.clear()
     res.release(block, "forward")
-    # the side stream waits for the compute stream's work (the update), then copies device -> host;
+    # the download stream (side1, not the uploads') waits for the compute stream's work (the update), then
+    # copies device -> host;
     # the store write waits for that copy: not issued while its event has not completed
-    assert ops.log == [("record", 3, "compute"), ("wait", "side", 3), ("record", 4, "side"), ("record", 5, "side")]
+    assert ops.log == [("record", 3, "compute"), ("wait", "side1", 3), ("record", 4, "side1"),
+                       ("record", 5, "side1")]
     assert is_placeholder(weight)
     ops.log.clear()
     res.prefetch(block)  # reading it back: the write-back goes first, after its copy completed
@@ -201,3 +203,36 @@ def test_device_types_refused(tmp_path):
     with pytest.raises(ValueError, match="loss scaler"):
         strategy._check_param_offload_supported()
     NVMeOffloadStrategy(device="cuda:0", offload_params=True)._check_param_offload_supported()  # 32-true: fine
+
+
+def test_upload_starts_when_the_read_ahead_completes_and_compute_waits_only_at_acquire(tmp_path, monkeypatch):
+    """A block read ahead is copied to the device as soon as its read has completed (``upload_ready``, called
+    by the scheduler at each block's forward and backward), so the copy overlaps the blocks before it; the
+    compute stream waits for it only when the block is acquired, and no second copy is made then."""
+    install(monkeypatch)
+    ops = FakeOps()
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=3, ops=ops))
+    first, ahead = blocks[0], blocks[1]
+    res.acquire(first, "forward")
+    res.prefetch(ahead)
+    res._state[ahead.index].read.wait()  # the read ahead completes (the disk is faster than the block's compute)
+    ops.log.clear()
+    res.upload_ready()
+    assert ops.log == [("record", 3, "side0"), ("record", 4, "side0")]  # the copy only: nothing waits for it
+    assert res.stats.early_uploads == 1 and is_placeholder(model[1].weight)
+    ops.log.clear()
+    res.upload_ready()  # started already: not again
+    assert ops.log == []
+    res.acquire(ahead, "forward")
+    assert ops.log == [("wait", "compute", 4), ("record_stream", "compute")]  # bound to the early copy
+    expected = res.read_values(ahead)["1.weight"]
+    assert torch.equal(model[1].weight, expected)
+    res.release(ahead, "forward")
+    res.release(first, "forward")
+    res.prefetch(blocks[2])
+    res._state[blocks[2].index].read.wait()
+    res.upload_ready()
+    res.evict_unheld()  # read ahead, uploaded, never used: dropped, its host buffer back in the pool
+    assert res.resident_blocks == [] and res.stats.early_uploads == 2
+    res.drain()
+    store.close()

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ class ResidencyStats:
     peak_resident_bytes: int = 0
     bound_blocks: int = 0  # blocks whose parameters point at their values (on an accelerator: device copies)
     peak_bound_blocks: int = 0
+    early_uploads: int = 0  # device copies started once a read ahead completed, before the block was needed
     staging: StagingStats = field(default_factory=StagingStats)
 
 
@@ -47,6 +49,7 @@ class _State:
     dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
     placed: bool = False  # its values are in the store
     retained: bool = False  # at its last eviction, something (autograd) still held its device copy
+    uploaded: Any = None  # a device copy started before the block is bound (``upload_ready``)
     refs: Counter = field(default_factory=Counter)
 
 
@@ -139,12 +142,24 @@ class BlockResidency:
         self._wait_read(block)
         if not st.bound:
             assert st.buffer is not None  # loaded just above
-            st.device = self.staging.to_device(st.buffer)
+            st.device, st.uploaded = self.staging.to_device(st.buffer, st.uploaded), None
             for slot in block.slots:
                 slot.param.data = self._view(st.device, slot)
             st.bound = True
             self._count_bound(+1)
         st.refs[why] += 1
+
+    def upload_ready(self) -> None:
+        """Start the device copy of every block read ahead whose read has completed (none on CPU): it then
+        overlaps the compute before the block is needed. Device memory: at most the blocks read ahead."""
+        for block in self.blocks:
+            st = self._state[block.index]
+            if st.buffer is None or st.bound or st.uploaded is not None or (st.read is not None and not st.read.done()):
+                continue
+            self._wait_read(block)  # completed: only collects it
+            st.uploaded = self.staging.upload(st.buffer)
+            if st.uploaded is not None:
+                self.stats.early_uploads += 1
 
     def release(self, block: BlockLayout, why: str) -> None:
         st = self._state[block.index]
@@ -176,6 +191,7 @@ class BlockResidency:
         if st.bound:
             self._count_bound(-1)
         st.buffer, st.device, st.read, st.bound, st.dirty, st.dirty_whole = None, None, None, False, False, False
+        st.uploaded = None  # an early copy never used: the allocator frees it after its stream's copy
         st.refs.clear()
         self._count(block, -1)
 

@@ -105,6 +105,7 @@ class BlockScheduler:
             self.residency.acquire(block, FWD)
             for ahead in self.blocks[block.index + 1:block.index + 1 + self.prefetch]:
                 self.residency.prefetch(ahead)
+            self.residency.upload_ready()
             call = _Call(block)
             self._stack[block.index].append(call)
             if not torch.is_grad_enabled():
@@ -152,6 +153,7 @@ class BlockScheduler:
                 self.residency.acquire(block, PENDING)
         for behind in reversed(self.blocks[max(0, block.index - self.prefetch):block.index]):
             self.residency.prefetch(behind)
+        self.residency.upload_ready()
         task = torch._C._current_graph_task_id()
         if task != self._callback_queued_for:
             self._callback_queued_for = task

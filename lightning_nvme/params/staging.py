@@ -6,13 +6,14 @@ Why one object with two implementations: ``BlockResidency`` makes the same calls
 
 - ``HostStaging`` (CPU): the page-aligned buffer the store reads into *is* the parameters' storage.
   ``to_device`` returns it, ``to_host`` has nothing to copy: no copy at all.
-- ``CudaStaging``: the host buffer is pinned staging. At acquire it is copied to a device buffer on a
-  side stream; the compute stream waits on the copy's event before the parameters point at the device
-  buffer (which is then the source of truth). Before a dirty block's write-back, the side stream waits
-  on an event recorded on the compute stream (after the update), copies device -> host and records an
-  event; the residency issues the store write once that event has completed (it polls ``query`` and
-  synchronizes only when it must: the compute stream never waits for the disk). Only bound blocks have
-  a device copy; blocks read ahead wait in host memory.
+- ``CudaStaging``: the host buffer is pinned staging. Once its read has completed (or at acquire at the
+  latest) it is copied to a device buffer on a side stream ("up"); at acquire the compute stream waits on
+  the copy's event before the parameters point at the device buffer (which is then the source of truth).
+  Before a dirty block's write-back, another stream ("down") waits on an event recorded on the compute
+  stream (after the update), copies device -> host and records an event; the residency issues the store
+  write once that event has completed (it polls ``query`` and synchronizes only when it must: the compute
+  stream never waits for the disk). Bound blocks, and the blocks read ahead whose upload started early
+  (at most ``prefetch``), have a device copy.
 
 Host buffers on CUDA: a pool of ``pool_size`` page-aligned buffers (anonymous mmap, as the store's own,
 so O_DIRECT moves them without a staging copy), each registered once with CUDA (``store.pinned``: portable,
@@ -58,7 +59,7 @@ DONE: Ready = _Done()
 class StagingStats:
     h2d_bytes: int = 0  # host -> device copies whose timing is known (completed)
     d2h_bytes: int = 0
-    h2d_s: float = 0.0  # their summed duration on the side stream (CUDA events)
+    h2d_s: float = 0.0  # their summed duration on the side streams (CUDA events)
     d2h_s: float = 0.0
     pinned_buffers: int = 0  # host buffers registered with CUDA (the pool)
     pageable_buffers: int = 0  # host buffers handed out beyond the pool (or when registration failed)
@@ -74,7 +75,9 @@ class Staging(Protocol):
 
     def recycle(self, host: torch.Tensor) -> None: ...
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor: ...
+    def upload(self, host: torch.Tensor) -> Any: ...
+
+    def to_device(self, host: torch.Tensor, uploaded: Any = None) -> torch.Tensor: ...
 
     def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready: ...
 
@@ -102,7 +105,10 @@ class HostStaging:
     def recycle(self, host: torch.Tensor) -> None:
         pass
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def upload(self, host: torch.Tensor) -> Any:
+        return None  # nothing to copy
+
+    def to_device(self, host: torch.Tensor, uploaded: Any = None) -> torch.Tensor:
         return host
 
     def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready:
@@ -155,7 +161,10 @@ class CudaStaging:
         self.buffer_bytes = buffer_bytes
         self.pool_size = pool_size
         self.ops = ops if ops is not None else CudaOps()
-        self.side = self.ops.stream(device)
+        # Two side streams: a write-back's copy waits for the compute stream's update; on one stream with the
+        # uploads, the next block's upload would queue behind it.
+        self.up = self.ops.stream(device)
+        self.down = self.ops.stream(device)
         self.stats = StagingStats()
         self._pinned: dict[int, torch.Tensor] = {}  # data_ptr -> pool buffer
         self._free: list[tuple[torch.Tensor, Ready]] = []  # with the copy that may still read it
@@ -191,14 +200,21 @@ class CudaStaging:
             self._free.append((base, self._reading.pop(base.data_ptr(), DONE)))
 
     # ---- copies --------------------------------------------------------------------------------------
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A device copy of ``host``, usable on the current stream as soon as this returns."""
-        compute = self.ops.current_stream(self.device)
-        with self.ops.on(self.side):
+    def upload(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying ``host`` to a new device buffer (a block read ahead, before it is needed: the copy
+        overlaps the compute of the blocks before it). Nothing waits for it until ``to_device``."""
+        with self.ops.on(self.up):
             dev = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
-            done = self._copy("h2d", dev, host)
+            done = self._copy("h2d", self.up, dev, host)
         if host.data_ptr() in self._pinned:
             self._reading[host.data_ptr()] = done
+        return dev, done
+
+    def to_device(self, host: torch.Tensor, uploaded: Any = None) -> torch.Tensor:
+        """A device copy of ``host`` (the one ``upload`` started, if given), usable on the current stream as
+        soon as this returns."""
+        dev, done = uploaded if uploaded is not None else self.upload(host)
+        compute = self.ops.current_stream(self.device)
         compute.wait_event(done)
         self.ops.record_stream(dev, compute)  # freed after the compute stream's last use, not the side stream's
         return dev
@@ -207,9 +223,9 @@ class CudaStaging:
         """Start copying ``device`` back into ``host`` after the compute stream's work so far (the update)."""
         updated = self.ops.event()
         updated.record(self.ops.current_stream(self.device))
-        self.side.wait_event(updated)
-        with self.ops.on(self.side):
-            return self._copy("d2h", host, device)
+        self.down.wait_event(updated)
+        with self.ops.on(self.down):
+            return self._copy("d2h", self.down, host, device)
 
     def retained(self, device: torch.Tensor) -> bool:
         """Whether anything besides ``device`` itself still holds its memory once the parameters no longer
@@ -219,11 +235,11 @@ class CudaStaging:
             return False
         return int(use_count(device.untyped_storage()._cdata)) > 2  # ``device`` and the storage object asked for
 
-    def _copy(self, kind: str, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def _copy(self, kind: str, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
         start, done = self.ops.event(timing=True), self.ops.event(timing=True)
-        start.record(self.side)
+        start.record(stream)
         self.ops.copy(dst, src)
-        done.record(self.side)
+        done.record(stream)
         self._timed.append((kind, start, done, src.numel()))
         return done
 

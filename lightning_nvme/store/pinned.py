@@ -56,19 +56,23 @@ class CudaRuntime:
     def get_last_error(self) -> int:
         if self._lib is None:
             self._lib = _loaded_cudart()
-        return int(self._lib.cudaGetLastError()) if self._lib is not None else SUCCESS
+        if self._lib is None:
+            warnings.warn("no libcudart loaded in this process to clear CUDA's last error with; the next kernel "
+                          "launch may report the refused host registration", RuntimeWarning, stacklevel=3)
+            return SUCCESS
+        return int(self._lib.cudaGetLastError())
 
 
 def _loaded_cudart() -> ctypes.CDLL | None:
     """The libcudart already in the process (``RTLD_NOLOAD``: never a second copy with its own error state)."""
     with open("/proc/self/maps") as maps:
-        names = sorted({os.path.basename(line.split()[-1]) for line in maps if "libcudart" in line})
-    for name in names + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
+        paths = sorted({line.split()[-1] for line in maps if "/libcudart" in line})
+    for name in paths + ["libcudart.so.13", "libcudart.so.12", "libcudart.so"]:
         try:
             return ctypes.CDLL(name, mode=os.RTLD_NOLOAD | os.RTLD_GLOBAL)
         except OSError:
             continue
-    return None  # statically linked: torch's own checks call cudaGetLastError after each launch
+    return None
 
 
 _runtime: Runtime | None = None
@@ -151,7 +155,3 @@ def unpin(t: torch.Tensor) -> None:
     if owner is not None:
         owner.unregister()
 
-
-def is_pinned(t: torch.Tensor) -> bool:
-    owner = _owners.get(t.untyped_storage().data_ptr())
-    return owner is not None and owner.registered

@@ -65,6 +65,27 @@ def test_cuda_staging_pool_unregistered_at_close_and_when_dropped(monkeypatch):
     assert rt.live == {} and rt.registers == rt.unregisters == 3 and rt.failures == []
 
 
+def test_optimizer_ring_pinned_only_for_cuda_parameters_and_unpinned_at_close(tmp_path, monkeypatch):
+    """The optimizer's chunk ring is what a device copies state from when the parameters are on CUDA: pinned
+    then (and unregistered when the optimizer closes at the end of fit), never for CPU parameters."""
+    from lightning_nvme.optim.buffers import ChunkRing
+    from lightning_nvme.optim.offloaded import OffloadedOptimizer
+
+    rt = install(monkeypatch)
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
+    model = nn.Linear(64, 64)
+    off = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store, chunk_bytes=8192)
+    model(torch.randn(4, 64)).sum().backward()
+    off.optimizer.step()
+    off.close()
+    assert rt.registers == 0 and not off.ring.pin
+    ring = ChunkRing(store, 3, 8192, pin=True)
+    assert len(rt.live) == 3
+    ring.unpin()
+    assert rt.live == {} and rt.unregisters == 3
+    store.close()
+
+
 # ---- 2. a refused registration leaves no CUDA error behind -------------------------------------------------
 def test_refused_registration_clears_cuda_last_error(monkeypatch):
     """torch's ``cudaHostRegister`` binding returns the error but leaves it as CUDA's last error: the next

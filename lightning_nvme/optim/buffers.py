@@ -15,6 +15,7 @@ from typing import Any
 import torch
 
 from lightning_nvme.store import FlatStore, IOHandle
+from lightning_nvme.store.pinned import unpin
 
 
 @dataclass
@@ -63,6 +64,14 @@ class ChunkRing:
     def release(self, buf: ChunkBuffer, pending_write: IOHandle | None = None) -> None:
         buf.pending_write = pending_write
         self._free.append(buf)
+
+    def unpin(self) -> None:
+        """End of fit: unregister the buffers now rather than when they are freed (they stay usable, pageable)."""
+        for buf in self._free:
+            if buf.uploaded is not None:
+                buf.uploaded.synchronize()
+                buf.uploaded = None
+            unpin(buf.data)
 
     def in_flight_writes(self) -> list[IOHandle]:
         return [b.pending_write for b in self._free if b.pending_write is not None]

@@ -683,6 +683,8 @@ class OffloadedOptimizer:
             h.remove()
         self._hooks = []
         self._drain_reads()
+        if self.ring is not None:  # None in a copy
+            self.ring.unpin()
 
     # ---- copies ---------------------------------------------------------------------------------------
     def __getstate__(self) -> dict[str, Any]:

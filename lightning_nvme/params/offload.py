@@ -152,7 +152,7 @@ class ParamOffload:
                 values = self.residency.read_values(block)
                 for slot in block.slots:
                     slot.param.data = values[slot.name]
-            else:
+            elif not self.residency.is_resident(block):  # resident only if setup failed midway: left as it is
                 self.residency.unbind(block, host)
         if restore:
             for h in self._state_hooks:

@@ -69,9 +69,9 @@ def trainer(root, strategy, steps: int = STEPS, callbacks=()) -> Trainer:
                    callbacks=list(callbacks))
 
 
-def offload(root) -> NVMeOffloadStrategy:
+def offload(root, **settings) -> NVMeOffloadStrategy:
     return NVMeOffloadStrategy(store_dir=str(root / "store"), chunk_bytes=64 << 10, offload_params=True,
-                               overlap="backward")
+                               overlap="backward", **settings)
 
 
 def train_with_fp32_masters(module: HFCausalLM) -> None:

@@ -20,6 +20,7 @@ from lightning_nvme.checkpoint.safetensors_stream import SafetensorsWriter
 from lightning_nvme.checkpoint.weights import BesideWeight
 from lightning_nvme.models.hf import INDEX, SINGLE, save_names
 
+ADAPTER_FILE = "adapter_model.safetensors"
 MAX_SHARD_BYTES = 5 * 10**9  # transformers' default max_shard_size ("5GB")
 ReadGroup = Callable[[list[BesideWeight]], Mapping[str, torch.Tensor]]  # references of one source -> values by key
 
@@ -43,6 +44,27 @@ def hub_keys(model: nn.Module, names: list[str]) -> dict[str, str]:
     duplicates = {name for name, p in model.named_parameters(remove_duplicate=False) if first[id(p)] != name}
     rename = save_names(model)
     return {name: rename(name) for name in names if name not in duplicates}
+
+
+def is_peft(model: Any) -> bool:
+    return hasattr(model, "peft_config") and hasattr(model, "base_model")
+
+
+def export_adapters(directory: str, model: Any, state_dict: Mapping[str, Any], read_group: ReadGroup,
+                    prefix: str = "") -> list[str]:
+    """The LoRA adapters of a ``PeftModel`` alone, in peft's layout (``adapter_config.json`` +
+    ``adapter_model.safetensors``, keys as ``get_peft_model_state_dict`` writes them), for
+    ``PeftModel.from_pretrained(base, directory)``; the blocks holding them are read one at a time."""
+    from lightning_nvme.models.peft_lora import ADAPTER
+
+    ours = {k[len(prefix):]: k for k in state_dict if k.startswith(prefix) and "lora_" in k[len(prefix):]}
+    if not ours:
+        raise ValueError("export: the peft model holds no LoRA adapter tensors (lora_*)")
+    keys = {name: name.replace(f".{ADAPTER}", "") for name in ours}
+    os.makedirs(directory, exist_ok=True)
+    _write_shard(os.path.join(directory, ADAPTER_FILE), list(ours), keys, ours, state_dict, read_group)
+    model.peft_config[ADAPTER].save_pretrained(directory)
+    return [ADAPTER_FILE, "adapter_config.json"]
 
 
 def export_hub(directory: str, model: Any, state_dict: Mapping[str, Any], read_group: ReadGroup, prefix: str = "",

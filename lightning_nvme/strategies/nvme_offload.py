@@ -40,7 +40,7 @@ from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
 from lightning_nvme.constants import MiB
-from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_hub, find_hf_model
+from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_adapters, export_hub, find_hf_model, is_peft
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
@@ -246,7 +246,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         after fit. ``layout="lightning"``: its ``state_dict()`` as one safetensors file ``path``
         (``safetensors.torch.load_file`` reads it). ``layout="hf"``: the Hugging Face model inside it written to the
         directory ``path`` as ``save_pretrained`` would (config.json + sharded safetensors + index, transformers'
-        names), for ``AutoModelForCausalLM.from_pretrained(path)``."""
+        names), for ``AutoModelForCausalLM.from_pretrained(path)``; of a peft (LoRA) model, its adapters alone
+        in peft's layout, for ``PeftModel.from_pretrained(base, path)``."""
         assert self.lightning_module is not None
         if layout not in ("lightning", "hf"):
             raise ValueError(f"export_weights: layout must be 'lightning' or 'hf', got {layout!r}")
@@ -263,4 +264,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 assert params is not None
                 values = params.read_block(refs[0].source[0])
                 return {r.key: values[r.source[1]] for r in refs}
-            export_hub(path, hf, state, read_group, prefix, max_shard_bytes)
+            if is_peft(hf):
+                export_adapters(path, hf, state, read_group, prefix)
+            else:
+                export_hub(path, hf, state, read_group, prefix, max_shard_bytes)

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from test_hf_any_arch import data, make_checkpoint, offload, trainer
+from test_hf_any_arch import data, make_checkpoint, offload, recipe_overrides, trainer
 from test_lora import StoreWrites
 
 from lightning_nvme.models import HFCausalLM
@@ -94,3 +94,16 @@ def test_adapters_exported_in_peft_format_load_with_peft(base, tmp_path):
     for name, p in ref.model.named_parameters():
         if "lora_" in name:
             assert torch.equal(loaded.state_dict()[name], p), name
+
+
+def test_recipe_lora_takes_any_architecture(tmp_path):
+    """``recipe=lora`` with a Llama checkpoint: peft adapters (the architecture's default targets), the base
+    streamed from the store, only the adapters train."""
+    from lightning_nvme.launch import compose_config, train
+
+    path = make_checkpoint(tmp_path / "ckpt", "llama", vocab=256)
+    run = train(compose_config("lora", [*recipe_overrides(path, tmp_path / "run"), "model.lora_rank=2"]))
+    assert run.trainer.global_step == 3 and run.trainer.strategy.param_offload is not None
+    trainable = [n for n, p in run.model.named_parameters() if p.requires_grad]
+    assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
+    assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj"}  # peft's default for Llama

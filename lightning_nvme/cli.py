@@ -5,7 +5,7 @@
     lightning-nvme bench [NAME ...]       (runs ./benchmarks/*.py of a source checkout)
     lightning-nvme doctor PATH [...]
     lightning-nvme convert {to-lightning,from-lightning} SRC DST   (lightning_nvme.checkpoint.convert)
-    lightning-nvme export CKPT DIR [--config MODEL_DIR]   (a Hugging Face model's weights in the Hub layout)
+    lightning-nvme export CKPT DIR [--config MODEL_DIR] [--merge-adapters]   (a Hugging Face model in the Hub layout)
 
 Config problems (unknown key, wrong type, missing or unwritable store directory) are reported as one
 line naming the key and the fix, with exit code 2 and no traceback, before anything is built.
@@ -52,6 +52,8 @@ def main(argv: list[str] | None = None) -> int:
     p_export.add_argument("--config", help="the directory of the model's config.json (default: the checkpoint's "
                                            "model.path hyperparameter)")
     p_export.add_argument("--max-shard-bytes", type=int, default=None, help="bytes per shard (default 5e9)")
+    p_export.add_argument("--merge-adapters", action="store_true",
+                          help="a LoRA model: the base with its adapters merged (default: the adapters alone, peft's layout)")
     if argv[:1] == ["doctor"]:  # pass everything through untouched, including --help
         return _doctor(argv[1:])
     if argv[:1] == ["convert"]:
@@ -64,16 +66,18 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "bench":
         return _bench(args.names)
     if args.command == "export":
-        return _export(args.checkpoint, args.directory, args.config, args.max_shard_bytes)
+        return _export(args.checkpoint, args.directory, args.config, args.max_shard_bytes, args.merge_adapters)
     parser.print_help()
     return EXIT_CONFIG
 
 
-def _export(checkpoint: str, directory: str, config: str | None, max_shard_bytes: int | None) -> int:
+def _export(checkpoint: str, directory: str, config: str | None, max_shard_bytes: int | None,
+            merge_adapters: bool) -> int:
     from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_checkpoint
 
     try:
-        files = export_checkpoint(checkpoint, directory, config, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES)
+        files = export_checkpoint(checkpoint, directory, config, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES,
+                                  merge_adapters=merge_adapters)
     except (ValueError, FileNotFoundError) as e:
         return _config_error(str(e))
     print(f"exported {checkpoint} to {directory}: {', '.join(files)}")

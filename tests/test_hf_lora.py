@@ -107,3 +107,38 @@ def test_recipe_lora_takes_any_architecture(tmp_path):
     trainable = [n for n, p in run.model.named_parameters() if p.requires_grad]
     assert trainable and all(".lora_A." in n or ".lora_B." in n for n in trainable)
     assert {n.split(".")[-4] for n in trainable} == {"q_proj", "v_proj"}  # peft's default for Llama
+
+
+def test_merged_export_equals_peft_merge_and_unload(base, tmp_path):
+    """``export_weights(dir, layout="hf", merge_adapters=True)``: the base with the trained adapters merged, read by
+    ``from_pretrained``, equals peft's ``merge_and_unload()`` of the same model trained in memory, bitwise."""
+    t, model, adapters = _offloaded(base, tmp_path / "off", restore_params=False)
+    out = tmp_path / "merged"
+    t.strategy.export_weights(str(out), layout="hf", merge_adapters=True)
+    ref = _reference(base, tmp_path / "ref", adapters).model.merge_and_unload()
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+    assert loaded.state_dict().keys() == ref.state_dict().keys()
+    for name, value in ref.state_dict().items():
+        assert torch.equal(loaded.state_dict()[name], value), name
+    plain = transformers.AutoModelForCausalLM.from_pretrained(base)
+    assert not torch.equal(loaded.model.layers[0].self_attn.q_proj.weight, plain.model.layers[0].self_attn.q_proj.weight)
+
+
+@pytest.mark.parametrize("merge", [False, True], ids=["adapters", "merged"])
+def test_cli_export_of_a_lora_checkpoint(base, tmp_path, merge):
+    from lightning_nvme.cli import main
+
+    t, model, adapters = _offloaded(base, tmp_path / "off", restore_params=False, inline_weights_bytes=0)
+    t.save_checkpoint(tmp_path / "last.ckpt")
+    out = tmp_path / "out"
+    assert main(["export", str(tmp_path / "last.ckpt"), str(out), *(["--merge-adapters"] if merge else [])]) == 0
+    ref = _reference(base, tmp_path / "ref", adapters).model
+    if merge:
+        loaded = transformers.AutoModelForCausalLM.from_pretrained(str(out))
+        expected = ref.merge_and_unload().state_dict()
+    else:
+        loaded = peft.PeftModel.from_pretrained(transformers.AutoModelForCausalLM.from_pretrained(base), str(out))
+        expected = ref.state_dict()
+    assert loaded.state_dict().keys() == expected.keys()
+    for name, value in expected.items():
+        assert torch.equal(loaded.state_dict()[name], value), name

@@ -20,7 +20,6 @@ For your own LightningModule::
 
 from __future__ import annotations
 
-import json
 import os
 import re
 from collections.abc import Callable
@@ -30,23 +29,11 @@ import torch
 from torch import nn
 
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader
+from lightning_nvme.models.gpt import safetensors_files
 from lightning_nvme.params.materialize import copy_checked
 
-INDEX = "model.safetensors.index.json"
+INDEX = "model.safetensors.index.json"  # the Hub layout's names (hub_export writes them)
 SINGLE = "model.safetensors"
-
-
-def safetensors_files(directory: str) -> list[str]:
-    """The checkpoint's files: the shards named by the index, else the single file."""
-    index = os.path.join(directory, INDEX)
-    if os.path.exists(index):
-        with open(index) as f:
-            return [os.path.join(directory, n) for n in sorted(set(json.load(f)["weight_map"].values()))]
-    single = os.path.join(directory, SINGLE)
-    if os.path.exists(single):
-        return [single]
-    raise FileNotFoundError(f"{directory}: no {SINGLE} (or {INDEX}) found. Save the model with "
-                            "save_pretrained(..., safe_serialization=True).")
 
 
 class HubWeights:

@@ -67,6 +67,44 @@ def export_adapters(directory: str, model: Any, state_dict: Mapping[str, Any], r
     return [ADAPTER_FILE, "adapter_config.json"]
 
 
+def export_merged(directory: str, model: Any, state_dict: Mapping[str, Any], read_group: ReadGroup, prefix: str = "",
+                  max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+    """A ``PeftModel``'s base with its LoRA adapters merged (``W + scaling * B @ A``, as peft's ``merge_and_unload``)
+    in the Hub layout; each block's base weights and adapters are read together, one block at a time."""
+    from lightning_nvme.models.peft_lora import PEFT_PREFIX, lora_merges, merged_weight
+
+    merges = lora_merges(model, prefix)
+    inner = prefix + PEFT_PREFIX
+    plain: dict[str, Any] = {}
+    for key, value in state_dict.items():
+        if not key.startswith(inner) or "lora_" in key:
+            continue
+        if key in merges and not isinstance(value, BesideWeight):  # a resident weight: merged in memory
+            a, b, scaling = merges[key]
+            value = merged_weight(value, _value(state_dict[a]), _value(state_dict[b]), scaling)
+        plain[prefix + key[len(inner):].replace(".base_layer.", ".")] = value
+
+    def read_merged(refs: list[BesideWeight]) -> dict[str, torch.Tensor]:
+        adapters = [state_dict[k] for r in refs if r.key in merges for k in merges[r.key][:2]]
+        values = dict(read_group(refs + [a for a in adapters if isinstance(a, BesideWeight)]))
+        out = {}
+        for r in refs:
+            out[r.key] = values[r.key]
+            if r.key in merges:
+                a, b, scaling = merges[r.key]
+                lora = [values[k] if isinstance(state_dict[k], BesideWeight) else state_dict[k] for k in (a, b)]
+                out[r.key] = merged_weight(values[r.key], lora[0], lora[1], scaling)
+        return out
+    return export_hub(directory, model.get_base_model(), plain, read_merged, prefix, max_shard_bytes)
+
+
+def _value(value: Any) -> torch.Tensor:
+    if isinstance(value, BesideWeight):
+        raise ValueError(f"{value.key}: an adapter in the store whose base weight is resident; export the adapters "
+                         "alone (merge_adapters=False)")
+    return value
+
+
 def export_hub(directory: str, model: Any, state_dict: Mapping[str, Any], read_group: ReadGroup, prefix: str = "",
                max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
     """Write ``state_dict`` (``prefix`` + ``model``'s names; tensors or ``BesideWeight`` references) to ``directory``
@@ -144,10 +182,11 @@ def _write_shard(path: str, names: list[str], keys: dict[str, str], ours: dict[s
 
 
 def export_checkpoint(checkpoint_path: str, directory: str, config: str | None = None, prefix: str = "model.",
-                      max_shard_bytes: int = MAX_SHARD_BYTES) -> list[str]:
+                      max_shard_bytes: int = MAX_SHARD_BYTES, merge_adapters: bool = False) -> list[str]:
     """A Lightning checkpoint of an ``HFCausalLM`` (plain, or with weights streamed beside it) to the Hub layout,
     reading one streamed tensor at a time. ``config``: the directory of its ``config.json`` (default: the
-    checkpoint's ``hyper_parameters["path"]``, where the model was loaded from)."""
+    checkpoint's ``hyper_parameters["path"]``, where the model was loaded from). A LoRA model's checkpoint
+    (``lora_rank`` > 0): its adapters in peft's layout, or with ``merge_adapters`` merged into the base."""
     from lightning_nvme.checkpoint.load import open_checkpoint
     from lightning_nvme.checkpoint.weights import WeightReaders
     from lightning_nvme.models.hf import build_causal_lm
@@ -158,6 +197,18 @@ def export_checkpoint(checkpoint_path: str, directory: str, config: str | None =
         raise ValueError(f"{checkpoint_path}: no config.json to export with (the checkpoint's hyper_parameters name "
                          f"path={config!r}); give the model's directory: lightning-nvme export CKPT DIR --config MODEL_DIR")
     model = build_causal_lm(config)  # meta: names, ties and config only
+    hp = checkpoint.get("hyper_parameters") or {}
+    if hp.get("lora_rank"):
+        from lightning_nvme.models.peft_lora import add_lora
+
+        model = add_lora(model, hp["lora_rank"], hp.get("lora_alpha"), hp.get("lora_targets"),
+                         hp.get("lora_dropout", 0.0))
     with WeightReaders() as readers:
-        return export_hub(directory, model, checkpoint["state_dict"],
-                          lambda refs: {r.key: readers.read(r) for r in refs}, prefix, max_shard_bytes)
+        def read(refs: list[BesideWeight]) -> dict[str, torch.Tensor]:
+            return {r.key: readers.read(r) for r in refs}
+        state = checkpoint["state_dict"]
+        if is_peft(model):
+            if merge_adapters:
+                return export_merged(directory, model, state, read, prefix, max_shard_bytes)
+            return export_adapters(directory, model, state, read, prefix)
+        return export_hub(directory, model, state, read, prefix, max_shard_bytes)

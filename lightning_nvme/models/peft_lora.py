@@ -80,3 +80,30 @@ class AdapterNames:
         base = self._base(name)
         assert base is not None
         return self.source.get(base)
+
+
+def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
+    """``weight + scaling * B @ A`` exactly as peft's ``merge`` computes it on the CPU (half adapters in fp32)."""
+    half = lora_b.dtype in (torch.float16, torch.bfloat16)
+    a, b = (lora_a.float(), lora_b.float()) if half else (lora_a, lora_b)
+    delta = (b @ a) * scaling
+    out = weight.clone()
+    out += delta.to(lora_b.dtype) if half else delta
+    return out
+
+
+def lora_merges(peft_model: Any, prefix: str) -> dict[str, tuple[str, str, float]]:
+    """``state_dict`` key of each adapted base weight -> (its ``lora_A`` key, its ``lora_B`` key, scaling)."""
+    from peft.tuners.lora import LoraLayer
+
+    inner = prefix + PEFT_PREFIX
+    merges = {}
+    for name, m in peft_model.base_model.model.named_modules():
+        if isinstance(m, LoraLayer):
+            if getattr(m, "fan_in_fan_out", False) or m.use_dora.get(ADAPTER, False):
+                raise ValueError(f"{name}: merging fan_in_fan_out / DoRA adapters on export is not supported; export "
+                                 "the adapters alone (merge_adapters=False)")
+            merges[f"{inner}{name}.base_layer.weight"] = (f"{inner}{name}.lora_A.{ADAPTER}.weight",
+                                                          f"{inner}{name}.lora_B.{ADAPTER}.weight",
+                                                          float(m.scaling[ADAPTER]))
+    return merges

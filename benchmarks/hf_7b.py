@@ -158,6 +158,7 @@ def compute_child(args: argparse.Namespace) -> dict:
 
     with open(os.path.join(args.ckpt, "config.json")) as f:
         config = LlamaConfig(**json.load(f))
+    config._attn_implementation = "sdpa"  # what from_config picks for the trained model
     torch.manual_seed(0)
     h, tokens = config.hidden_size, args.batch * args.seq
     with torch.device("cpu"):
@@ -301,11 +302,11 @@ def main() -> None:
         "empty_process_MiB": round(empty / MiB, 1),
         "plain_would_need_GiB": round(need / GiB, 2),
         "mem_total_GiB": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / GiB, 2),
-        "store_GiB": round(full["store_bytes"] / GiB, 2),
+        "store_GiB": round(full["store_bytes"] / GiB, 3), "store_bytes": full["store_bytes"],
         "bytes_read_per_step": full["bytes_read_per_step"],
         "bytes_written_per_step": full["bytes_written_per_step"],
-        "step_s": round(full["step_s"], 2), "steps_s": [round(s, 2) for s in full["steps_s"]],
-        "io_bound_s": round(io_bound, 2), "compute_s": round(compute["compute_s"], 2),
+        "step_s": round(full["step_s"], 4), "steps_s": [round(s, 2) for s in full["steps_s"]],
+        "io_bound_s": round(io_bound, 4), "compute_s": round(compute["compute_s"], 4),
         "step_vs_bound": round(full["step_s"] / max(io_bound, compute["compute_s"]), 3),
         "losses": [round(x, 4) for x in full["losses"]],
         "store_wait_s_per_step": round(full["store_wait_s_per_step"], 2),
@@ -321,7 +322,7 @@ def main() -> None:
             "lora_bytes_read_per_step": lora["bytes_read_per_step"],
             "lora_peak_rss_MiB": round(lora["peak_rss_bytes"] / MiB, 1), "lora_losses": [round(x, 4) for x in lora["losses"]],
             "lora_written_vs_full": round(lora["bytes_written_per_step"] / full["bytes_written_per_step"], 5),
-            "lora_store_GiB": round(lora["store_bytes"] / GiB, 2),
+            "lora_store_GiB": round(lora["store_bytes"] / GiB, 3),
         })
     load.append(os.getloadavg()[0])
     out.update({"seq": args.seq, "batch": args.batch, "steps": args.steps, "warmup": args.warmup,

@@ -204,9 +204,11 @@ def child(args: argparse.Namespace) -> dict:
     _imports()
     if args.child == "empty":
         return {"peak_rss_bytes": _peak_rss_bytes()}
-    if args.child == "compute":
-        return compute_child(args)
-    return train_child(args)
+    import _bf16_linear
+
+    patched = _bf16_linear.install()
+    out = compute_child(args) if args.child == "compute" else train_child(args)
+    return {**out, "bf16_input_grad_via_forward_kernel": patched}
 
 
 # ---- the parent ----------------------------------------------------------------------------------------
@@ -248,7 +250,7 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="where the stores go (default: a temp dir beside the checkout)")
     p.add_argument("--ckpt-dir", default=None, help="checkpoint cache (default: <dir>/llama-ckpt, removed "
                    "afterwards unless given)")
-    p.add_argument("--seq", type=int, default=16, help="tokens per sequence (compute grows with it, I/O does not)")
+    p.add_argument("--seq", type=int, default=8, help="tokens per sequence (compute grows with it, I/O does not)")
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--steps", type=int, default=2, help="timed steps per training run")
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps (the optimizer state is created)")
@@ -314,6 +316,7 @@ def main() -> None:
         "raw_write_GBps": [round(x[0], 3) for x in raws], "raw_read_GBps": [round(x[1], 3) for x in raws],
         "compute_block_s": round(compute["block_s"], 3), "compute_ends_s": round(compute["ends_s"], 3),
         "checkpoint": {**written, **disk},
+        "bf16_input_grad_via_forward_kernel": full["bf16_input_grad_via_forward_kernel"],
     }
     if lora is not None:
         out.update({

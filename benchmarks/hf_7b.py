@@ -92,8 +92,8 @@ def _disk_bytes(path: str) -> int:
 def train_child(args: argparse.Namespace) -> dict:
     import lightning.pytorch as pl
     import torch
-
     from _hf_model import build_module
+
     from lightning_nvme.data.datamodule import EmbeddedTextDataModule
     from lightning_nvme.strategies import NVMeOffloadStrategy
 
@@ -160,7 +160,7 @@ def compute_child(args: argparse.Namespace) -> dict:
         config = LlamaConfig(**json.load(f))
     config._attn_implementation = "sdpa"  # what from_config picks for the trained model
     torch.manual_seed(0)
-    h, tokens = config.hidden_size, args.batch * args.seq
+    h = config.hidden_size
     with torch.device("cpu"):
         block = LlamaDecoderLayer(config, layer_idx=0).to(torch.bfloat16)
         embed = torch.nn.Embedding(config.vocab_size, h).to(torch.bfloat16)

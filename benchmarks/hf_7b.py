@@ -221,6 +221,7 @@ def _run_child(args: argparse.Namespace, kind: str) -> dict:
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
     if res.returncode != 0:
         raise SystemExit(f"child {kind} failed with exit code {res.returncode}")
+    _log(f"child {kind}: {res.stdout.strip().splitlines()[-1]}")  # kept in the log if a later child fails
     return json.loads(res.stdout.strip().splitlines()[-1])
 
 

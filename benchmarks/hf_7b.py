@@ -98,8 +98,8 @@ def train_child(args: argparse.Namespace) -> dict:
     from lightning_nvme.strategies import NVMeOffloadStrategy
 
     torch.manual_seed(0)
-    n = args.warmup + args.steps
     lora = args.child == "lora"
+    n = args.warmup + (args.lora_steps if lora and args.lora_steps is not None else args.steps)
     data = EmbeddedTextDataModule(source="stdlib", max_bytes=2_000_000, block_size=args.seq, batch_size=args.batch,
                                   steps_per_epoch=n, tokenizer="byte")
     strategy = NVMeOffloadStrategy(args.dir, offload_params=True, state_format="int8", master_format="bf16_sr",
@@ -215,9 +215,9 @@ def child(args: argparse.Namespace) -> dict:
 def _run_child(args: argparse.Namespace, kind: str) -> dict:
     """``kind`` in a fresh process with its own store directory, deleted afterwards."""
     with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"{kind}-") as store_dir:
-        keep = ("seq", "batch", "steps", "warmup", "lr", "lora_rank", "compute_reps", "ckpt")
+        keep = ("seq", "batch", "steps", "warmup", "lr", "lora_rank", "lora_steps", "compute_reps", "ckpt")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, f"--dir={store_dir}",
-               *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep]]
+               *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep if getattr(args, k) is not None]]
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
     if res.returncode != 0:
         raise SystemExit(f"child {kind} failed with exit code {res.returncode}")
@@ -257,6 +257,7 @@ def main() -> None:
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps (the optimizer state is created)")
     p.add_argument("--lr", type=float, default=3e-4)
     p.add_argument("--lora-rank", type=int, default=16)
+    p.add_argument("--lora-steps", type=int, default=None, help="timed steps of the LoRA run (default: --steps)")
     p.add_argument("--compute-reps", type=int, default=3)
     p.add_argument("--raw-mib", type=int, default=2048, help="bytes per raw-disk measurement")
     p.add_argument("--no-lora", action="store_true", help="skip the LoRA run")
@@ -321,7 +322,7 @@ def main() -> None:
     }
     if lora is not None:
         out.update({
-            "lora_rank": args.lora_rank, "lora_trainable": lora["trainable"],
+            "lora_rank": args.lora_rank, "lora_trainable": lora["trainable"], "lora_steps_s": lora["steps_s"],
             "lora_step_s": round(lora["step_s"], 2), "lora_bytes_written_per_step": lora["bytes_written_per_step"],
             "lora_bytes_read_per_step": lora["bytes_read_per_step"],
             "lora_peak_rss_MiB": round(lora["peak_rss_bytes"] / MiB, 1), "lora_losses": [round(x, 4) for x in lora["losses"]],

@@ -37,10 +37,10 @@ ARCHS = {
 }
 
 
-def make_checkpoint(directory, arch: str) -> str:
+def make_checkpoint(directory, arch: str, vocab: int = VOCAB) -> str:
     """A tiny random ``arch`` model saved with ``save_pretrained`` (no download)."""
     config_cls, extra, dtype, shard = ARCHS[arch]
-    config = getattr(transformers, config_cls)(**SMALL, **extra)
+    config = getattr(transformers, config_cls)(**{**SMALL, "vocab_size": vocab}, **extra)
     torch.manual_seed(3)
     model = transformers.AutoModelForCausalLM.from_config(config).to(dtype)
     with torch.no_grad():  # biases are initialized to zero: make them count
@@ -69,9 +69,9 @@ def trainer(root, strategy, steps: int = STEPS, callbacks=()) -> Trainer:
                    callbacks=list(callbacks))
 
 
-def offload(root) -> NVMeOffloadStrategy:
+def offload(root, **settings) -> NVMeOffloadStrategy:
     return NVMeOffloadStrategy(store_dir=str(root / "store"), chunk_bytes=64 << 10, offload_params=True,
-                               overlap="backward")
+                               overlap="backward", **settings)
 
 
 def train_with_fp32_masters(module: HFCausalLM) -> None:
@@ -236,3 +236,26 @@ def test_public_api_for_an_own_lightning_module(checkpoints):
         assert torch.equal(b, c), name
     x = torch.randint(0, VOCAB, (2, 8))
     assert torch.equal(plain(x).logits, own.net(x).logits)  # both in train mode? make them comparable
+
+
+def recipe_overrides(path: str, root, offload_params: bool = True) -> list[str]:
+    return [f"model.path={path}", "model.block_size=16", f"strategy.offload_params={str(offload_params).lower()}",
+            "strategy.overlap=backward", f"paths.output_dir={root}/out", f"paths.store_dir={root}/store",
+            "trainer.accelerator=cpu", "data.source=generated", "data.max_bytes=20000", "data.batch_size=2",
+            "data.steps_per_epoch=3", "data.val_batches=1", "trainer.max_steps=3", "++trainer.limit_val_batches=0",
+            "trainer.gradient_clip_val=null", "logger=none", "callbacks=none"]
+
+
+@pytest.mark.parametrize("arch", ["qwen2", "gpt_neox"])
+def test_recipe_hf_local_streams_any_architecture(arch, tmp_path):
+    """``recipe=hf_local strategy.offload_params=true`` with a non-GPT-2 checkpoint: built on the meta device,
+    streamed into the store, the same weights as with offload_params=false."""
+    from lightning_nvme.launch import compose_config, train
+
+    path = make_checkpoint(tmp_path / "ckpt", arch, vocab=256)  # byte tokens: the directory has no tokenizer
+    off = train(compose_config("hf_local", recipe_overrides(path, tmp_path / "off")))
+    assert off.model.backend == "transformers" and off.trainer.strategy.param_offload is not None
+    assert off.model.initial_weights() is not None  # streamed, not loaded in memory
+    plain = train(compose_config("hf_local", recipe_overrides(path, tmp_path / "plain", offload_params=False)))
+    for (name, p), q in zip(plain.model.named_parameters(), off.model.parameters()):
+        assert torch.equal(p, q), name

@@ -24,6 +24,8 @@ from typing_extensions import override
 from lightning_nvme.models.gpt import GPT, GPTConfig, PretrainedWeights
 from lightning_nvme.models.hf import HubWeights, block_classes, build_causal_lm
 from lightning_nvme.models.lora import add_lora
+from lightning_nvme.models.peft_lora import AdapterNames
+from lightning_nvme.models.peft_lora import add_lora as add_peft_lora
 from lightning_nvme.params.materialize import InitialWeights
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -144,9 +146,13 @@ class HFCausalLM(CausalLMModule):
             (transformers for every architecture but GPT-2, which streams natively; GPT-2 in memory through
             transformers when installed).
         activation_checkpointing: per-block recompute (``gradient_checkpointing_enable`` under transformers).
-        lora_rank: ``0``: finetune every weight; ``r > 0``: freeze the model and train rank-``r`` adapters on
-            its attention and MLP projections (``lightning_nvme.models.lora``; native backend).
+        lora_rank: ``0``: finetune every weight; ``r > 0``: freeze the model and train rank-``r`` adapters: through
+            ``peft`` under transformers (``get_peft_model``; saved in peft's format by
+            ``strategy.export_weights(dir, layout="hf")``), ``lightning_nvme.models.lora`` on the native GPT-2.
         lora_alpha: adapter scale numerator (``alpha / rank``); ``None``: ``rank`` (scale 1).
+        lora_targets: module names to adapt (peft's ``target_modules``); ``None``: peft's default for the
+            architecture (Llama, Qwen2, Mistral: ``q_proj``, ``v_proj``; GPT-NeoX: ``query_key_value``).
+        lora_dropout: dropout on the adapters' input (peft's ``lora_dropout``).
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial).
 
     Built inside ``trainer.init_module(empty_init=True)`` with ``offload_params=True`` (what the ``train``
@@ -160,8 +166,8 @@ class HFCausalLM(CausalLMModule):
     init_empty = True
 
     def __init__(self, path: str, block_size: int = 128, backend: str = "auto", activation_checkpointing: bool = False,
-                 lora_rank: int = 0, lora_alpha: float | None = None,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 lora_rank: int = 0, lora_alpha: float | None = None, lora_targets: list[str] | None = None,
+                 lora_dropout: float = 0.0, optimizer: OptimizerFactory | None = None) -> None:
         super().__init__(optimizer)
         self.save_hyperparameters(ignore=["optimizer"])
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -184,9 +190,6 @@ class HFCausalLM(CausalLMModule):
                 weights.load_into(self.model)  # one tensor at a time
             self._vocab = self.model.config.vocab_size
         else:
-            if lora_rank:
-                raise ValueError("model.lora_rank needs model.backend=native (GPT-2 checkpoints); with transformers "
-                                 "use the peft library, or set model.lora_rank=0")
             if on_meta:  # built on the meta device, streamed from the checkpoint into the store at setup
                 hf = build_causal_lm(path, gradient_checkpointing=activation_checkpointing)
                 self._initial = HubWeights(path, prefix="model.").checked(hf)
@@ -199,7 +202,16 @@ class HFCausalLM(CausalLMModule):
                     hf.gradient_checkpointing_enable()
             self._vocab = int(hf.get_output_embeddings().weight.shape[0])
             self.model = hf
-        if lora_rank:
+            if lora_rank:
+                self.model = add_peft_lora(hf, lora_rank, lora_alpha, lora_targets and list(lora_targets), lora_dropout)
+                if activation_checkpointing:
+                    hf.enable_input_require_grads()  # a frozen base: checkpointed layers need an input with grad
+                if self._initial is not None:
+                    self._initial = AdapterNames(self._initial, "model.")
+        if lora_rank and backend == "native":
+            if lora_targets or lora_dropout:
+                raise ValueError("model.lora_targets / model.lora_dropout need model.backend=transformers (peft); "
+                                 "the native GPT-2 LoRA adapts attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj")
             add_lora(self.model, lora_rank, lora_alpha)
         max_positions = _max_positions(self.model)
         if max_positions is not None and block_size > max_positions:

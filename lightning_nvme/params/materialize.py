@@ -63,7 +63,7 @@ def materialize(model: nn.Module, device: torch.device, after_module: Callable[[
             after_module()
 
 
-def _empty_meta(module: nn.Module, device: torch.device) -> None:
+def empty_meta(module: nn.Module, device: torch.device) -> None:
     """``module.to_empty(recurse=False)`` for its meta tensors only: a buffer already computed (a rotary
     ``inv_freq`` a model built on the CPU at construction) keeps its value. Parameters are swapped in place
     (the same ``nn.Parameter`` objects: ties survive), as ``to_empty`` does under ``_swap_on_conversion``."""
@@ -78,7 +78,7 @@ def _empty_meta(module: nn.Module, device: torch.device) -> None:
 def _initialize(module: nn.Module, prefix: str, device: torch.device, source: InitialWeights | None) -> None:
     own = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
     given = [n for n in own if source is not None and prefix + n in source]
-    _empty_meta(module, device)
+    empty_meta(module, device)
     if len(given) < len(own):  # reset_parameters() for what the source does not cover (Lightning's _materialize)
         reset = getattr(module, "reset_parameters", None)
         if not callable(reset):

@@ -144,11 +144,19 @@ class ParamOffload:
         if self.scheduler is not None:  # None: setup failed before the hooks were installed
             self.scheduler.finish_step()
             self.scheduler.remove()
-        if restore:
-            for block in self.blocks:
+        # Into host memory on every device: a copy to an accelerator would need the whole model there (an
+        # out-of-memory exactly when offload was needed), and Lightning's teardown moves the model to the CPU
+        # next. Without ``restore``, placeholders on the CPU: ``.cpu()`` of an expanded device placeholder
+        # would allocate it full size.
+        host = torch.device("cpu")
+        for block in self.blocks:
+            if restore:
                 values = self.residency.read_values(block)
                 for slot in block.slots:
-                    slot.param.data = values[slot.name].to(slot.param.device)  # CPU: the same tensor
+                    slot.param.data = values[slot.name]
+            elif not self.residency.is_resident(block):  # resident only if setup failed midway: left as it is
+                self.residency.unbind(block, host)
+        if restore:
             for h in self._state_hooks:
                 h.remove()
             self._state_hooks = []

@@ -95,7 +95,7 @@ class FlatStore:
                 self.layout = Layout()
                 self._file.allocate(0, HEADER_BYTES, self.min_free_bytes)
                 self._persist_layout()
-            self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes, pin=torch.cuda.is_available())
+            self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes)
             self._engine = IOEngine(io_workers)
         except BaseException:
             if file is not None:
@@ -314,9 +314,10 @@ class FlatStore:
             out[name] = h.hexdigest()
         return out
 
-    def aligned_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """A page-aligned tensor the store moves without a staging copy."""
-        return aligned_empty(shape, dtype, pin=torch.cuda.is_available())
+    def aligned_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8, *,
+                      pin: bool = False) -> torch.Tensor:
+        """A page-aligned tensor the store moves without a staging copy (``pin``: a device copies it too)."""
+        return aligned_empty(shape, dtype, pin=pin)
 
     @property
     def closed(self) -> bool:

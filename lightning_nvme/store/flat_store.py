@@ -1,4 +1,4 @@
-"""``FlatStore``: one preallocated file per rank holding named, 4 KiB-aligned regions.
+"""``FlatStore``: one preallocated file per rank (or one per directory, striped) holding named, 4 KiB-aligned regions.
 
 Requests are asynchronous (``write``/``read`` return an ``IOHandle``), split into chunks served by a
 small worker pool, and ordered by the store itself: a read always sees the last write issued before
@@ -17,10 +17,9 @@ import hashlib
 import json
 import logging
 import os
-import shutil
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -28,11 +27,21 @@ from lightning_nvme import atomic
 from lightning_nvme.constants import MiB
 from lightning_nvme.store.buffers import StagingPool, aligned_empty, copy_bytes, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
-from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreSpaceError, StoreTimeoutError
+from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreTimeoutError
 from lightning_nvme.store.handle import IOHandle, wait_all
 from lightning_nvme.store.layout import ALIGN, FORMAT_VERSION, HEADER_BYTES, Layout, Region, align_up
 from lightning_nvme.store.lock import StoreLock
 from lightning_nvme.store.stats import IOStats, StatsRecorder
+from lightning_nvme.store.store_file import StoreFile
+from lightning_nvme.store.stripes import (
+    STRIPE_BYTES,
+    StripeMap,
+    check_header_stripe,
+    check_stripe_set,
+    find_manifest,
+    header_stripe,
+    new_stripe_set,
+)
 
 log = logging.getLogger(__name__)
 
@@ -52,108 +61,131 @@ class FlatStore:
     """A flat file of named regions with asynchronous, fenced, chunked I/O.
 
     Args:
-        directory: where the store file lives (created if missing). Use a local SSD.
+        directory: where the store file lives (created if missing). Use a local SSD. A list of directories
+            (one per disk) stripes the store over one file in each (``store/stripes.py``): the first holds
+            the manifest; each file has its own I/O workers, lock and header.
         rank: the store file is ``store-rank{rank}.bin``; one store per process.
         io_chunk_bytes: requests are split into chunks of this size (multiple of 4 KiB, >= 1 MiB advised).
-        io_workers: I/O threads; a few give the disk queue depth.
+        io_workers: I/O threads per file; a few give each disk its queue depth.
         staging_bytes: the staging pool (used only when a tensor is not page-aligned); bounded.
         direct: force O_DIRECT on (True) or off (False); ``None`` probes the filesystem.
         reopen: open an existing store and check it against its manifest instead of creating one. The
             layout (like the data) is persisted by ``fence(durable=True)`` and ``close()``.
         io_timeout_s: no wait is unbounded; a stuck request raises with what was pending.
         min_free_bytes: safety margin kept free on the disk when the store grows.
+        stripe_bytes: with several directories, bytes of one stripe unit (multiple of 4 KiB); a reopened
+            store keeps the unit it was created with.
     """
 
-    def __init__(self, directory: str | os.PathLike, rank: int = 0, *, io_chunk_bytes: int = IO_CHUNK_BYTES,
-                 io_workers: int = IO_WORKERS, staging_bytes: int = STAGING_BYTES, direct: bool | None = None,
-                 reopen: bool = False, io_timeout_s: float = 600.0, min_free_bytes: int = 0,
-                 name: str | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike | Sequence[str | os.PathLike], rank: int = 0, *,
+                 io_chunk_bytes: int = IO_CHUNK_BYTES, io_workers: int = IO_WORKERS,
+                 staging_bytes: int = STAGING_BYTES, direct: bool | None = None, reopen: bool = False,
+                 io_timeout_s: float = 600.0, min_free_bytes: int = 0, name: str | None = None,
+                 stripe_bytes: int = STRIPE_BYTES) -> None:
         if io_chunk_bytes <= 0 or io_chunk_bytes % ALIGN:
             raise ValueError(f"io_chunk_bytes must be a positive multiple of {ALIGN}, got {io_chunk_bytes}")
         if staging_bytes < io_chunk_bytes:
             raise ValueError(f"staging_bytes ({staging_bytes}) must hold at least one chunk ({io_chunk_bytes})")
-        self.directory = os.path.abspath(os.fspath(directory))
-        os.makedirs(self.directory, exist_ok=True)
+        dirs = [directory] if isinstance(directory, (str, os.PathLike)) else list(directory)
+        self.directories = [os.path.abspath(os.fspath(d)) for d in dirs]
+        if not self.directories or len(set(self.directories)) != len(self.directories):
+            raise ValueError(f"a store needs one or more distinct directories, got {self.directories}")
+        self.directory = self.directories[0]
+        for d in self.directories:
+            os.makedirs(d, exist_ok=True)
         base = name or f"store-rank{rank}"
-        self.path = os.path.join(self.directory, base + ".bin")
+        self.paths = [os.path.join(d, base + ".bin") for d in self.directories]
+        self.path = self.paths[0]
         self.manifest_path = os.path.join(self.directory, base + ".json")
         self.io_chunk_bytes = io_chunk_bytes
         self.io_timeout_s = io_timeout_s
         self.min_free_bytes = min_free_bytes
         self._closing = False  # set by close(): no new requests while it drains
-        self._lock = StoreLock(self.path + ".lock")
-        self._lock.acquire()
         self._closed = False
         self._first_error: BaseException | None = None
         self._submit_lock = threading.Lock()
         self._layout_unsynced = False
         self._stats = StatsRecorder()
-        self.fd = -1
+        self._files: list[StoreFile] = []
+        self._engines: list[IOEngine] = []
         try:
             self.layout = Layout()
-            self._open(direct, reopen)
-            self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes, pin=torch.cuda.is_available())
-            self._engine = IOEngine(io_workers)
-        except BaseException:
-            if self.fd >= 0:
-                os.close(self.fd)  # a refused reopen must not leak the descriptor
-            self._lock.release()
-            raise
-        log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d pool=%d MiB", self.path, self.mode,
-                 io_chunk_bytes // 1024, io_workers, self._pool.total_bytes // MiB)
-
-    # ---- file, header, manifest -------------------------------------------------------------
-    def _open(self, direct: bool | None, reopen: bool) -> None:
-        flags = os.O_RDWR | (0 if reopen else os.O_CREAT | os.O_TRUNC)
-        if reopen and not os.path.exists(self.path):
-            raise StoreFormatError(f"cannot reopen store {self.path}: the file does not exist")
-        self.fd = os.open(self.path, flags, 0o644)
-        self.direct = False
-        if direct is not False and hasattr(os, "O_DIRECT"):
-            try:
-                dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
-            except OSError as e:
-                if direct:
-                    raise StoreIOError(f"O_DIRECT was requested but {self.path} does not support it ({e.strerror}). "
-                                       f"Use a local ext4/xfs SSD, or set direct=None to fall back to buffered I/O.",
-                                       path=self.path, errno=e.errno) from e
+            self._stripes = new_stripe_set(self.directories, stripe_bytes)
+            missing = [p for p in self.paths if reopen and not os.path.exists(p)]
+            if missing:
+                raise StoreFormatError(f"cannot reopen store {missing[0]}: the file does not exist (directory "
+                                       f"{os.path.dirname(missing[0])})")
+            if reopen:
+                self.manifest_path = find_manifest(self.directories, base)
+                manifest = self._read_manifest()
+                self._stripes = manifest.get("stripes")
+                check_stripe_set(self._stripes, self.directories, self.manifest_path)
+            self.stripe_map = StripeMap(len(self.directories), self._stripes["bytes"] if self._stripes else stripe_bytes)
+            for path in self.paths:
+                self._files.append(StoreFile(path, direct=direct, create=not reopen, min_free_bytes=min_free_bytes))
+            if reopen:
+                self._check_existing(manifest)
             else:
-                os.close(self.fd)
-                self.fd, self.direct = dfd, True
-        if reopen:
-            self._check_existing()
-        else:
-            self._allocate(0, HEADER_BYTES)
-            self._persist_layout()
+                self._allocate(0, HEADER_BYTES)
+                self._persist_layout()
+            self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes, pin=torch.cuda.is_available())
+            multi = len(self._files) > 1
+            self._engines = [IOEngine(io_workers, name=f"lightning-nvme-io-s{i}" if multi else "lightning-nvme-io")
+                             for i in range(len(self._files))]
+        except BaseException:
+            for f in self._files:
+                f.close()  # a refused reopen must not leak descriptors or locks
+            raise
+        self._engine = self._engines[0]  # also orders all requests (logical byte ranges)
+        log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d x %d file(s) pool=%d MiB", self.path, self.mode,
+                 io_chunk_bytes // 1024, io_workers, len(self._files), self._pool.total_bytes // MiB)
+
+    # ---- files, header, manifest --------------------------------------------------------------
+    @property
+    def fd(self) -> int:
+        return self._files[0].fd
+
+    @property
+    def direct(self) -> bool:
+        return all(f.direct for f in self._files)
 
     @property
     def mode(self) -> str:
-        return "direct" if self.direct else "buffered"
+        if self.direct:
+            return "direct"
+        return "buffered" if not any(f.direct for f in self._files) else "mixed"
 
-    def _header_bytes(self) -> bytes:
-        header = json.dumps({"magic": MAGIC, "version": FORMAT_VERSION, "layout": self.layout.digest(),
-                             "end": self.layout.end}).encode()
+    @property
+    def _lock(self) -> StoreLock:
+        return self._files[0].lock
+
+    def _header_bytes(self, index: int = 0) -> bytes:
+        fields = {"magic": MAGIC, "version": FORMAT_VERSION, "layout": self.layout.digest(), "end": self.layout.end}
+        stripe = header_stripe(self._stripes, index)
+        header = json.dumps(fields if stripe is None else {**fields, "stripe": stripe}).encode()
         return header.ljust(HEADER_BYTES, b"\0")
 
     def _persist_layout(self, *, sync: bool = True) -> None:
-        """Write the header block and the manifest (``atomic.write_json``; fsync'ed when ``sync``).
+        """Write the header block of every file and the manifest (``atomic.write_json``; fsync'ed when ``sync``).
 
         ``add_regions`` writes without fsync (an fsync'ed rewrite per call made 1000 ``add_region``
         calls take 48 s on this disk) so the table is on disk at once, before a disk that fills up later
         could refuse it; ``fence(durable=True)`` and ``close`` make it durable."""
         buf = aligned_empty(HEADER_BYTES)
-        buf.copy_(torch.frombuffer(bytearray(self._header_bytes()), dtype=torch.uint8))
-        try:
-            self._pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
-        except StoreIOError as e:
-            if self.direct and e.errno == errno_mod.EINVAL:  # O_DIRECT opened but refused at write time
-                os.close(self.fd)
-                self.fd, self.direct = os.open(self.path, os.O_RDWR), False
-                self._pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
-            else:
-                raise
+        for i, f in enumerate(self._files):
+            buf.copy_(torch.frombuffer(bytearray(self._header_bytes(i)), dtype=torch.uint8))
+            try:
+                f.pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
+            except StoreIOError as e:
+                if f.direct and e.errno == errno_mod.EINVAL:  # O_DIRECT opened but refused at write time
+                    f.fall_back_to_buffered()
+                    f.pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
+                else:
+                    raise
         manifest = {"magic": MAGIC, "version": FORMAT_VERSION, "digest": self.layout.digest(),
                     "layout": self.layout.to_json()}
+        if self._stripes is not None:
+            manifest["stripes"] = self._stripes
         atomic.write_json(self.manifest_path, manifest, durable=sync)
         self._layout_unsynced = not sync
 
@@ -163,8 +195,7 @@ class FlatStore:
             atomic.fsync_path(self.manifest_path)
             self._layout_unsynced = False
 
-    def _check_existing(self) -> None:
-        """Refuse a store whose manifest, header or size disagree: reading it would return garbage."""
+    def _read_manifest(self) -> dict:
         try:
             with open(self.manifest_path) as f:
                 manifest = json.load(f)
@@ -174,47 +205,41 @@ class FlatStore:
             found = manifest if not isinstance(manifest, dict) else f"{manifest.get('magic')!r} v{manifest.get('version')}"
             raise StoreFormatError(f"{self.manifest_path}: not a lightning-nvme store of format version "
                                    f"{FORMAT_VERSION} (found {found})")
+        return manifest
+
+    def _check_existing(self, manifest: dict) -> None:
+        """Refuse a store whose manifest, headers or sizes disagree: reading it would return garbage."""
         try:
             self.layout = Layout.from_json(manifest["layout"])
         except (KeyError, TypeError, ValueError) as e:
             raise StoreFormatError(f"{self.manifest_path}: the manifest's layout is malformed ({e!r})") from e
         if self.layout.digest() != manifest.get("digest"):
             raise StoreFormatError(f"{self.manifest_path}: layout hash mismatch; the manifest was modified")
-        # Size first: a header read from a file truncated below one block would be a short read.
-        size = os.fstat(self.fd).st_size
-        if size < self.layout.end:
-            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}. "
-                                   f"The store cannot be reopened; start a new one (reopen=False).")
         buf = aligned_empty(HEADER_BYTES)
-        self._pread_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
-        try:
-            header = json.loads(bytes(buf.numpy()).rstrip(b"\0"))
-        except ValueError:
-            header = {}
-        if not isinstance(header, dict):
-            header = {}
-        if (header.get("magic") != MAGIC or header.get("version") != FORMAT_VERSION
-                or header.get("layout") != self.layout.digest() or header.get("end") != self.layout.end):
-            raise StoreFormatError(f"{self.path}: header does not match manifest {self.manifest_path} "
-                                   f"(layout hash {header.get('layout')} vs {self.layout.digest()})")
+        for i, f in enumerate(self._files):
+            # Size first: a header read from a file truncated below one block would be a short read.
+            size, needed = f.size, self.stripe_map.file_size(i, self.layout.end)
+            if size < needed:
+                raise StoreFormatError(f"{f.path} is truncated: {size} bytes, layout needs {needed}. "
+                                       f"The store cannot be reopened; start a new one (reopen=False).")
+            f.pread_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
+            try:
+                header = json.loads(bytes(buf.numpy()).rstrip(b"\0"))
+            except ValueError:
+                header = {}
+            if not isinstance(header, dict):
+                header = {}
+            check_header_stripe(header.get("stripe"), self._stripes, i, f.path)
+            if (header.get("magic") != MAGIC or header.get("version") != FORMAT_VERSION
+                    or header.get("layout") != self.layout.digest() or header.get("end") != self.layout.end):
+                raise StoreFormatError(f"{f.path}: header does not match manifest {self.manifest_path} "
+                                       f"(layout hash {header.get('layout')} vs {self.layout.digest()})")
 
-    def _allocate(self, offset: int, nbytes: int) -> None:
-        """Reserve disk blocks for [offset, offset+nbytes), refusing early and clearly when space is short."""
-        free = shutil.disk_usage(self.directory).free
-        if nbytes + self.min_free_bytes > free:
-            raise StoreSpaceError(
-                f"store {self.path} needs {nbytes} more bytes ({nbytes / 2**30:.2f} GiB) plus a safety margin of "
-                f"{self.min_free_bytes} bytes, but only {free} bytes ({free / 2**30:.2f} GiB) are free on that disk. "
-                f"Free space, or point store_dir at a larger local SSD.")
-        try:
-            os.posix_fallocate(self.fd, offset, nbytes)
-        except OSError as e:
-            if e.errno == errno_mod.ENOSPC:
-                raise StoreSpaceError(f"store {self.path}: no space left to allocate {nbytes} bytes at offset "
-                                      f"{offset}. Free space or use a larger disk for store_dir.") from e
-            if e.errno not in (errno_mod.EOPNOTSUPP, errno_mod.EINVAL):
-                raise StoreIOError(f"cannot allocate {self.path}: {e.strerror}", path=self.path, errno=e.errno) from e
-            os.ftruncate(self.fd, max(os.fstat(self.fd).st_size, offset + nbytes))
+    def _allocate(self, start: int, nbytes: int) -> None:
+        """Reserve disk blocks for logical [start, start+nbytes) in every file it maps to."""
+        for i, f in enumerate(self._files):
+            old = self.stripe_map.file_size(i, start) if start else 0
+            f.allocate(old, self.stripe_map.file_size(i, start + nbytes) - old)
 
     # ---- regions ------------------------------------------------------------------------------
     def add_regions(self, specs: list[tuple[str, int]]) -> list[Region]:
@@ -250,52 +275,15 @@ class FlatStore:
     def size_bytes(self) -> int:
         return self.layout.end
 
-    # ---- raw, checked I/O -------------------------------------------------------------------
-    def _pwrite_full(self, mv: memoryview, offset: int, region: str) -> None:
-        done = 0
-        while done < len(mv):
-            try:
-                n = os.pwrite(self.fd, mv[done:], offset + done)
-            except OSError as e:
-                hint = (" The disk is full: free space on it, or move store_dir to a larger disk."
-                        if e.errno == errno_mod.ENOSPC else "")
-                raise StoreIOError(f"write to {self.path} failed at offset {offset + done} (region {region!r}): "
-                                   f"{e.strerror}.{hint}", path=self.path, region=region, offset=offset + done,
-                                   errno=e.errno) from e
-            if n <= 0:
-                raise StoreIOError(f"short write to {self.path} at offset {offset + done} (region {region!r}): "
-                                   f"{done} of {len(mv)} bytes written", path=self.path, region=region,
-                                   offset=offset + done)
-            done += n
-
-    def _pread_full(self, mv: memoryview, offset: int, region: str) -> None:
-        done = 0
-        while done < len(mv):
-            try:
-                n = os.preadv(self.fd, [mv[done:]], offset + done)
-            except OSError as e:
-                raise StoreIOError(f"read from {self.path} failed at offset {offset + done} (region {region!r}): "
-                                   f"{e.strerror}", path=self.path, region=region, offset=offset + done,
-                                   errno=e.errno) from e
-            if n <= 0:
-                raise StoreIOError(f"short read from {self.path} at offset {offset + done} (region {region!r}): "
-                                   f"{done} of {len(mv)} bytes read; the store file was truncated or removed",
-                                   path=self.path, region=region, offset=offset + done)
-            done += n
-
-    def _drop_cache(self, offset: int, nbytes: int) -> None:
-        if not self.direct:
-            os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
-
     # ---- chunk jobs ---------------------------------------------------------------------------
-    def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool,
-                   write: bool) -> Callable[[], None]:
-        """One disk request for bytes ``[a, a + n)`` of ``tensor``: in place when the tensor is page-aligned
-        (zero copy), else through a buffer of the bounded staging pool."""
-        transfer = self._pwrite_full if write else self._pread_full
+    def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file: StoreFile, file_off: int, region: str,
+                   zero_copy: bool, write: bool) -> Callable[[], None]:
+        """One disk request for bytes ``[a, a + n)`` of ``tensor`` at ``file_off`` of ``file``: in place when
+        the tensor is page-aligned (zero copy), else through a buffer of the bounded staging pool."""
+        transfer = file.pwrite_full if write else file.pread_full
 
         def job() -> None:
-            length = align_up(n) if self.direct else n
+            length = align_up(n) if file.direct else n
             if zero_copy:
                 transfer(memview(tensor.data_ptr() + a, length), file_off, region)
             else:
@@ -308,7 +296,7 @@ class FlatStore:
                         copy_bytes(tensor, a, buf, 0, n)
                 finally:
                     self._pool.release(buf)
-            self._drop_cache(file_off, n)
+            file.drop_cache(file_off, n)
         return job
 
     # ---- public async API ---------------------------------------------------------------------
@@ -346,17 +334,21 @@ class FlatStore:
             zero_copy = not self.direct or is_direct_capable(t, nbytes, for_read=kind == "read")
         start = region.offset + offset
         data = _as_bytes(t)
-        spans = [(a, min(self.io_chunk_bytes, nbytes - a)) for a in range(0, nbytes, self.io_chunk_bytes)]
-        jobs = [self._chunk_job(data if not zero_copy else t, a, n, start + a, name, zero_copy, kind == "write")
-                for a, n in spans]
+        pieces = self.stripe_map.pieces(start, nbytes, self.io_chunk_bytes)
+        jobs: list[list[Callable[[], None]]] = [[] for _ in self._files]
+        for i, a, file_off, n in pieces:
+            jobs[i].append(self._chunk_job(data if not zero_copy else t, a, n, self._files[i], file_off, name,
+                                           zero_copy, kind == "write"))
         # Finding the dependencies, registering the request and queueing its chunks is one step, so two
         # threads submitting at once cannot both miss each other (or queue out of dependency order).
         with self._submit_lock:
             deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
-            handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done,
+            handle = IOHandle(kind, name, start, nbytes, len(pieces), deps, keepalive=t, on_done=self._on_done,
                               default_timeout=self.io_timeout_s)
             self._engine.track(handle)
-            self._engine.submit(handle, jobs)
+            for engine, file_jobs in zip(self._engines, jobs):
+                if file_jobs:
+                    engine.submit(handle, file_jobs)
         return handle
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
@@ -396,11 +388,8 @@ class FlatStore:
             raise self._first_error
         if durable:
             self._sync_layout()
-            try:
-                os.fdatasync(self.fd)
-            except OSError as e:
-                raise StoreIOError(f"fdatasync of {self.path} failed: {e.strerror}", path=self.path,
-                                   errno=e.errno) from e
+            for f in self._files:
+                f.datasync()
             self._stats.add(fsyncs=1)
 
     def wait(self, handle: IOHandle) -> None:
@@ -459,7 +448,8 @@ class FlatStore:
             self.fence(timeout=self.io_timeout_s)
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             error = e
-        busy = self._engine.shutdown(timeout=min(self.io_timeout_s, 30.0))
+        deadline = time.monotonic() + min(self.io_timeout_s, 30.0)
+        busy = sum(e.shutdown(timeout=max(0.0, deadline - time.monotonic())) for e in self._engines)
         if busy:
             # A worker is stuck in a read/write on this fd. Closing it would let the number be reused by
             # another file, which that worker would then write into; releasing the lock would let another
@@ -471,12 +461,10 @@ class FlatStore:
                                     f"file and its lock stay held until they return (call close() again) or this "
                                     f"process exits.{pending}") from error
         self._closed = True
-        os.close(self.fd)
-        if delete:
-            for p in (self.path, self.manifest_path):
-                if os.path.exists(p):
-                    os.remove(p)
-        self._lock.release()
+        for f in self._files:
+            f.close(delete=delete)
+        if delete and os.path.exists(self.manifest_path):
+            os.remove(self.manifest_path)
         if error is not None:
             raise error
 
@@ -493,4 +481,5 @@ class FlatStore:
             log.error("FlatStore %s: error while closing after %s: %s", self.path, exc_type.__name__, e)
 
     def __repr__(self) -> str:
-        return f"FlatStore({self.path!r}, mode={self.mode}, regions={len(self.layout.regions)}, bytes={self.size_bytes})"
+        where = self.path if len(self.paths) == 1 else self.paths
+        return f"FlatStore({where!r}, mode={self.mode}, regions={len(self.layout.regions)}, bytes={self.size_bytes})"

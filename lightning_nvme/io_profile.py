@@ -35,6 +35,8 @@ class IOProfile:
 
     io_chunk_bytes: int
     io_workers: int
+    stripe_bytes: int | None = None  # for a store striped over ``stripe_dirs`` (doctor DIR DIR ...)
+    stripe_dirs: list[str] | None = None  # the directories measured together, in order
     write_mib_s: float | None = None  # of the chosen setting, writes timed through fsync
     read_mib_s: float | None = None
     speedup_vs_default: float | None = None  # re-measured against the default in alternating pairs
@@ -48,6 +50,8 @@ class IOProfile:
 
     def __post_init__(self) -> None:
         check_values(io_chunk_bytes=self.io_chunk_bytes, io_workers=self.io_workers)
+        if self.stripe_bytes is not None:
+            check_values(stripe_bytes=self.stripe_bytes)
 
     def save(self, file: str | os.PathLike) -> None:
         """Write atomically (``atomic.write_json``), so a reader never sees half a profile."""
@@ -79,9 +83,10 @@ class IOProfile:
             raise ConfigError(key, f"I/O profile {file}: {e}") from e
 
 
-def io_request(config: OffloadSettings) -> tuple[int, int]:
-    """``(io_chunk_bytes, io_workers)`` of a strategy: from its tuned ``io_profile`` if given, else its arguments."""
+def io_request(config: OffloadSettings) -> tuple[int, int, int]:
+    """``(io_chunk_bytes, io_workers, stripe_bytes)`` of a strategy: from its tuned ``io_profile`` if given (a
+    profile of one disk leaves ``stripe_bytes`` to the argument), else its arguments."""
     if config.io_profile:
         profile = IOProfile.load(config.io_profile)
-        return profile.io_chunk_bytes, profile.io_workers
-    return config.io_chunk_bytes, config.io_workers
+        return profile.io_chunk_bytes, profile.io_workers, profile.stripe_bytes or config.stripe_bytes
+    return config.io_chunk_bytes, config.io_workers, config.stripe_bytes

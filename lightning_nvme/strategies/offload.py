@@ -39,7 +39,7 @@ from lightning_nvme.io_profile import io_request
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
 from lightning_nvme.optim.store_ref import StoreRef
-from lightning_nvme.preflight import check_store_dir
+from lightning_nvme.preflight import check_store_dirs
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import ALIGN, FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
@@ -124,18 +124,18 @@ class OffloadStrategy(Strategy):
     def _open_new_store(self, trainer: pl.Trainer, planned: int) -> FlatStore:
         """This process's store, created once; ``planned`` bytes (beyond what it already holds) are
         checked against the free space first: writable, enough free space (+ margin), warn on tmpfs/NFS."""
-        store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
-        check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
+        store_dirs = self.config.resolve_store_dirs(trainer.default_root_dir)
+        io_chunk_bytes, io_workers, stripe_bytes = io_request(self.config)
+        check_store_dirs(store_dirs, planned, stripe_bytes, min_free_bytes=self.config.min_free_bytes)
         if self.nvme_store is not None:
             return self.nvme_store
-        io_chunk_bytes, io_workers = io_request(self.config)
         threshold = self.config.mmap_threshold()
         if threshold is not None:
             release_freed_memory(threshold)  # see lightning_nvme.memory: bounded RSS
-        name = claim_store_name(store_dir, self._store_rank, self, self._run_token)
-        self.nvme_store = FlatStore(store_dir, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
+        name = claim_store_name(store_dirs, self._store_rank, self, self._run_token)
+        self.nvme_store = FlatStore(store_dirs, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
                                     io_workers=io_workers, staging_bytes=max(self.config.staging_bytes, io_chunk_bytes),
-                                    min_free_bytes=self.config.min_free_bytes, name=name)
+                                    min_free_bytes=self.config.min_free_bytes, name=name, stripe_bytes=stripe_bytes)
         self.nvme_store.add_region(owner_region(self._run_token), ALIGN)
         return self.nvme_store
 

@@ -1,0 +1,90 @@
+"""Training with the store striped over 2 and 3 directories is bitwise equal to one directory and to
+in-memory Lightning: optimizer offload, parameter offload, a checkpoint saved after fit (the striped store
+reopened) and resumed in a new process over striped directories."""
+
+from __future__ import annotations
+
+import os
+import warnings
+
+import pytest
+from models import MLP
+from test_checkpoint import assert_params_equal, resume_in_new_process
+from test_checkpoint import trainer as ckpt_trainer
+from test_param_offload import assert_same_params, fit, reference
+
+import lightning_nvme  # noqa: F401
+from lightning_nvme import NVMeOffloadStrategy
+from lightning_nvme.preflight import PreflightWarning
+
+STRIPE = 4 << 10  # every 16 KiB optimizer chunk spans all the disks
+
+
+def _dirs(root, n: int) -> list[str]:
+    return [str(root / f"disk{i}") for i in range(n)]
+
+
+def _fit_mlp(root, store_dir, epochs: int, quiet: bool = True) -> tuple[MLP, object]:
+    model = MLP()
+    strategy = NVMeOffloadStrategy(store_dir=store_dir, chunk_bytes=16 << 10, stripe_bytes=STRIPE, min_free_bytes=0)
+    t = ckpt_trainer(root, strategy, epochs, enable_checkpointing=False)
+    with warnings.catch_warnings():
+        if quiet:
+            warnings.simplefilter("ignore", PreflightWarning)  # the "disks" of this test share one device
+        t.fit(model)
+    return model, t
+
+
+@pytest.fixture(scope="module")
+def one_directory(tmp_path_factory):
+    root = tmp_path_factory.mktemp("one")
+    return _fit_mlp(root, str(root / "store"), 2)[0]
+
+
+@pytest.mark.parametrize("n", [2, 3])
+def test_optimizer_offload_over_n_directories_equals_one(tmp_path, one_directory, n):
+    dirs = _dirs(tmp_path, n)
+    model, t = _fit_mlp(tmp_path, dirs, 2)
+    assert_params_equal(one_directory, dict(model.named_parameters()))
+    sizes = [os.path.getsize(os.path.join(d, "store-rank0.bin")) for d in dirs]
+    assert min(sizes) > 4 * STRIPE, sizes  # the state really is spread over every directory
+
+
+def test_checkpoint_of_striped_store_resumes_bitwise_over_striped_directories(tmp_path, one_directory):
+    _, t = _fit_mlp(tmp_path, _dirs(tmp_path / "a", 3), 1)
+    ckpt = tmp_path / "epoch1.ckpt"
+    t.save_checkpoint(ckpt)  # after fit: the striped store is reopened over its three directories
+    dirs = _dirs(tmp_path / "b", 2)
+    params = resume_in_new_process(
+        tmp_path, ckpt, tmp_path / "p.pt",
+        f"NVMeOffloadStrategy(store_dir={dirs!r}, chunk_bytes=16 << 10, stripe_bytes={STRIPE}, min_free_bytes=0)")
+    assert_params_equal(one_directory, params)
+
+
+def test_parameter_offload_over_three_directories_equals_in_memory(tmp_path, tmp_path_factory):
+    ref, _ = reference(tmp_path_factory)
+    strategy = NVMeOffloadStrategy(store_dir=_dirs(tmp_path, 3), chunk_bytes=64 << 10, offload_params=True,
+                                   overlap="backward", stripe_bytes=STRIPE, min_free_bytes=0)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PreflightWarning)
+        off, t = fit(tmp_path / "off", strategy)
+    assert_same_params(ref, off)
+    assert len(t.strategy.param_offload.blocks) == 4
+
+
+def test_shared_device_is_warned_naming_the_stripes(tmp_path):
+    dirs = _dirs(tmp_path, 2)
+    with pytest.warns(PreflightWarning, match=f"store_dir stripe 1 \\({dirs[0]}\\) and store_dir stripe 2 "
+                                              f"\\({dirs[1]}\\) are on the same device"):
+        _fit_mlp(tmp_path, dirs, 1, quiet=False)
+
+
+def test_store_dir_list_is_checked():
+    from lightning_nvme.config import ConfigError
+
+    with pytest.raises(ConfigError, match="store_dir: lists /x twice"):
+        NVMeOffloadStrategy(store_dir=["/x", "/y", "/x"])
+    with pytest.raises(ConfigError, match="store_dir: must be a path or a non-empty list"):
+        NVMeOffloadStrategy(store_dir=[])
+    with pytest.raises(ConfigError, match="stripe_bytes: must be a multiple of 4096"):
+        NVMeOffloadStrategy(stripe_bytes=5000)

@@ -88,3 +88,45 @@ def test_store_dir_list_is_checked():
         NVMeOffloadStrategy(store_dir=[])
     with pytest.raises(ConfigError, match="stripe_bytes: must be a multiple of 4096"):
         NVMeOffloadStrategy(stripe_bytes=5000)
+
+
+@pytest.mark.parametrize("own", [None, "same", "other", "striped"])
+def test_activations_get_a_disk_of_their_own_when_asked(tmp_path, own):
+    """The activation callback shares the strategy's store unless its store_dir names other directories; then it
+    opens its own store there (one directory or striped), and warns when that is the same device after all."""
+    from types import SimpleNamespace
+
+    from lightning_nvme.callbacks import NVMeActivationOffload
+    from lightning_nvme.store import FlatStore
+
+    main = FlatStore(str(tmp_path / "main"))
+    asked = {None: None, "same": str(tmp_path / "main"), "other": str(tmp_path / "act"),
+             "striped": _dirs(tmp_path / "act", 2)}[own]
+    cb = NVMeActivationOffload(store_dir=asked)
+    trainer = SimpleNamespace(strategy=SimpleNamespace(nvme_store=main), default_root_dir=str(tmp_path),
+                              global_rank=0)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        cb._connect(trainer)
+    try:
+        if own in (None, "same"):
+            assert cb.nvme_store is main and not caught
+        else:
+            assert cb.nvme_store is not main
+            assert cb.nvme_store.directories == ([asked] if isinstance(asked, str) else asked)
+            shared = [str(w.message) for w in caught if issubclass(w.category, PreflightWarning)]
+            assert shared and "NVMeActivationOffload store_dir" in shared[0] and "same device" in shared[0]
+    finally:
+        cb._disconnect(clean=True)
+        main.close(delete=True)
+
+
+def test_preflight_names_every_role_on_one_device(tmp_path):
+    from lightning_nvme.preflight import check_store_dirs
+
+    dirs, ckpts = _dirs(tmp_path, 2), str(tmp_path / "ckpts")
+    with pytest.warns(PreflightWarning) as caught:
+        reports = check_store_dirs(dirs, 64 << 20, 8 << 20, roles={"checkpoints": [ckpts]})
+    assert [r.path for r in reports] == dirs and all(r.needed_bytes == (32 << 20) + (8 << 20) + 4096 for r in reports)
+    text = str(caught[0].message)
+    assert f"store_dir stripe 1 ({dirs[0]}) and store_dir stripe 2 ({dirs[1]}) and checkpoints ({ckpts})" in text

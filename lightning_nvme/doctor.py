@@ -11,11 +11,9 @@ order, and compared by the median of per-round ratios, because a disk's speed dr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import mmap
 import os
-import random
 import shutil
 import statistics
 import sys
@@ -31,7 +29,7 @@ from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.io_profile import IOProfile
 from lightning_nvme.preflight import check_store_dir, check_writable, ensure_dir
 from lightning_nvme.settings import OffloadSettings
-from lightning_nvme.store import FlatStore, StoreError, aligned_empty
+from lightning_nvme.store import StoreError, aligned_empty
 
 # the strategies' defaults: what a tuned profile is compared with
 DEFAULT_SETTING = (OffloadSettings.io_chunk_bytes, OffloadSettings.io_workers)
@@ -86,22 +84,8 @@ def measure_bandwidth(directory: str, nbytes: int, seconds: float, block: int = 
 
 def _trial(directory: str, chunk: int, workers: int, nbytes: int, data) -> tuple[float, float]:
     """Write ``nbytes`` through a fresh FlatStore (durable fence) and read them back; MiB/s each."""
-    store = FlatStore(directory, io_chunk_bytes=chunk, io_workers=workers, staging_bytes=chunk, name="doctor-tune",
-                      io_timeout_s=120)
-    try:
-        store.add_region("bench", nbytes)
-        t0 = time.perf_counter()
-        store.write("bench", data)
-        store.fence(durable=True)
-        t_write = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        store.wait(store.read("bench", data))
-        t_read = time.perf_counter() - t0
-    finally:
-        store.close(delete=True)
-        with contextlib.suppress(OSError):
-            os.remove(store.path + ".lock")
-    return nbytes / MiB / t_write, nbytes / MiB / t_read
+    return doctor_stripes.trial([directory], OffloadSettings.stripe_bytes, workers, nbytes, data, io_chunk_bytes=chunk,
+                                name="doctor-tune")
 
 
 def tune(directory: str, *, nbytes: int = 32 * MiB, seconds: float = 6.0, min_rounds: int = 2, max_rounds: int = 5,
@@ -116,17 +100,9 @@ def tune(directory: str, *, nbytes: int = 32 * MiB, seconds: float = 6.0, min_ro
     candidates = sorted({(c, w) for c in chunks for w in workers} | {DEFAULT_SETTING})
     data = aligned_empty(nbytes)
     data.copy_(_random_bytes(nbytes))
-    rng = random.Random(seed)
-    rounds: list[dict[tuple[int, int], tuple[float, float]]] = []
-    t_start = time.perf_counter()
-    while len(rounds) < max_rounds and (len(rounds) < min_rounds or time.perf_counter() - t_start < seconds):
-        order = candidates[:]
-        rng.shuffle(order)
-        rounds.append({cand: _trial(directory, *cand, nbytes, data) for cand in order})
-
-    def combined(w: float, r: float) -> float:  # MiB/s over the bytes moved both ways
-        return 2 / (1 / w + 1 / r)
-
+    rounds = doctor_stripes.random_rounds(candidates, lambda cand: _trial(directory, *cand, nbytes, data),
+                                          seconds=seconds, min_rounds=min_rounds, max_rounds=max_rounds, seed=seed)
+    combined = doctor_stripes.combined  # MiB/s over the bytes moved both ways
     score = {c: statistics.median(combined(*rd[c]) for rd in rounds) for c in candidates}
     # chosen by the median of per-round ratios to the default (pairs measured close in time), and
     # only when clearly better: a setting within noise of the default is not worth a profile change

@@ -14,7 +14,7 @@ import os
 import random
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -31,10 +31,12 @@ STRIPE_CANDIDATES = (1 * MiB, 4 * MiB, 8 * MiB, 16 * MiB)
 WORKER_CANDIDATES = (2, 4, 8)
 
 
-def trial(dirs: Sequence[str], stripe_bytes: int, workers: int, nbytes: int, data: torch.Tensor) -> tuple[float, float]:
-    """Write ``nbytes`` through a fresh store over ``dirs`` (durable fence), read them back; MiB/s each way."""
-    store = FlatStore(list(dirs) if len(dirs) > 1 else dirs[0], io_workers=workers, stripe_bytes=stripe_bytes,
-                      name="doctor-stripes", io_timeout_s=120)
+def trial(dirs: Sequence[str], stripe_bytes: int, workers: int, nbytes: int, data: torch.Tensor, *,
+          io_chunk_bytes: int = OffloadSettings.io_chunk_bytes, name: str = "doctor-stripes") -> tuple[float, float]:
+    """Write ``nbytes`` through a fresh store over ``dirs`` (durable fence), read them back; MiB/s each way.
+    (The doctor's one-directory tuning uses it too, with one directory.)"""
+    store = FlatStore(list(dirs) if len(dirs) > 1 else dirs[0], io_chunk_bytes=io_chunk_bytes, io_workers=workers,
+                      staging_bytes=io_chunk_bytes, stripe_bytes=stripe_bytes, name=name, io_timeout_s=120)
     try:
         store.add_region("bench", nbytes)
         t0 = time.perf_counter()
@@ -50,6 +52,21 @@ def trial(dirs: Sequence[str], stripe_bytes: int, workers: int, nbytes: int, dat
             with contextlib.suppress(OSError):
                 os.remove(p + ".lock")
     return nbytes / MiB / t_write, nbytes / MiB / t_read
+
+
+def random_rounds(candidates: list[tuple[int, int]], run: Callable[[tuple[int, int]], tuple[float, float]], *,
+                  seconds: float, min_rounds: int, max_rounds: int, seed: int
+                  ) -> list[dict[tuple[int, int], tuple[float, float]]]:
+    """``run`` every candidate once per round, each round in a new random order (a disk drifts over minutes),
+    until ``seconds`` are spent (at least ``min_rounds``, at most ``max_rounds``)."""
+    rng = random.Random(seed)
+    rounds: list[dict[tuple[int, int], tuple[float, float]]] = []
+    t_start = time.perf_counter()
+    while len(rounds) < max_rounds and (len(rounds) < min_rounds or time.perf_counter() - t_start < seconds):
+        order = candidates[:]
+        rng.shuffle(order)
+        rounds.append({c: run(c) for c in order})
+    return rounds
 
 
 def combined(w: float, r: float) -> float:
@@ -98,13 +115,8 @@ def tune(dirs: Sequence[str], *, nbytes: int, seconds: float, min_rounds: int = 
     (else the default: the difference is within the disks' noise)."""
     candidates = sorted({(s, w) for s in stripes for w in workers} | {DEFAULT_STRIPING})
     data = _random(nbytes)
-    rng = random.Random(seed)
-    rounds: list[dict[tuple[int, int], tuple[float, float]]] = []
-    t_start = time.perf_counter()
-    while len(rounds) < max_rounds and (len(rounds) < min_rounds or time.perf_counter() - t_start < seconds):
-        order = candidates[:]
-        rng.shuffle(order)
-        rounds.append({c: trial(dirs, *c, nbytes, data) for c in order})
+    rounds = random_rounds(candidates, lambda c: trial(dirs, *c, nbytes, data), seconds=seconds,
+                           min_rounds=min_rounds, max_rounds=max_rounds, seed=seed)
     ratio = {c: statistics.median(combined(*rd[c]) / combined(*rd[DEFAULT_STRIPING]) for rd in rounds)
              for c in candidates}
     best = max(candidates, key=lambda c: ratio[c])

@@ -176,3 +176,22 @@ def test_reopen_refuses_a_truncated_or_tampered_stripe_naming_its_path(tmp_path)
         f.write(json.dumps(header).encode().ljust(HEADER_BYTES, b"\0"))
     with pytest.raises(StoreFormatError, match=f"{path}: its header records stripe"):
         FlatStore(dirs, reopen=True)
+
+
+def test_extents_say_where_a_regions_bytes_are(tmp_path):
+    dirs = _dirs(tmp_path, 2)
+    with FlatStore(dirs, stripe_bytes=STRIPE) as store:
+        store.add_regions([("pad", 4 * KiB), ("r", 2 * STRIPE)])
+        data = _data(2 * STRIPE, 5)
+        store.write("r", data)
+        store.fence(durable=True)
+        extents = store.extents("r")
+        assert [(p, n) for p, _, _, n in extents] == [(store.paths[0], STRIPE - 4 * KiB), (store.paths[1], STRIPE),
+                                                       (store.paths[0], 4 * KiB)]
+        for path, file_off, a, n in extents:
+            with open(path, "rb") as f:
+                f.seek(file_off)
+                assert f.read(n) == data[a:a + n].numpy().tobytes()
+    with FlatStore(tmp_path / "one") as one:
+        r = one.add_region("r", 3 * MiB)
+        assert one.extents("r") == [(one.path, r.offset, 0, 3 * MiB)]

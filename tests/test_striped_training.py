@@ -130,3 +130,17 @@ def test_preflight_names_every_role_on_one_device(tmp_path):
     assert [r.path for r in reports] == dirs and all(r.needed_bytes == (32 << 20) + (8 << 20) + 4096 for r in reports)
     text = str(caught[0].message)
     assert f"store_dir stripe 1 ({dirs[0]}) and store_dir stripe 2 ({dirs[1]}) and checkpoints ({ckpts})" in text
+
+
+def test_save_after_fit_refuses_a_store_missing_a_stripe_naming_it(tmp_path):
+    """After fit the store is reopened to stream the optimizer state: a stripe directory that lost its file (a
+    disk not mounted, or wiped) is refused naming it, and no checkpoint is written."""
+    from lightning_nvme.store import StoreFormatError
+
+    dirs = _dirs(tmp_path, 3)
+    _, t = _fit_mlp(tmp_path, dirs, 1)
+    os.rename(dirs[1], dirs[1] + "-unmounted")
+    os.makedirs(dirs[1])  # the empty mount point
+    with pytest.raises(StoreFormatError, match=f"does not exist \\(directory {dirs[1]}\\)"):
+        t.save_checkpoint(tmp_path / "x.ckpt")
+    assert not (tmp_path / "x.ckpt").exists()

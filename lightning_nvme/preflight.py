@@ -22,7 +22,7 @@ from dataclasses import dataclass, field
 from lightning_nvme import fsinfo
 from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import ALIGN, GiB
-from lightning_nvme.store.flat_store import MAGIC as STORE_MAGIC
+from lightning_nvme.store.manifest import MAGIC as STORE_MAGIC
 
 
 class PreflightWarning(UserWarning):

@@ -10,8 +10,8 @@ import torch
 
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.store import FlatStore
+from lightning_nvme.store import file_io as file_io_mod
 from lightning_nvme.store import flat_store as flat_store_mod
-from lightning_nvme.store import store_file as store_file_mod
 
 
 def _model():
@@ -38,14 +38,14 @@ def _train(model, opt, steps=8, closure_style=True):
 def test_slow_writes_are_fenced(tmp_path, monkeypatch):
     """Writes are delayed so that step N+1's prefetch is issued while step N's writes are still in
     flight; the result must still equal in-memory training (the read waits for the write)."""
-    original = store_file_mod.StoreFile.pwrite_full
+    original = file_io_mod.StoreFile.pwrite_full
     in_flight_at_prefetch = []
 
     def slow_write(self, mv, offset, region):
         time.sleep(0.01)
         return original(self, mv, offset, region)
 
-    monkeypatch.setattr(store_file_mod.StoreFile, "pwrite_full", slow_write)
+    monkeypatch.setattr(file_io_mod.StoreFile, "pwrite_full", slow_write)
     ref_model, model = _model(), _model()
     ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     _train(ref_model, ref)
@@ -112,7 +112,7 @@ def test_update_temporaries_stay_off_the_heap_during_backward(tmp_path, monkeypa
     backward (overlap='step') still put them on the heap. Training is unchanged (equal to in-memory AdamW)."""
     from contextlib import contextmanager
 
-    import lightning_nvme.optim.offloaded as offloaded_mod
+    import lightning_nvme.optim.chunk_update as offloaded_mod
 
     for overlap in ("backward", "step"):
         entered = []

@@ -12,9 +12,7 @@ with ``posix_fadvise(DONTNEED)`` after each chunk. ``store.mode`` says which is 
 
 from __future__ import annotations
 
-import errno as errno_mod
 import hashlib
-import json
 import logging
 import os
 import threading
@@ -25,27 +23,19 @@ import torch
 
 from lightning_nvme import atomic
 from lightning_nvme.constants import MiB
+from lightning_nvme.store import manifest
 from lightning_nvme.store.buffers import StagingPool, aligned_empty, copy_bytes, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
 from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreTimeoutError
+from lightning_nvme.store.file_io import StoreFile
 from lightning_nvme.store.handle import IOHandle, wait_all
-from lightning_nvme.store.layout import ALIGN, FORMAT_VERSION, HEADER_BYTES, Layout, Region, align_up
+from lightning_nvme.store.layout import ALIGN, HEADER_BYTES, Layout, Region, align_up
 from lightning_nvme.store.lock import StoreLock
 from lightning_nvme.store.stats import IOStats, StatsRecorder
-from lightning_nvme.store.store_file import StoreFile
-from lightning_nvme.store.stripes import (
-    STRIPE_BYTES,
-    StripeMap,
-    check_header_stripe,
-    check_stripe_set,
-    find_manifest,
-    header_stripe,
-    new_stripe_set,
-)
+from lightning_nvme.store.stripes import STRIPE_BYTES, StripeMap, check_stripe_set, find_manifest, new_stripe_set
 
 log = logging.getLogger(__name__)
 
-MAGIC = "lightning-nvme-store"
 # Defaults of the strategies' arguments of the same names (lightning_nvme.settings reads them from here).
 IO_CHUNK_BYTES = 8 * MiB
 IO_WORKERS = 4
@@ -106,10 +96,9 @@ class FlatStore:
         self._submit_lock = threading.Lock()
         self._layout_unsynced = False
         self._stats = StatsRecorder()
+        self._locks: list[StoreLock] = []
         self._files: list[StoreFile] = []
-        self._engines: list[IOEngine] = []
         try:
-            self.layout = Layout()
             self._stripes = new_stripe_set(self.directories, stripe_bytes)
             missing = [p for p in self.paths if reopen and not os.path.exists(p)]
             if missing:
@@ -117,30 +106,36 @@ class FlatStore:
                                        f"{os.path.dirname(missing[0])})")
             if reopen:
                 self.manifest_path = find_manifest(self.directories, base)
-                manifest = self._read_manifest()
-                self._stripes = manifest.get("stripes")
+                recorded = manifest.read_manifest(self.manifest_path)
+                self._stripes = recorded.get("stripes")
                 check_stripe_set(self._stripes, self.directories, self.manifest_path)
-            self.stripe_map = StripeMap(len(self.directories), self._stripes["bytes"] if self._stripes else stripe_bytes)
-            for path in self.paths:
-                self._files.append(StoreFile(path, direct=direct, create=not reopen, min_free_bytes=min_free_bytes))
+            self.stripe_map = StripeMap(len(self.paths), self._stripes["bytes"] if self._stripes else stripe_bytes)
+            for path in self.paths:  # each file locked before it is opened (and truncated, unless reopen)
+                self._locks.append(StoreLock(path + ".lock"))
+                self._locks[-1].acquire()
+                self._files.append(StoreFile(path, reopen=reopen, direct=direct))
             if reopen:
-                self._check_existing(manifest)
+                self.layout = manifest.read_layout(self._files, recorded, self.manifest_path, self.stripe_map)
             else:
+                self.layout = Layout()
                 self._allocate(0, HEADER_BYTES)
                 self._persist_layout()
             self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes, pin=torch.cuda.is_available())
             multi = len(self._files) > 1
+            # one queue and worker pool per file (disk); the first also orders all requests (logical byte ranges)
             self._engines = [IOEngine(io_workers, name=f"lightning-nvme-io-s{i}" if multi else "lightning-nvme-io")
                              for i in range(len(self._files))]
         except BaseException:
-            for f in self._files:
-                f.close()  # a refused reopen must not leak descriptors or locks
+            for file in self._files:
+                file.close()  # a refused reopen must not leak descriptors
+            for lock in self._locks:
+                lock.release()
             raise
-        self._engine = self._engines[0]  # also orders all requests (logical byte ranges)
+        self._engine = self._engines[0]
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d x %d file(s) pool=%d MiB", self.path, self.mode,
                  io_chunk_bytes // 1024, io_workers, len(self._files), self._pool.total_bytes // MiB)
 
-    # ---- files, header, manifest --------------------------------------------------------------
+    # ---- file and manifest (store/file_io.py, store/manifest.py) ------------------------------------
     @property
     def fd(self) -> int:
         return self._files[0].fd
@@ -157,36 +152,15 @@ class FlatStore:
 
     @property
     def _lock(self) -> StoreLock:
-        return self._files[0].lock
-
-    def _header_bytes(self, index: int = 0) -> bytes:
-        fields = {"magic": MAGIC, "version": FORMAT_VERSION, "layout": self.layout.digest(), "end": self.layout.end}
-        stripe = header_stripe(self._stripes, index)
-        header = json.dumps(fields if stripe is None else {**fields, "stripe": stripe}).encode()
-        return header.ljust(HEADER_BYTES, b"\0")
+        return self._locks[0]
 
     def _persist_layout(self, *, sync: bool = True) -> None:
-        """Write the header block of every file and the manifest (``atomic.write_json``; fsync'ed when ``sync``).
+        """Write the header block and the manifest (fsync'ed when ``sync``).
 
         ``add_regions`` writes without fsync (an fsync'ed rewrite per call made 1000 ``add_region``
         calls take 48 s on this disk) so the table is on disk at once, before a disk that fills up later
         could refuse it; ``fence(durable=True)`` and ``close`` make it durable."""
-        buf = aligned_empty(HEADER_BYTES)
-        for i, f in enumerate(self._files):
-            buf.copy_(torch.frombuffer(bytearray(self._header_bytes(i)), dtype=torch.uint8))
-            try:
-                f.pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
-            except StoreIOError as e:
-                if f.direct and e.errno == errno_mod.EINVAL:  # O_DIRECT opened but refused at write time
-                    f.fall_back_to_buffered()
-                    f.pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
-                else:
-                    raise
-        manifest = {"magic": MAGIC, "version": FORMAT_VERSION, "digest": self.layout.digest(),
-                    "layout": self.layout.to_json()}
-        if self._stripes is not None:
-            manifest["stripes"] = self._stripes
-        atomic.write_json(self.manifest_path, manifest, durable=sync)
+        manifest.write_layout(self._files, self.layout, self.manifest_path, sync=sync, stripes=self._stripes)
         self._layout_unsynced = not sync
 
     def _sync_layout(self) -> None:
@@ -195,51 +169,13 @@ class FlatStore:
             atomic.fsync_path(self.manifest_path)
             self._layout_unsynced = False
 
-    def _read_manifest(self) -> dict:
-        try:
-            with open(self.manifest_path) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as e:
-            raise StoreFormatError(f"store manifest {self.manifest_path} is missing or unreadable: {e}") from e
-        if not isinstance(manifest, dict) or manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
-            found = manifest if not isinstance(manifest, dict) else f"{manifest.get('magic')!r} v{manifest.get('version')}"
-            raise StoreFormatError(f"{self.manifest_path}: not a lightning-nvme store of format version "
-                                   f"{FORMAT_VERSION} (found {found})")
-        return manifest
-
-    def _check_existing(self, manifest: dict) -> None:
-        """Refuse a store whose manifest, headers or sizes disagree: reading it would return garbage."""
-        try:
-            self.layout = Layout.from_json(manifest["layout"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise StoreFormatError(f"{self.manifest_path}: the manifest's layout is malformed ({e!r})") from e
-        if self.layout.digest() != manifest.get("digest"):
-            raise StoreFormatError(f"{self.manifest_path}: layout hash mismatch; the manifest was modified")
-        buf = aligned_empty(HEADER_BYTES)
-        for i, f in enumerate(self._files):
-            # Size first: a header read from a file truncated below one block would be a short read.
-            size, needed = f.size, self.stripe_map.file_size(i, self.layout.end)
-            if size < needed:
-                raise StoreFormatError(f"{f.path} is truncated: {size} bytes, layout needs {needed}. "
-                                       f"The store cannot be reopened; start a new one (reopen=False).")
-            f.pread_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
-            try:
-                header = json.loads(bytes(buf.numpy()).rstrip(b"\0"))
-            except ValueError:
-                header = {}
-            if not isinstance(header, dict):
-                header = {}
-            check_header_stripe(header.get("stripe"), self._stripes, i, f.path)
-            if (header.get("magic") != MAGIC or header.get("version") != FORMAT_VERSION
-                    or header.get("layout") != self.layout.digest() or header.get("end") != self.layout.end):
-                raise StoreFormatError(f"{f.path}: header does not match manifest {self.manifest_path} "
-                                       f"(layout hash {header.get('layout')} vs {self.layout.digest()})")
-
     def _allocate(self, start: int, nbytes: int) -> None:
         """Reserve disk blocks for logical [start, start+nbytes) in every file it maps to."""
-        for i, f in enumerate(self._files):
+        for i, file in enumerate(self._files):
             old = self.stripe_map.file_size(i, start) if start else 0
-            f.allocate(old, self.stripe_map.file_size(i, start + nbytes) - old)
+            new = self.stripe_map.file_size(i, start + nbytes)
+            if new > old:
+                file.allocate(old, new - old, self.min_free_bytes)
 
     # ---- regions ------------------------------------------------------------------------------
     def add_regions(self, specs: list[tuple[str, int]]) -> list[Region]:
@@ -395,8 +331,8 @@ class FlatStore:
             raise self._first_error
         if durable:
             self._sync_layout()
-            for f in self._files:
-                f.datasync()
+            for file in self._files:
+                file.fdatasync()
             self._stats.add(fsyncs=1)
 
     def wait(self, handle: IOHandle) -> None:
@@ -423,13 +359,18 @@ class FlatStore:
             for off in range(0, region.nbytes, self.io_chunk_bytes):
                 view = buf[:min(self.io_chunk_bytes, region.nbytes - off)]
                 self.wait(self.read(name, view, off))
-                h.update(view.numpy())
+                h.update(memview(view.data_ptr(), view.numel()))
             out[name] = h.hexdigest()
         return out
 
     def aligned_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A page-aligned tensor the store moves without a staging copy."""
         return aligned_empty(shape, dtype, pin=torch.cuda.is_available())
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has run (the file, lock and I/O threads are released)."""
+        return self._closed
 
     @property
     def stats(self) -> IOStats:
@@ -468,10 +409,14 @@ class FlatStore:
                                     f"file and its lock stay held until they return (call close() again) or this "
                                     f"process exits.{pending}") from error
         self._closed = True
-        for f in self._files:
-            f.close(delete=delete)
-        if delete and os.path.exists(self.manifest_path):
-            os.remove(self.manifest_path)
+        for file in self._files:
+            file.close()
+        if delete:
+            for p in (*self.paths, self.manifest_path):
+                if os.path.exists(p):
+                    os.remove(p)
+        for lock in self._locks:
+            lock.release()
         if error is not None:
             raise error
 

@@ -1,9 +1,8 @@
-"""``StoreFile``: one file of a store, with its lock, its I/O mode and checked positional I/O.
+"""``StoreFile``: the store's file descriptor and its checked I/O (whole buffers, errors that name the place).
 
-Why a class of its own: a store striped over several disks holds one file per directory, and every
-guarantee of the store holds per file: each is locked, opened ``O_DIRECT`` where its filesystem accepts
-it, preallocated with a clear error when its disk is short, fdatasync'ed before a checkpoint commits,
-and every failed or short transfer names that file's path.
+Why apart from ``FlatStore``: the store's logic (regions, ordering, fences) never sees a raw ``os`` call;
+every read, write, allocation and sync goes through here and fails with a ``StoreError`` that names the
+file, region and offset, and says what to do.
 """
 
 from __future__ import annotations
@@ -12,45 +11,34 @@ import errno as errno_mod
 import os
 import shutil
 
-from lightning_nvme.store.errors import StoreIOError, StoreSpaceError
-from lightning_nvme.store.lock import StoreLock
+from lightning_nvme.store.errors import StoreFormatError, StoreIOError, StoreSpaceError
 
 
 class StoreFile:
-    """One open store file. ``create`` truncates it; otherwise it must exist (``reopen``)."""
+    """``path`` opened read-write (created and truncated unless ``reopen``), with ``O_DIRECT`` where the
+    filesystem accepts it: ``direct=None`` probes, ``True`` requires it, ``False`` never uses it."""
 
-    def __init__(self, path: str, *, direct: bool | None, create: bool, min_free_bytes: int = 0) -> None:
+    def __init__(self, path: str, *, reopen: bool, direct: bool | None) -> None:
         self.path = path
-        self.directory = os.path.dirname(path)
-        self.min_free_bytes = min_free_bytes
-        self.fd = -1
+        if reopen and not os.path.exists(path):
+            raise StoreFormatError(f"cannot reopen store {path}: the file does not exist")
+        self.fd = os.open(path, os.O_RDWR | (0 if reopen else os.O_CREAT | os.O_TRUNC), 0o644)
         self.direct = False
-        self.lock = StoreLock(path + ".lock")
-        self.lock.acquire()
-        try:
-            self._open(direct, create)
-        except BaseException:
-            self.lock.release()
-            raise
-
-    def _open(self, direct: bool | None, create: bool) -> None:
-        self.fd = os.open(self.path, os.O_RDWR | (os.O_CREAT | os.O_TRUNC if create else 0), 0o644)
         if direct is not False and hasattr(os, "O_DIRECT"):
             try:
-                dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
+                dfd = os.open(path, os.O_RDWR | os.O_DIRECT)
             except OSError as e:
                 if direct:
                     os.close(self.fd)
-                    self.fd = -1
-                    raise StoreIOError(f"O_DIRECT was requested but {self.path} does not support it ({e.strerror}). "
+                    raise StoreIOError(f"O_DIRECT was requested but {path} does not support it ({e.strerror}). "
                                        f"Use a local ext4/xfs SSD, or set direct=None to fall back to buffered I/O.",
-                                       path=self.path, errno=e.errno) from e
+                                       path=path, errno=e.errno) from e
             else:
                 os.close(self.fd)
                 self.fd, self.direct = dfd, True
 
     def fall_back_to_buffered(self) -> None:
-        """``O_DIRECT`` opened but refused at write time (``EINVAL``): continue buffered."""
+        """O_DIRECT was accepted at open but refused at write time (EINVAL): reopen without it."""
         os.close(self.fd)
         self.fd, self.direct = os.open(self.path, os.O_RDWR), False
 
@@ -58,15 +46,13 @@ class StoreFile:
     def size(self) -> int:
         return os.fstat(self.fd).st_size
 
-    def allocate(self, offset: int, nbytes: int) -> None:
+    def allocate(self, offset: int, nbytes: int, min_free_bytes: int) -> None:
         """Reserve disk blocks for [offset, offset+nbytes), refusing early and clearly when space is short."""
-        if nbytes <= 0:
-            return
-        free = shutil.disk_usage(self.directory).free
-        if nbytes + self.min_free_bytes > free:
+        free = shutil.disk_usage(os.path.dirname(self.path)).free
+        if nbytes + min_free_bytes > free:
             raise StoreSpaceError(
                 f"store {self.path} needs {nbytes} more bytes ({nbytes / 2**30:.2f} GiB) plus a safety margin of "
-                f"{self.min_free_bytes} bytes, but only {free} bytes ({free / 2**30:.2f} GiB) are free on that disk. "
+                f"{min_free_bytes} bytes, but only {free} bytes ({free / 2**30:.2f} GiB) are free on that disk. "
                 f"Free space, or point store_dir at a larger local SSD.")
         try:
             os.posix_fallocate(self.fd, offset, nbytes)
@@ -111,20 +97,15 @@ class StoreFile:
             done += n
 
     def drop_cache(self, offset: int, nbytes: int) -> None:
+        """Buffered I/O: drop the bytes just moved from the page cache (the RAM the offload saves)."""
         if not self.direct:
             os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
 
-    def datasync(self) -> None:
+    def fdatasync(self) -> None:
         try:
             os.fdatasync(self.fd)
         except OSError as e:
             raise StoreIOError(f"fdatasync of {self.path} failed: {e.strerror}", path=self.path, errno=e.errno) from e
 
-    def close(self, *, delete: bool = False) -> None:
-        """Close the descriptor (and remove the file with ``delete``), then release the lock."""
-        if self.fd >= 0:
-            os.close(self.fd)
-            self.fd = -1
-        if delete and os.path.exists(self.path):
-            os.remove(self.path)
-        self.lock.release()
+    def close(self) -> None:
+        os.close(self.fd)

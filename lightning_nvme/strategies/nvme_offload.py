@@ -69,7 +69,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     strategy_name = "nvme_offload"
     _frees_grads = True
 
-    def __init__(self, store_dir: str | None = None, *, device: torch.device | str | None = None,
+    def __init__(self, store_dir: str | list[str] | None = None, *, device: torch.device | str | None = None,
                  accelerator: pl.accelerators.Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
                  precision_plugin: Precision | None = None, parallel_devices: list[torch.device] | None = None,
                  **settings: Any) -> None:

@@ -10,6 +10,7 @@ import torch
 
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.store import FlatStore
+from lightning_nvme.store import file_io as file_io_mod
 from lightning_nvme.store import flat_store as flat_store_mod
 
 
@@ -37,14 +38,14 @@ def _train(model, opt, steps=8, closure_style=True):
 def test_slow_writes_are_fenced(tmp_path, monkeypatch):
     """Writes are delayed so that step N+1's prefetch is issued while step N's writes are still in
     flight; the result must still equal in-memory training (the read waits for the write)."""
-    original = flat_store_mod.FlatStore._pwrite_full
+    original = file_io_mod.StoreFile.pwrite_full
     in_flight_at_prefetch = []
 
     def slow_write(self, mv, offset, region):
         time.sleep(0.01)
         return original(self, mv, offset, region)
 
-    monkeypatch.setattr(flat_store_mod.FlatStore, "_pwrite_full", slow_write)
+    monkeypatch.setattr(file_io_mod.StoreFile, "pwrite_full", slow_write)
     ref_model, model = _model(), _model()
     ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     _train(ref_model, ref)
@@ -86,6 +87,7 @@ def test_io_error_in_write_back_reaches_the_next_step(tmp_path, monkeypatch):
 
     from lightning_nvme.store import StoreError
 
+    before = {t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io")}
     store = FlatStore(tmp_path, io_chunk_bytes=4096)
     model = _model()
     off = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store, chunk_bytes=8 << 10)
@@ -101,7 +103,8 @@ def test_io_error_in_write_back_reaches_the_next_step(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(StoreError):
         store.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io")]
+    assert store._engine.alive_threads == 0  # its own workers stopped (threads of other tests' stores are not ours)
+    assert not [t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io") and t not in before]
 
 
 def test_update_temporaries_stay_off_the_heap_during_backward(tmp_path, monkeypatch):

@@ -61,6 +61,8 @@ def choose(store: FlatStore, checkpoint_path: str, regions: list[str]) -> tuple[
     """Whether this save can clone ``regions`` of ``store`` into ``checkpoint_path``'s directory, and if not why."""
     directory = os.path.dirname(os.path.abspath(checkpoint_path))
     os.makedirs(directory, exist_ok=True)
+    if len(getattr(store, "paths", [store.path])) > 1:
+        return False, "the store is striped over several files (store_dir lists several directories)"
     if not reflink.same_filesystem(store.path, directory):
         return False, (f"the checkpoint directory {directory} is not on the store's filesystem ({store.directory}); "
                        "a reflink cannot cross filesystems")

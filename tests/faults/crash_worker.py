@@ -11,7 +11,8 @@ of one phase (optionally after writing only part of that write: a torn write):
 - ``writeback``  every ``pwrite`` to the store file of regions of the offloaded optimizer (from the
   store's I/O threads, while the training loop runs on);
 - ``checkpoint`` every file-system call made while ``save_checkpoint``/``remove_checkpoint`` run:
-  ``open``, ``mkdir``, ``pwrite``, ``ftruncate``, ``fsync``, ``rename``, ``renameat2``, ``unlink``... —
+  ``open``, ``mkdir``, ``pwrite``, ``ftruncate``, ``fsync``, ``rename``, ``renameat2``, ``unlink``, the
+  ``ioctl`` of each reflink clone... —
   i.e. every step of the commit protocol of ``lightning_nvme.checkpoint.paired`` (optimizer files into a
   temp dir, its rename, the file's temp write and switch, the sweep of the replaced save's state);
 - ``activation`` every ``pwrite`` to an ``activations*`` region (``NVMeActivationOffload``);
@@ -188,7 +189,21 @@ class _Injector:
                 self.hit("checkpoint", what=f"fdatasync {_fd_name(fd)}")
             return real_fdatasync(fd)
 
-        os.pwrite, os.fsync, os.fdatasync = self.pwrite, fsync, fdatasync
+        import fcntl
+
+        real_ioctl = fcntl.ioctl
+
+        def ioctl(fd, request, *args):  # FICLONERANGE of a reflink checkpoint (lightning_nvme.reflink)
+            if self._counting():
+                try:
+                    target = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    target = "?"
+                self._targeted("fcntl.ioctl", (target,))
+                self.hit("checkpoint", what=f"ioctl {_norm(target)}")
+            return real_ioctl(fd, request, *args)
+
+        os.pwrite, os.fsync, os.fdatasync, fcntl.ioctl = self.pwrite, fsync, fdatasync, ioctl
         sys.addaudithook(self.audit)
 
 

@@ -69,6 +69,13 @@ def _mmap_threshold(value: Any) -> str | None:
             f"allocator alone), got {value!r}.")
 
 
+def _budget(value: Any) -> str | None:
+    if value == "auto" or (is_int(value) and value >= 0):
+        return None
+    return (f"must be an integer number of bytes >= 0 (0: nothing kept in memory) or \"auto\" (a share of the "
+            f"memory available at setup, docs/shelf.md), got {value!r}. Fix: e.g. {8 * GiB} for 8 GiB.")
+
+
 # ---- the arguments -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadSettings:
@@ -130,6 +137,10 @@ class OffloadSettings:
                  "plain Lightning checkpoint; memory: that much); larger ones stream from the store into "
                  "``<file>.optim/<save id>/weights.safetensors``, one block in memory at a time.",
         nbytes(0, typical="0 to always stream the weights beside the file"))
+    host_memory_budget: int | str = setting(
+        0, "Bytes of host RAM that parameter blocks and optimizer chunks may occupy instead of the SSD, chosen to "
+           "save the most I/O per byte (docs/shelf.md); ``\"auto\"``: 60% of the memory available at setup less "
+           "2 GiB; 0: everything streams.", _budget)
 
     def __post_init__(self) -> None:
         check_fields(self)

@@ -20,6 +20,7 @@ from lightning_nvme.store import FlatStore, IOHandle
 class ChunkBuffer:
     data: torch.Tensor  # uint8, page-aligned, capacity bytes
     pending_write: IOHandle | None = None
+    borrowed: bool = False  # the store's in-memory copy of a shelved region, not one of the ring's buffers
 
 
 class ChunkRing:
@@ -45,6 +46,8 @@ class ChunkRing:
         return buf
 
     def release(self, buf: ChunkBuffer, pending_write: IOHandle | None = None) -> None:
+        if buf.borrowed:
+            return
         buf.pending_write = pending_write
         self._free.append(buf)
 

@@ -191,8 +191,12 @@ class OffloadedOptimizer:
 
     # ---- reads ahead ------------------------------------------------------------------------------
     def _issue_read(self, c: int) -> None:
-        buf = self.ring.acquire()
         chunk = self.chunks[c]
+        shelved = self.store.shelved(chunk.region)
+        if shelved is not None:  # host_memory_budget: updated in place in memory; its "write" is then free
+            self._inflight[c] = (ChunkBuffer(shelved[:self.capacity[c]], borrowed=True), None)
+            return
+        buf = self.ring.acquire()
         handle = None
         if any(self._initialized(p) for p in chunk.pieces):
             handle = self.store.read(chunk.region, buf.data[:self.capacity[c]])

@@ -107,10 +107,17 @@ class Placement:
 
     def summary(self) -> str:
         d = self.as_dict()
-        return (f"host_memory_budget={self.budget / MiB:.0f} MiB: {d['ram_bytes'] / MiB:.0f} MiB in RAM "
-                f"({d['blocks_in_ram']} blocks, {d['chunks_in_ram']} chunks), {d['ssd_bytes'] / MiB:.0f} MiB on the SSD "
-                f"({d['blocks_on_ssd']} blocks, {d['chunks_on_ssd']} chunks); disk I/O per step "
-                f"{self.io_before / MiB:.0f} MiB -> {self.io_after / MiB:.0f} MiB")
+        return (f"host_memory_budget={_shown(self.budget)}: {_shown(d['ram_bytes'])} in RAM ({d['blocks_in_ram']} "
+                f"blocks, {d['chunks_in_ram']} chunks), {_shown(d['ssd_bytes'])} on the SSD ({d['blocks_on_ssd']} "
+                f"blocks, {d['chunks_on_ssd']} chunks); disk I/O per step {_shown(self.io_before)} -> "
+                f"{_shown(self.io_after)}")
+
+
+def _shown(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
 
 
 def plan_placement(items: Iterable[Item], budget: int) -> Placement:

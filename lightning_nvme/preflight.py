@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 from lightning_nvme import fsinfo
 from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import ALIGN, GiB
+from lightning_nvme.placement import available_host_memory
 from lightning_nvme.store.flat_store import MAGIC as STORE_MAGIC
 
 
@@ -191,3 +192,13 @@ def check_store_dir(path: str | os.PathLike | None, needed_bytes: int, *, min_fr
     for w in report.warnings:
         warnings.warn(w, PreflightWarning, stacklevel=2)
     return report
+
+
+def check_host_memory_budget(budget: int, setting: int | str, available: int | None = None) -> None:
+    """Refuse a ``host_memory_budget`` above the memory available now: the shelf would push the run (or its
+    neighbours) into swap or the OOM killer instead of saving disk I/O."""
+    free = available_host_memory() if available is None else available
+    if budget > free:
+        raise ConfigError("host_memory_budget", f"{budget} bytes ({_gib(budget)}) asked, but only {free} bytes "
+                                                f"({_gib(free)}) of memory are available now (MemAvailable). Fix: "
+                                                f"set host_memory_budget <= {free}, or \"auto\", or 0.")

@@ -31,8 +31,8 @@ from lightning_nvme.store.engine import IOEngine
 from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreSpaceError, StoreTimeoutError
 from lightning_nvme.store.handle import IOHandle, wait_all
 from lightning_nvme.store.layout import ALIGN, FORMAT_VERSION, HEADER_BYTES, Layout, Region, align_up
-from lightning_nvme.store.shelf import Shelf
 from lightning_nvme.store.lock import StoreLock
+from lightning_nvme.store.shelf import Shelf
 from lightning_nvme.store.stats import IOStats, StatsRecorder
 
 log = logging.getLogger(__name__)

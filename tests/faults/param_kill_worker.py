@@ -46,7 +46,8 @@ def run(spec: dict) -> None:
                 inj.kill = {"phase": "params", "at": inj.total["params"] + spec["kill_at"], "torn": spec.get("torn")}
 
     strategy = NVMeOffloadStrategy(store_dir=os.path.join(root, "store"), chunk_bytes=64 << 10, io_chunk_bytes=8 << 10,
-                                   io_workers=2, min_free_bytes=0, offload_params=True, overlap="backward")
+                                   io_workers=2, min_free_bytes=0, offload_params=True, overlap="backward",
+                                   host_memory_budget=spec.get("host_memory_budget", 0))
     # Checkpoints at epoch ends and max_epochs (not max_steps, nor limit_train_batches): only then does
     # Lightning resume a plain dataloader exactly where the uninterrupted run would be.
     checkpoints = ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), save_last=True, save_top_k=-1, every_n_epochs=1)

@@ -93,6 +93,7 @@ def child(args: argparse.Namespace) -> dict:
                                n_embd=args.width, activation_checkpointing=True, empty_init=offload,
                                optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
     starts: list[float] = []
+    cpu: list[float] = []  # process CPU time (all threads): what a step costs whatever else loads the machine
     stats: list = []
     strategy: object = "auto"
     callbacks: list = []
@@ -109,6 +110,7 @@ def child(args: argparse.Namespace) -> dict:
             store = getattr(trainer.strategy, "nvme_store", None)
             stats.append(store.stats if store is not None else None)
             starts.append(time.perf_counter())
+            cpu.append(time.process_time())
             print(f"  {args.child} L={args.layers}: step {len(starts) - 1} starts", file=sys.stderr, flush=True)
 
         def on_train_end(self, trainer: pl.Trainer, *_: object) -> None:
@@ -117,6 +119,7 @@ def child(args: argparse.Namespace) -> dict:
                 store.fence(durable=True)  # the last step's write-backs are part of it
             stats.append(store.stats if store is not None else None)
             starts.append(time.perf_counter())
+            cpu.append(time.process_time())
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=n, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -126,7 +129,10 @@ def child(args: argparse.Namespace) -> dict:
     setup_s = starts[0] - t0
     steps = [b - a for a, b in zip(starts[args.warmup:], starts[args.warmup + 1:])]
     out: dict = {"params": sum(p.numel() for p in model.parameters()), "peak_rss_bytes": _peak_rss_bytes(),
-                 "step_s": statistics.median(steps), "steps_s": steps, "setup_s": setup_s}
+                 "step_s": statistics.median(steps), "steps_s": steps, "setup_s": setup_s,
+                 "cpu_s": statistics.median(b - a for a, b in zip(cpu[args.warmup:], cpu[args.warmup + 1:]))}
+    print(f"  {args.child} L={args.layers}: step {out['step_s']:.2f}s wall, {out['cpu_s']:.2f}s CPU", file=sys.stderr,
+          flush=True)
     if offload:
         moved = [b - a for a, b in zip(stats[args.warmup:], stats[args.warmup + 1:])]
         out["bytes_read_per_step"] = statistics.median(m.bytes_read for m in moved)
@@ -275,11 +281,13 @@ def _budgets(args: argparse.Namespace, sizes: list[int], empty: int, load: list[
                 "bytes_per_step": med(o["bytes_read_per_step"] + o["bytes_written_per_step"] for o in offs),
                 "planned_bytes_per_step": offs[0]["placement"]["io_bytes_per_step_after"],
                 "step_s": round(med(o["step_s"] for o in offs), 3),
+                "cpu_s_per_step": round(med(o.get("cpu_s", float("nan")) for o in offs), 3),
                 "io_bound_s": round(med(o["io_bound_s"] for o in offs), 3),
                 "step_vs_budget0": spread([o["step_s"] / z["step_s"] for o, z in zip(offs, runs[budgets[0]])]),
             }
             if plain:
                 rec["plain_step_s"] = round(med(q["step_s"] for q in plain), 3)
+                rec["plain_cpu_s_per_step"] = round(med(q.get("cpu_s", float("nan")) for q in plain), 3)
                 rec["plain_peak_rss_MiB"] = round(max(q["peak_rss_bytes"] for q in plain) / MiB, 1)
                 rec["step_vs_plain"] = spread([o["step_s"] / q["step_s"] for o, q in zip(offs, plain)])
             records.append(rec)

@@ -10,7 +10,7 @@ ratio of the latter to the disk's write (encoders) or read (decoders) speed: > 1
 up with the disk.
   ours     lightning_nvme.optim.state_format: bf16 cast (torch copy), int8 linear (signed) / 4th-root
            (unsigned) codes with one absmax per 256 and hash-noise bf16 stochastic rounding (single-pass
-           numba kernels, lightning_nvme/optim/codec_kernels.py); decoders write into a reused buffer
+           numba kernels, lightning_nvme/optim/formats/kernels.py); decoders write into a reused buffer
   torchao  torchao.optim.quant_utils (8-bit dynamic-map quantize/dequantize, _fp32_to_bf16_sr), eager
   bnb      bitsandbytes.functional.quantize_blockwise / dequantize_blockwise (CPU backend)
 Libraries that are not installed are skipped (``pip install torchao bitsandbytes`` to include them).

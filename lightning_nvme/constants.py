@@ -5,9 +5,7 @@ MiB = 1 << 20
 GiB = 1 << 30
 ALIGN = 4096  # O_DIRECT alignment of offsets, lengths and buffers: store regions start on this boundary
 STORE_DIR_ENV = "LIGHTNING_NVME_STORE_DIR"  # the store directory when no store_dir is given
-STATE_FORMATS = ("exact", "bf16", "int8")  # how per-element optimizer state is stored (optim/state_format.py)
 INT8_BLOCK = 256  # elements per block of state_format="int8" (one fp32 absmax each: 1/64 byte per element)
-MASTER_FORMATS = ("fp32", "bf16_sr")  # fp32 masters of half-precision params, or none (stochastic rounding)
 
 
 def align_up(n: int, align: int = ALIGN) -> int:

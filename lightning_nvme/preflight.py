@@ -23,7 +23,7 @@ from lightning_nvme import fsinfo
 from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import ALIGN, GiB
 from lightning_nvme.placement import available_host_memory
-from lightning_nvme.store.flat_store import MAGIC as STORE_MAGIC
+from lightning_nvme.store.manifest import MAGIC as STORE_MAGIC
 
 
 class PreflightWarning(UserWarning):

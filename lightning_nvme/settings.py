@@ -34,9 +34,10 @@ from lightning_nvme.config import (
     resolve_store_dir,
     setting,
 )
-from lightning_nvme.constants import ALIGN, MASTER_FORMATS, STATE_FORMATS, STORE_DIR_ENV, GiB, MiB
+from lightning_nvme.constants import ALIGN, STORE_DIR_ENV, GiB, MiB
 from lightning_nvme.memory import HEAP_MMAP_THRESHOLD_MAX, OFF_HEAP_THRESHOLD
 from lightning_nvme.optim import CHUNK_BYTES, OVERLAP_MODES, PREFETCH_DEPTH
+from lightning_nvme.optim.formats import master_format_names, state_format_names
 from lightning_nvme.optim.state_format import StateFormat
 from lightning_nvme.store.flat_store import IO_CHUNK_BYTES, IO_WORKERS, STAGING_BYTES
 
@@ -114,11 +115,11 @@ class OffloadSettings:
     state_format: str = setting(
         "exact", "How per-element optimizer state (Adam's moments, momentum...) is stored: ``\"exact\"``, "
                  "``\"bf16\"`` or ``\"int8\"`` (blockwise 8-bit); see docs/state_format.md.",
-        one_of(*STATE_FORMATS))
+        lambda value: one_of(*state_format_names())(value))  # the registered formats (optim/formats/)
     master_format: str = setting(
         "fp32", "``\"fp32\"`` masters of half-precision params, or ``\"bf16_sr\"``: none, the bf16 update is "
                 "rounded stochastically (``precision=\"bf16-true\"``); see docs/state_format.md.",
-        one_of(*MASTER_FORMATS))
+        lambda value: one_of(*master_format_names())(value))
     offload_params: bool = setting(
         False, "Parameters of each block (e.g. a transformer layer) live in the store between uses and are "
                "loaded just in time (``nvme_offload`` only; see docs/params.md).", boolean)

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 import torch
 
-from lightning_nvme.optim import codec_kernels as k
+from lightning_nvme.optim.formats import kernels as k
 
 F32 = np.float32
 

@@ -111,7 +111,7 @@ def test_update_temporaries_stay_off_the_heap_during_backward(tmp_path, monkeypa
     backward (overlap='step') still put them on the heap. Training is unchanged (equal to in-memory AdamW)."""
     from contextlib import contextmanager
 
-    import lightning_nvme.optim.offloaded as offloaded_mod
+    import lightning_nvme.optim.chunk_update as offloaded_mod
 
     for overlap in ("backward", "step"):
         entered = []

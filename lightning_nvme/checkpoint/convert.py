@@ -33,7 +33,7 @@ from lightning_nvme.checkpoint.streamed import (
     parse_tensor_name,
     tensor_name,
 )
-from lightning_nvme.optim.state_format import BLOCK, SCALE_SUFFIX, STATE_DICT_KEY, StateFormat, decode_entries
+from lightning_nvme.optim.state_format import STATE_DICT_KEY, StateFormat, decode_entries
 
 
 def to_lightning(src: str, dst_file: str) -> None:
@@ -42,13 +42,14 @@ def to_lightning(src: str, dst_file: str) -> None:
         raise RuntimeError(parts.problem)
     for i, state in enumerate(checkpoint.get("optimizer_states", [])):
         marker = parts.markers[i] if parts is not None else None
-        if marker is None:
+        if marker is None or parts is None:
             continue
         readers = open_readers(parts.directory, marker, parts.save_id)
+        fmt = StateFormat.from_dict(marker.get("state_format"))
         try:
             for reader in readers:  # one per rank that wrote a shard of a data-parallel save
                 for name in reader.entries:
-                    _gather(state["state"], reader, name, marker.get("shapes"))
+                    _gather(state["state"], reader, name, marker.get("shapes"), fmt)
         finally:
             for reader in readers:
                 reader.close()
@@ -62,7 +63,7 @@ def _dequantize(state: dict, saved: dict | None) -> None:
     bf16_sr step count stay recorded under ``STATE_DICT_KEY``."""
     if not saved:
         return
-    fmt = StateFormat(saved["state_format"], saved["master_format"])
+    fmt = StateFormat.from_dict(saved)
     if fmt.exact:  # nothing to decode or record: the plain checkpoint is torch's own format (as state_dict() gives)
         return
     for entries in state["state"].values():
@@ -70,7 +71,7 @@ def _dequantize(state: dict, saved: dict | None) -> None:
     state[STATE_DICT_KEY] = dict(saved)
 
 
-def _gather(state: dict, reader: SafetensorsReader, name: str, shapes: list | None) -> None:
+def _gather(state: dict, reader: SafetensorsReader, name: str, shapes: list | None, fmt: StateFormat) -> None:
     """Put entry ``name`` into the torch-format ``state``: a whole tensor, or a range of one (then the
     full tensor, shaped like its parameter, is assembled from the ranges of all shards)."""
     index, key, start, stop = parse_tensor_name(name)
@@ -79,9 +80,13 @@ def _gather(state: dict, reader: SafetensorsReader, name: str, shapes: list | No
         entries[key] = reader.read(name).view(reader.entries[name][1])
         return
     if key not in entries:
+        if shapes is None:
+            raise ValueError(f"{reader.path}: entry {name!r} holds a range of a parameter's state, but the checkpoint "
+                             "records no parameter shapes to assemble it into; the checkpoint is incomplete")
         shape = tuple(shapes[index])
-        if key.endswith(SCALE_SUFFIX):  # one int8 block scale per BLOCK elements
-            shape = (-(-math.prod(shape) // BLOCK),)
+        per = fmt.elements_per_value(key)  # e.g. int8: one block scale per block of elements
+        if per > 1:
+            shape = (-(-math.prod(shape) // per),)
         entries[key] = torch.empty(shape, dtype=reader.entries[name][0])
     entries[key].view(-1)[start:stop] = reader.read(name)
 

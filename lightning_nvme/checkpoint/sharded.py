@@ -62,7 +62,7 @@ def write_shard(off: OffloadedOptimizer, directory: str, i: int, rank: int, save
     """Stream this rank's state of optimizer ``i`` into ``directory`` (fsynced); returns the file name."""
     runs = _runs(off)
     stored = {p.index: p.stored() for c in off.chunks for p in c.pieces}
-    entries = []
+    entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for (index, start), (run_start, run_stop) in sorted(runs.items()):
         if start == run_start:
             entries += [(tensor_name(index, c.name, run_start // c.per, -(-run_stop // c.per)), c.dtype,

@@ -79,7 +79,7 @@ def format_entry(off: OffloadedOptimizer) -> dict[str, Any]:
 def check_format(off: OffloadedOptimizer, marker: Mapping[str, Any], path: str) -> None:
     """Refuse to resume from state stored in another format than this run's, naming both and the way out."""
     saved = marker.get("state_format") or {}
-    stored = StateFormat(saved.get("state_format", "exact"), saved.get("master_format", "fp32"))
+    stored = StateFormat.from_dict(saved)
     if (stored.state, stored.master) != (off.fmt.state, off.fmt.master):
         raise StateFormatError(
             f"checkpoint {path} stores optimizer state with {stored.describe()}, but this run uses "
@@ -131,7 +131,7 @@ class _FileSource:
         for reader in readers:
             for name, (_, shape, _) in reader.entries.items():
                 index, key, start, stop = parse_tensor_name(name)
-                if start is None:
+                if start is None or stop is None:  # a whole-parameter entry
                     start, stop = 0, int(torch.Size(shape).numel())
                 self.entries.setdefault((index, key), []).append((start, stop, reader, name))
         for spans in self.entries.values():

@@ -35,7 +35,9 @@ class HFTokenizer:
         return torch.tensor(self._tok(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
     def decode(self, ids: torch.Tensor) -> str:
-        return self._tok.decode(ids.tolist())
+        text = self._tok.decode(ids.tolist())
+        assert isinstance(text, str)  # one sequence of ids decodes to one string
+        return text
 
 
 def make_tokenizer(spec: str) -> ByteTokenizer | HFTokenizer:

@@ -1,5 +1,7 @@
-"""How optimizer state is stored on the SSD: ``state_format`` ("exact" | "bf16" | "int8") and
-``master_format`` ("fp32" | "bf16_sr").
+"""How optimizer state is stored on the SSD: ``StateFormat``, a ``state_format`` (how per-element state is
+stored: ``"exact"``, ``"bf16"``, ``"int8"``, or any registered format) with a ``master_format`` (``"fp32"``
+or ``"bf16_sr"``). Each format is its own module in ``formats/`` (the codes are defined there); this pairs
+them and answers every question the optimizer, plan and checkpoints ask about the stored layout.
 
 Why: the offloaded step is bound by the disk, and AdamW with fp32 masters moves 24 bytes per parameter
 per step. Storing the per-element floating state (``exp_avg``, ``exp_avg_sq``, ``momentum_buffer``,
@@ -8,23 +10,6 @@ per step. Storing the per-element floating state (``exp_avg``, ``exp_avg_sq``, `
 fp32 master weights are never compressed. The update itself always runs in the optimizer's own code,
 in fp32, on decoded state.
 
-Codes (single-pass numba kernels in ``codec_kernels``, which define the arithmetic; torchao's and
-bitsandbytes' CPU kernels and plain torch ops were measured slower, see docs/state_format.md):
-
-- ``bf16``: round-to-nearest-even cast; NaN/inf stay per element.
-- ``int8``: blocks of ``BLOCK`` elements aligned to the parameter's element 0, one fp32 absmax each.
-  Signed keys (first moments): linear, ``q = round(127 * x / absmax)`` (int8). Keys known to be
-  non-negative (second moments, the denominator of Adam's update): ``q = round(255 * (x / absmax) ** (1/4))``
-  (uint8), a nonlinear code that keeps small values alive down to ~1e-11 of the block's absmax (a
-  linear code would zero everything below 1/510 and blow up ``m / sqrt(v)``), in the spirit of
-  bitsandbytes' dynamic map but encoded with arithmetic instead of a table search (measured 10x faster
-  on CPU, docs/state_format.md). A block holding a NaN/inf would spread it to all 256 values, so it is
-  refused (``StateFormatError``) instead.
-- ``bf16_sr`` masters: no fp32 master is stored; the update runs on ``param.float()`` and is rounded
-  back to bf16 stochastically. The noise is a hash of (optimizer step, parameter index, element index):
-  deterministic, independent of how the state is cut into chunks or ranks, and reproducible on resume
-  (the step count is saved in the checkpoint).
-
 ``RoundTripOptimizer`` is the in-memory reference: the same optimizer with the same round trip applied
 to its state after every update. An offloaded run with a format is bitwise equal to it.
 """
@@ -32,72 +17,64 @@ to its state after every update. An offloaded run with a format is bitwise equal
 from __future__ import annotations
 
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch.optim import Optimizer
 
 from lightning_nvme.constants import INT8_BLOCK as BLOCK
-from lightning_nvme.constants import MASTER_FORMATS, STATE_FORMATS
+from lightning_nvme.optim.formats import Component, StateFormatError, master_policy, state_codec
+from lightning_nvme.optim.formats.codec import MasterPolicy, StateCodec
+from lightning_nvme.optim.formats.masters import HALF_DTYPES, stochastic_round_bf16
+from lightning_nvme.optim.formats.masters import sr_key as _sr_key
 
-if TYPE_CHECKING:
-    from types import ModuleType
-
-SCALE_SUFFIX = ".absmax"
 # Entry of a torch-format optimizer state dict (plain checkpoints) recording the format it came from and
 # the step count that seeds bf16_sr rounding; torch's own load_state_dict ignores it.
 STATE_DICT_KEY = "lightning_nvme_state_format"
 MASTER_KEY = "master_param"
-HALF_DTYPES = (torch.float16, torch.bfloat16)
-# State keys of torch optimizers that are >= 0 by construction: the unsigned code is used for them.
-NONNEGATIVE_KEYS = frozenset({"exp_avg_sq", "max_exp_avg_sq", "square_avg", "sum", "exp_inf", "acc_delta",
-                              "max_exp_avg_sqs"})
-_SR_SEED = 0x5EED_0F_B16
 
-
-class StateFormatError(ValueError):
-    """State that a format cannot store faithfully, or a checkpoint in another format."""
-
-
-@dataclass(frozen=True)
-class Component:
-    """One stored tensor of a state key: the values (``per`` = 1) or the per-block scales (``per`` = BLOCK)."""
-
-    name: str
-    dtype: torch.dtype
-    per: int = 1
-
-    def count(self, numel: int) -> int:
-        return -(-numel // self.per)
+__all__ = ["BLOCK", "EXACT", "HALF_DTYPES", "MASTER_KEY", "STATE_DICT_KEY", "Component", "RoundTripOptimizer",
+           "StateFormat", "StateFormatError", "_sr_key", "decode_entries", "stochastic_round_bf16"]
 
 
 @dataclass(frozen=True)
 class StateFormat:
-    """A (state_format, master_format) pair and its codecs."""
+    """A (state_format, master_format) pair, each looked up in the registry (``formats/registry.py``)."""
 
     state: str = "exact"
     master: str = "fp32"
 
     def __post_init__(self) -> None:
-        if self.state not in STATE_FORMATS:
-            raise StateFormatError(f"invalid state_format={self.state!r}: must be one of {STATE_FORMATS}")
-        if self.master not in MASTER_FORMATS:
-            raise StateFormatError(f"invalid master_format={self.master!r}: must be one of {MASTER_FORMATS}")
+        state_codec(self.state)  # raise StateFormatError for a name no format is registered under
+        master_policy(self.master)
+
+    @classmethod
+    def from_dict(cls, saved: Mapping[str, Any] | None) -> StateFormat:
+        """The format a checkpoint recorded (``to_dict``); nothing recorded: the default."""
+        saved = saved or {}
+        return cls(saved.get("state_format", "exact"), saved.get("master_format", "fp32"))
+
+    @property
+    def codec(self) -> StateCodec:
+        return state_codec(self.state)
+
+    @property
+    def masters(self) -> MasterPolicy:
+        return master_policy(self.master)
 
     @property
     def exact(self) -> bool:
-        return self.state == "exact" and self.master == "fp32"
+        return self.codec.lossless and self.masters.keeps_masters
 
     @property
     def align(self) -> int:
         """Element multiple every cut of a parameter into pieces/ranks must fall on (int8 blocks)."""
-        return BLOCK if self.state == "int8" else 1
+        return self.codec.align
 
     def to_dict(self) -> dict[str, Any]:
-        return {"state_format": self.state, "master_format": self.master,
-                **({"block": BLOCK} if self.state == "int8" else {})}
+        return {"state_format": self.state, "master_format": self.master, **self.codec.record()}
 
     def describe(self) -> str:
         return f"state_format={self.state!r}, master_format={self.master!r}"
@@ -105,23 +82,22 @@ class StateFormat:
     # ---- layout -------------------------------------------------------------------------------------
     def rounds_master(self, param_dtype: torch.dtype) -> bool:
         """True where a half-precision param keeps no stored fp32 master (``bf16_sr``)."""
-        if self.master != "bf16_sr" or param_dtype not in HALF_DTYPES:
-            return False
-        if param_dtype != torch.bfloat16:
-            raise StateFormatError(f"master_format='bf16_sr' rounds updates to bfloat16, but a parameter is "
-                                   f"{param_dtype}: use precision='bf16-true' or master_format='fp32'")
-        return True
+        return self.masters.rounds(param_dtype)
 
     def compresses(self, key: str, dtype: torch.dtype) -> bool:
-        return self.state != "exact" and key != MASTER_KEY and dtype == torch.float32
+        return not self.codec.lossless and key != MASTER_KEY and dtype == torch.float32
 
     def components(self, key: str, dtype: torch.dtype) -> tuple[Component, ...]:
-        if not self.compresses(key, dtype):
-            return (Component(key, dtype),)
-        if self.state == "bf16":
-            return (Component(key, torch.bfloat16),)
-        code = torch.uint8 if key in NONNEGATIVE_KEYS else torch.int8
-        return (Component(key, code), Component(key + SCALE_SUFFIX, torch.float32, BLOCK))
+        return self.codec.components(key) if self.compresses(key, dtype) else (Component(key, dtype),)
+
+    def elements_per_value(self, entry: str) -> int:
+        """Parameter elements one value of the stored entry ``entry`` stands for: 1, or e.g. a block for
+        per-block scales (a checkpoint entry ``<key>`` or ``<key><suffix>`` of a compressed key)."""
+        for key in (entry.rpartition(".")[0], entry):  # side data of a key first: ``exp_avg.absmax`` is exp_avg's
+            for comp in (self.components(key, torch.float32) if key else ()):
+                if comp.name == entry:
+                    return comp.per
+        return 1
 
     # ---- element codecs -------------------------------------------------------------------------------
     def encode(self, key: str, values: torch.Tensor, raws: list[torch.Tensor], where: str = "") -> None:
@@ -129,10 +105,8 @@ class StateFormat:
         if not self.compresses(key, values.dtype):
             if raws[0].data_ptr() != values.data_ptr():
                 raws[0].copy_(values)
-        elif self.state == "bf16":
-            raws[0].copy_(values)
         else:
-            _encode_int8(values, raws[0], raws[1], key in NONNEGATIVE_KEYS, f"{key}{where}")
+            self.codec.encode(key, values, raws, where)
 
     def decode(self, key: str, dtype: torch.dtype, raws: list[torch.Tensor],
                out: torch.Tensor | None = None) -> torch.Tensor:
@@ -140,9 +114,7 @@ class StateFormat:
         (1-D, ``dtype``; a reused buffer spares the page faults of a fresh one) or a new tensor."""
         if not self.compresses(key, dtype):
             return raws[0]
-        if self.state == "bf16":
-            return raws[0].to(dtype) if out is None else out.copy_(raws[0])
-        return _decode_int8(raws[0], raws[1], key in NONNEGATIVE_KEYS, out)
+        return self.codec.decode(key, raws, out)
 
     def round_trip(self, key: str, values: torch.Tensor, where: str = "") -> torch.Tensor:
         """``decode(encode(values))``: what a run in this format sees of ``values`` at the next step."""
@@ -157,10 +129,7 @@ class StateFormat:
     def write_param(self, dst: torch.Tensor, master: torch.Tensor, step: int, index: int, start: int) -> None:
         """Copy an updated fp32 master into its (half-precision) parameter elements ``dst``: round to
         nearest, or stochastically for ``bf16_sr`` (``start``: element offset of ``dst`` in the param)."""
-        if self.rounds_master(dst.dtype):
-            stochastic_round_bf16(master, _sr_key(step, index), start, out=dst)
-        else:
-            dst.copy_(master)
+        self.masters.write_param(dst, master, step, index, start)
 
 
 EXACT = StateFormat()
@@ -169,91 +138,13 @@ EXACT = StateFormat()
 def decode_entries(fmt: StateFormat, entries: dict[str, Any]) -> None:
     """Replace one parameter's stored components (as a streamed checkpoint holds them) by torch-format
     fp32 values, in place (the plain-checkpoint converter dequantizes with this)."""
-    for key in [k for k in entries if not k.endswith(SCALE_SUFFIX)]:
+    side = {c.name for key in entries for c in fmt.components(key, torch.float32)[1:]}
+    for key in [k for k in entries if k not in side]:
         value = entries[key]
         if not torch.is_tensor(value) or not fmt.compresses(key, torch.float32) or value.dim() == 0:
             continue
-        raws = [value.reshape(-1)] + ([entries.pop(key + SCALE_SUFFIX)] if fmt.state == "int8" else [])
+        raws = [value.reshape(-1)] + [entries.pop(c.name) for c in fmt.components(key, torch.float32)[1:]]
         entries[key] = fmt.decode(key, torch.float32, raws).view(value.shape)
-
-
-def _kernels() -> ModuleType:
-    """The numba kernels, imported on first use: numba costs ~50 MiB of RSS, which runs in the default
-    ``"exact"`` format should not pay."""
-    from lightning_nvme.optim import codec_kernels
-
-    return codec_kernels
-
-
-def _np(t: torch.Tensor):
-    """A numpy view of a 1-D contiguous CPU tensor (bf16 as its int16 bits)."""
-    return (t.view(torch.int16) if t.dtype == torch.bfloat16 else t).detach().numpy()
-
-
-def _on_cpu(t: torch.Tensor) -> torch.Tensor:
-    return t.reshape(-1) if t.device.type == "cpu" and t.is_contiguous() else t.detach().reshape(-1).cpu()
-
-
-def _encode_int8(values: torch.Tensor, codes: torch.Tensor, scales: torch.Tensor, unsigned: bool,
-                 what: str) -> None:
-    x = _on_cpu(values)
-    c, s = (codes, scales) if codes.device.type == "cpu" else (torch.empty_like(codes, device="cpu"),
-                                                                torch.empty_like(scales, device="cpu"))
-    if _kernels().encode_int8(_np(x), _np(c), _np(s), unsigned) >= 0:
-        _report(x, what, 0, unsigned)
-    if c is not codes:
-        codes.copy_(c)
-        scales.copy_(s)
-
-
-def _report(x: torch.Tensor, what: str, offset: int, unsigned: bool) -> None:
-    flat = x.reshape(-1)
-    nonfinite = (~torch.isfinite(flat)).nonzero()
-    if len(nonfinite):
-        first = int(nonfinite[0]) + offset
-        raise StateFormatError(
-            f"optimizer state {what} holds {len(nonfinite)} NaN/inf value(s) (first at element {first}): "
-            f"state_format='int8' shares one scale per {BLOCK} elements and would spread them over the block. "
-            "Training has diverged (check the learning rate / loss scaling), or store this state with "
-            "state_format='bf16' or 'exact', which keep non-finite values per element")
-    first = int((flat < 0).nonzero()[0]) + offset
-    raise StateFormatError(f"optimizer state {what} is negative at element {first} ({float(flat[first - offset])}), "
-                           f"but its key is stored with the unsigned int8 code for non-negative second moments; "
-                           "use state_format='bf16' for this optimizer")
-
-
-def _decode_int8(codes: torch.Tensor, scales: torch.Tensor, unsigned: bool,
-                 out: torch.Tensor | None = None) -> torch.Tensor:
-    if codes.device.type != "cpu":
-        return _decode_int8(codes.cpu(), scales.cpu(), unsigned).to(codes.device)
-    if out is None:
-        out = torch.empty(codes.numel(), dtype=torch.float32)
-    _kernels().decode_int8(_np(codes), _np(scales), _np(out), unsigned)
-    return out
-
-
-# ---- stochastic rounding ------------------------------------------------------------------------------
-def _sr_key(step: int, index: int) -> int:
-    """A well-mixed 32-bit key per (optimizer step, parameter index) (splitmix64 finalizer)."""
-    z = (_SR_SEED + step * 0x9E3779B97F4A7C15 + index * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 30)) * 0xBF58476D1CE4E5B9) & 0xFFFFFFFFFFFFFFFF
-    z = ((z ^ (z >> 27)) * 0x94D049BB133111EB) & 0xFFFFFFFFFFFFFFFF
-    return (z ^ (z >> 31)) & 0xFFFFFFFF
-
-
-def stochastic_round_bf16(x: torch.Tensor, key: int, start: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
-    """fp32 -> bf16, rounding away from zero with probability (dropped bits) / 2**16, with noise that
-    is a pure function of the element index (``codec_kernels.stochastic_round_bf16``), so any cut of a
-    tensor into pieces rounds identically. Into ``out`` (bf16, ``x``'s shape) when given."""
-    flat = _on_cpu(x)
-    direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
-    dst = out.view(-1) if direct else torch.empty(flat.numel(), dtype=torch.bfloat16)  # type: ignore[union-attr]
-    _kernels().stochastic_round_bf16(_np(flat), _np(dst), key, start)
-    if out is None:
-        return dst.view(x.shape).to(x.device)
-    if not direct:
-        out.copy_(dst.view(out.shape))
-    return out
 
 
 # ---- the in-memory reference ---------------------------------------------------------------------------

@@ -55,7 +55,7 @@ class IOEngine:
     def pending(self, start: int | None = None, end: int | None = None) -> list[IOHandle]:
         with self._lock:
             self._pending = [h for h in self._pending if not h.done()]
-            if start is None:
+            if start is None or end is None:
                 return list(self._pending)
             return [h for h in self._pending if h.start < end and start < h.end]
 

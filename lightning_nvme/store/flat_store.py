@@ -12,12 +12,9 @@ with ``posix_fadvise(DONTNEED)`` after each chunk. ``store.mode`` says which is 
 
 from __future__ import annotations
 
-import errno as errno_mod
 import hashlib
-import json
 import logging
 import os
-import shutil
 import threading
 import time
 from collections.abc import Callable
@@ -26,18 +23,19 @@ import torch
 
 from lightning_nvme import atomic
 from lightning_nvme.constants import MiB
+from lightning_nvme.store import manifest
 from lightning_nvme.store.buffers import StagingPool, aligned_empty, copy_bytes, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
-from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreSpaceError, StoreTimeoutError
+from lightning_nvme.store.errors import StoreError, StoreIOError, StoreTimeoutError
+from lightning_nvme.store.file_io import StoreFile
 from lightning_nvme.store.handle import IOHandle, wait_all
-from lightning_nvme.store.layout import ALIGN, FORMAT_VERSION, HEADER_BYTES, Layout, Region, align_up
+from lightning_nvme.store.layout import ALIGN, HEADER_BYTES, Layout, Region, align_up
 from lightning_nvme.store.lock import StoreLock
 from lightning_nvme.store.shelf import Shelf
 from lightning_nvme.store.stats import IOStats, StatsRecorder
 
 log = logging.getLogger(__name__)
 
-MAGIC = "lightning-nvme-store"
 # Defaults of the strategies' arguments of the same names (lightning_nvme.settings reads them from here).
 IO_CHUNK_BYTES = 8 * MiB
 IO_WORKERS = 4
@@ -90,73 +88,45 @@ class FlatStore:
         self._layout_unsynced = False
         self._stats = StatsRecorder()
         self.shelf = Shelf()  # regions kept in memory (host_memory_budget); see shelve()
-        self.fd = -1
+        file: StoreFile | None = None
         try:
-            self.layout = Layout()
-            self._open(direct, reopen)
+            self._file = file = StoreFile(self.path, reopen=reopen, direct=direct)
+            if reopen:
+                self.layout = manifest.read_layout(self._file, self.manifest_path)
+            else:
+                self.layout = Layout()
+                self._file.allocate(0, HEADER_BYTES, self.min_free_bytes)
+                self._persist_layout()
             self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes, pin=torch.cuda.is_available())
             self._engine = IOEngine(io_workers)
         except BaseException:
-            if self.fd >= 0:
-                os.close(self.fd)  # a refused reopen must not leak the descriptor
+            if file is not None:
+                file.close()  # a refused reopen must not leak the descriptor
             self._lock.release()
             raise
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d pool=%d MiB", self.path, self.mode,
                  io_chunk_bytes // 1024, io_workers, self._pool.total_bytes // MiB)
 
-    # ---- file, header, manifest -------------------------------------------------------------
-    def _open(self, direct: bool | None, reopen: bool) -> None:
-        flags = os.O_RDWR | (0 if reopen else os.O_CREAT | os.O_TRUNC)
-        if reopen and not os.path.exists(self.path):
-            raise StoreFormatError(f"cannot reopen store {self.path}: the file does not exist")
-        self.fd = os.open(self.path, flags, 0o644)
-        self.direct = False
-        if direct is not False and hasattr(os, "O_DIRECT"):
-            try:
-                dfd = os.open(self.path, os.O_RDWR | os.O_DIRECT)
-            except OSError as e:
-                if direct:
-                    raise StoreIOError(f"O_DIRECT was requested but {self.path} does not support it ({e.strerror}). "
-                                       f"Use a local ext4/xfs SSD, or set direct=None to fall back to buffered I/O.",
-                                       path=self.path, errno=e.errno) from e
-            else:
-                os.close(self.fd)
-                self.fd, self.direct = dfd, True
-        if reopen:
-            self._check_existing()
-        else:
-            self._allocate(0, HEADER_BYTES)
-            self._persist_layout()
+    # ---- file and manifest (store/file_io.py, store/manifest.py) ------------------------------------
+    @property
+    def fd(self) -> int:
+        return self._file.fd
+
+    @property
+    def direct(self) -> bool:
+        return self._file.direct
 
     @property
     def mode(self) -> str:
         return "direct" if self.direct else "buffered"
 
-    def _header_bytes(self) -> bytes:
-        header = json.dumps({"magic": MAGIC, "version": FORMAT_VERSION, "layout": self.layout.digest(),
-                             "end": self.layout.end}).encode()
-        return header.ljust(HEADER_BYTES, b"\0")
-
     def _persist_layout(self, *, sync: bool = True) -> None:
-        """Write the header block and the manifest (``atomic.write_json``; fsync'ed when ``sync``).
+        """Write the header block and the manifest (fsync'ed when ``sync``).
 
         ``add_regions`` writes without fsync (an fsync'ed rewrite per call made 1000 ``add_region``
         calls take 48 s on this disk) so the table is on disk at once, before a disk that fills up later
         could refuse it; ``fence(durable=True)`` and ``close`` make it durable."""
-        buf = aligned_empty(HEADER_BYTES)
-        buf.copy_(torch.frombuffer(bytearray(self._header_bytes()), dtype=torch.uint8))
-        try:
-            self._pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
-        except StoreIOError as e:
-            if self.direct and e.errno == errno_mod.EINVAL:  # O_DIRECT opened but refused at write time
-                os.close(self.fd)
-                self.fd, self.direct = os.open(self.path, os.O_RDWR), False
-                self._pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
-            else:
-                raise
-        manifest = {"magic": MAGIC, "version": FORMAT_VERSION, "digest": self.layout.digest(),
-                    "layout": self.layout.to_json()}
-        atomic.write_json(self.manifest_path, manifest, durable=sync)
+        manifest.write_layout(self._file, self.layout, self.manifest_path, sync=sync)
         self._layout_unsynced = not sync
 
     def _sync_layout(self) -> None:
@@ -164,59 +134,6 @@ class FlatStore:
         if self._layout_unsynced:
             atomic.fsync_path(self.manifest_path)
             self._layout_unsynced = False
-
-    def _check_existing(self) -> None:
-        """Refuse a store whose manifest, header or size disagree: reading it would return garbage."""
-        try:
-            with open(self.manifest_path) as f:
-                manifest = json.load(f)
-        except (OSError, ValueError) as e:
-            raise StoreFormatError(f"store manifest {self.manifest_path} is missing or unreadable: {e}") from e
-        if not isinstance(manifest, dict) or manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
-            found = manifest if not isinstance(manifest, dict) else f"{manifest.get('magic')!r} v{manifest.get('version')}"
-            raise StoreFormatError(f"{self.manifest_path}: not a lightning-nvme store of format version "
-                                   f"{FORMAT_VERSION} (found {found})")
-        try:
-            self.layout = Layout.from_json(manifest["layout"])
-        except (KeyError, TypeError, ValueError) as e:
-            raise StoreFormatError(f"{self.manifest_path}: the manifest's layout is malformed ({e!r})") from e
-        if self.layout.digest() != manifest.get("digest"):
-            raise StoreFormatError(f"{self.manifest_path}: layout hash mismatch; the manifest was modified")
-        # Size first: a header read from a file truncated below one block would be a short read.
-        size = os.fstat(self.fd).st_size
-        if size < self.layout.end:
-            raise StoreFormatError(f"{self.path} is truncated: {size} bytes, layout needs {self.layout.end}. "
-                                   f"The store cannot be reopened; start a new one (reopen=False).")
-        buf = aligned_empty(HEADER_BYTES)
-        self._pread_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
-        try:
-            header = json.loads(bytes(buf.numpy()).rstrip(b"\0"))
-        except ValueError:
-            header = {}
-        if not isinstance(header, dict):
-            header = {}
-        if (header.get("magic") != MAGIC or header.get("version") != FORMAT_VERSION
-                or header.get("layout") != self.layout.digest() or header.get("end") != self.layout.end):
-            raise StoreFormatError(f"{self.path}: header does not match manifest {self.manifest_path} "
-                                   f"(layout hash {header.get('layout')} vs {self.layout.digest()})")
-
-    def _allocate(self, offset: int, nbytes: int) -> None:
-        """Reserve disk blocks for [offset, offset+nbytes), refusing early and clearly when space is short."""
-        free = shutil.disk_usage(self.directory).free
-        if nbytes + self.min_free_bytes > free:
-            raise StoreSpaceError(
-                f"store {self.path} needs {nbytes} more bytes ({nbytes / 2**30:.2f} GiB) plus a safety margin of "
-                f"{self.min_free_bytes} bytes, but only {free} bytes ({free / 2**30:.2f} GiB) are free on that disk. "
-                f"Free space, or point store_dir at a larger local SSD.")
-        try:
-            os.posix_fallocate(self.fd, offset, nbytes)
-        except OSError as e:
-            if e.errno == errno_mod.ENOSPC:
-                raise StoreSpaceError(f"store {self.path}: no space left to allocate {nbytes} bytes at offset "
-                                      f"{offset}. Free space or use a larger disk for store_dir.") from e
-            if e.errno not in (errno_mod.EOPNOTSUPP, errno_mod.EINVAL):
-                raise StoreIOError(f"cannot allocate {self.path}: {e.strerror}", path=self.path, errno=e.errno) from e
-            os.ftruncate(self.fd, max(os.fstat(self.fd).st_size, offset + nbytes))
 
     # ---- regions ------------------------------------------------------------------------------
     def add_regions(self, specs: list[tuple[str, int]]) -> list[Region]:
@@ -230,7 +147,7 @@ class FlatStore:
             for n, b in specs:
                 regions.append(self.layout.add(n, b))
             if self.layout.end > start:
-                self._allocate(start, self.layout.end - start)
+                self._file.allocate(start, self.layout.end - start, self.min_free_bytes)
         except BaseException:
             for r in regions:
                 del self.layout.regions[r.name]
@@ -252,42 +169,12 @@ class FlatStore:
     def size_bytes(self) -> int:
         return self.layout.end
 
-    # ---- raw, checked I/O -------------------------------------------------------------------
+    # ---- checked I/O (kept as methods: the chunk jobs call them, tests slow them down) ----------------
     def _pwrite_full(self, mv: memoryview, offset: int, region: str) -> None:
-        done = 0
-        while done < len(mv):
-            try:
-                n = os.pwrite(self.fd, mv[done:], offset + done)
-            except OSError as e:
-                hint = (" The disk is full: free space on it, or move store_dir to a larger disk."
-                        if e.errno == errno_mod.ENOSPC else "")
-                raise StoreIOError(f"write to {self.path} failed at offset {offset + done} (region {region!r}): "
-                                   f"{e.strerror}.{hint}", path=self.path, region=region, offset=offset + done,
-                                   errno=e.errno) from e
-            if n <= 0:
-                raise StoreIOError(f"short write to {self.path} at offset {offset + done} (region {region!r}): "
-                                   f"{done} of {len(mv)} bytes written", path=self.path, region=region,
-                                   offset=offset + done)
-            done += n
+        self._file.pwrite_full(mv, offset, region)
 
     def _pread_full(self, mv: memoryview, offset: int, region: str) -> None:
-        done = 0
-        while done < len(mv):
-            try:
-                n = os.preadv(self.fd, [mv[done:]], offset + done)
-            except OSError as e:
-                raise StoreIOError(f"read from {self.path} failed at offset {offset + done} (region {region!r}): "
-                                   f"{e.strerror}", path=self.path, region=region, offset=offset + done,
-                                   errno=e.errno) from e
-            if n <= 0:
-                raise StoreIOError(f"short read from {self.path} at offset {offset + done} (region {region!r}): "
-                                   f"{done} of {len(mv)} bytes read; the store file was truncated or removed",
-                                   path=self.path, region=region, offset=offset + done)
-            done += n
-
-    def _drop_cache(self, offset: int, nbytes: int) -> None:
-        if not self.direct:
-            os.posix_fadvise(self.fd, offset, nbytes, os.POSIX_FADV_DONTNEED)
+        self._file.pread_full(mv, offset, region)
 
     # ---- chunk jobs ---------------------------------------------------------------------------
     def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool,
@@ -310,7 +197,7 @@ class FlatStore:
                         copy_bytes(tensor, a, buf, 0, n)
                 finally:
                     self._pool.release(buf)
-            self._drop_cache(file_off, n)
+            self._file.drop_cache(file_off, n)
         return job
 
     # ---- public async API ---------------------------------------------------------------------
@@ -421,11 +308,7 @@ class FlatStore:
             raise self._first_error
         if durable:
             self._sync_layout()
-            try:
-                os.fdatasync(self.fd)
-            except OSError as e:
-                raise StoreIOError(f"fdatasync of {self.path} failed: {e.strerror}", path=self.path,
-                                   errno=e.errno) from e
+            self._file.fdatasync()
             self._stats.add(fsyncs=1)
 
     def wait(self, handle: IOHandle) -> None:
@@ -452,13 +335,18 @@ class FlatStore:
             for off in range(0, region.nbytes, self.io_chunk_bytes):
                 view = buf[:min(self.io_chunk_bytes, region.nbytes - off)]
                 self.wait(self.read(name, view, off))
-                h.update(view.numpy())
+                h.update(memview(view.data_ptr(), view.numel()))
             out[name] = h.hexdigest()
         return out
 
     def aligned_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
         """A page-aligned tensor the store moves without a staging copy."""
         return aligned_empty(shape, dtype, pin=torch.cuda.is_available())
+
+    @property
+    def closed(self) -> bool:
+        """Whether ``close`` has run (the file, lock and I/O threads are released)."""
+        return self._closed
 
     @property
     def stats(self) -> IOStats:
@@ -502,7 +390,7 @@ class FlatStore:
                                     f"file and its lock stay held until they return (call close() again) or this "
                                     f"process exits.{pending}") from error
         self._closed = True
-        os.close(self.fd)
+        self._file.close()
         if delete:
             for p in (self.path, self.manifest_path):
                 if os.path.exists(p):

@@ -6,7 +6,7 @@ pass; on 2 cores that ran at 0.1-0.2x the disk's speed (docs/state_format.md), i
 cost more time than the bytes it saved. Each kernel here reads its input once and writes its output once,
 in one thread (``nogil``: the store's I/O threads keep running), compiled once per machine (``cache=True``).
 
-The arithmetic is the format's definition (``state_format`` documents it) and is plain IEEE fp32 (no
+The arithmetic is the formats' definition (``int8.py`` and ``masters.py`` document it) and is plain IEEE fp32 (no
 fast-math): the offloaded optimizer and the in-memory reference ``RoundTripOptimizer`` both call these
 kernels, so they agree bit for bit. Rounding to the nearest integer uses ``(t + 1.5 * 2**23) - 1.5 * 2**23``
 (exact round-half-even for ``|t| < 2**22``; codes are at most 255). Kernels take 1-D contiguous arrays

@@ -1,0 +1,26 @@
+"""How optimizer state is stored on the SSD: one module per state format, the master policies, the
+registry that names them, and the numba kernels they use. A new format is a module implementing
+``StateCodec`` and one ``register`` line below (or in the code that uses it)."""
+
+from lightning_nvme.optim.formats.bf16 import Bf16
+from lightning_nvme.optim.formats.codec import Component, MasterPolicy, StateCodec, StateFormatError
+from lightning_nvme.optim.formats.exact import Exact
+from lightning_nvme.optim.formats.int8 import Int8
+from lightning_nvme.optim.formats.masters import Fp32Masters, StochasticBf16
+from lightning_nvme.optim.formats.registry import (
+    master_format_names,
+    master_policy,
+    register,
+    register_master,
+    state_codec,
+    state_format_names,
+)
+
+register(Exact())  # the default comes first
+register(Bf16())
+register(Int8())
+register_master(Fp32Masters())  # the default comes first
+register_master(StochasticBf16())
+
+__all__ = ["Component", "MasterPolicy", "StateCodec", "StateFormatError", "master_format_names", "master_policy",
+           "register", "register_master", "state_codec", "state_format_names"]

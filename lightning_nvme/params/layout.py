@@ -18,7 +18,7 @@ from torch import nn
 
 from lightning_nvme.store import ALIGN
 
-SLOT_ALIGN = 64  # bytes: every parameter view starts SIMD-aligned inside the block buffer
+SLOT_ALIGN = 256  # bytes: as the CUDA caching allocator aligns (cuBLASLt picks kernels by pointer alignment)
 
 
 def _align(n: int, a: int) -> int:

@@ -5,6 +5,7 @@ one budget resumes in a new process with another."""
 
 from __future__ import annotations
 
+import inspect
 import json
 import os
 import subprocess
@@ -37,18 +38,21 @@ def offload(root, budget, offload_params=True, **kwargs):
                                offload_params=offload_params, host_memory_budget=budget, **kwargs)
 
 
+_CHUNK_JOB = FlatStore._chunk_job
+
+
 class DiskRegions(Callback):
     """The regions the store moved to or from the disk while training ran (a chunk job is one disk request)."""
 
     def __init__(self, monkeypatch) -> None:
         self.regions: set[str] = set()
         self.training = False
-        original = FlatStore._chunk_job
+        original = _CHUNK_JOB  # the store's own, not a previous DiskRegions' wrapper
 
-        def chunk_job(store, tensor, a, n, file_off, region, zero_copy, write):
+        def chunk_job(store, *args, **kwargs):
             if self.training:
-                self.regions.add(region)
-            return original(store, tensor, a, n, file_off, region, zero_copy, write)
+                self.regions.add(inspect.signature(original).bind(store, *args, **kwargs).arguments["region"])
+            return original(store, *args, **kwargs)
 
         monkeypatch.setattr(FlatStore, "_chunk_job", chunk_job)
 

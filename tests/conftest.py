@@ -1,10 +1,36 @@
+import contextlib
+import functools
 import os
 import sys
+import threading
 
 import pytest
 import torch
 
 sys.path.insert(0, os.path.dirname(__file__))
+
+
+def pytest_addoption(parser: pytest.Parser) -> None:
+    parser.addoption("--shuffle", type=int, default=None, metavar="SEED",
+                     help="run the modules in a random order and each module's tests in a random order (seeded); "
+                          "modules stay contiguous so their module-scoped fixtures are built once (tests/stress.py)")
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    seed = config.getoption("--shuffle")
+    if seed is None:
+        return
+    import random
+
+    rng = random.Random(seed)
+    modules: dict[str, list[pytest.Item]] = {}
+    for item in items:
+        modules.setdefault(item.nodeid.split("::")[0], []).append(item)
+    order = list(modules.values())
+    rng.shuffle(order)
+    for group in order:
+        rng.shuffle(group)
+    items[:] = [item for group in order for item in group]
 
 
 @pytest.fixture(autouse=True)
@@ -27,3 +53,41 @@ def _no_global_state_leak(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
     torch.set_rng_state(states[0])
     random.setstate(states[1])
     np.random.set_state(states[2])
+
+
+IO_THREAD_PREFIX = "lightning-nvme-io"  # IOEngine's worker threads
+
+
+def io_threads() -> list[threading.Thread]:
+    return [t for t in threading.enumerate() if t.name.startswith(IO_THREAD_PREFIX) and t.is_alive()]
+
+
+@pytest.fixture(autouse=True)
+def _no_leaked_io_threads(monkeypatch: pytest.MonkeyPatch):  # noqa: ANN201
+    """Every store a test opens is closed when it ends, pass or fail, so one failure cannot cascade into the
+    tests after it (issue #20: a failed test's store kept its I/O threads and failed two later tests that check
+    for none). A test that leaves a store open or an I/O thread running is failed here, naming them."""
+    from lightning_nvme.store import FlatStore
+
+    before = set(io_threads())
+    opened: list[FlatStore] = []
+    init = FlatStore.__init__
+
+    @functools.wraps(init)
+    def tracked_init(self, *args, **kwargs):  # noqa: ANN001, ANN202
+        init(self, *args, **kwargs)
+        opened.append(self)
+
+    monkeypatch.setattr(FlatStore, "__init__", tracked_init)
+    yield
+    monkeypatch.setattr(FlatStore, "__init__", init)
+    left_open = [s.path for s in opened if not s._closed]
+    for store in opened:
+        if not store._closed:
+            with contextlib.suppress(Exception):  # a failed store re-raises its I/O error: that is the test's
+                store.close()
+    leaked = [t.name for t in io_threads() if t not in before]
+    if left_open or leaked:
+        pytest.fail(f"this test left {len(left_open)} store(s) open {left_open} (closed now) and {len(leaked)} I/O "
+                    f"thread(s) running {leaked}: close stores in a finalizer (fixture or try/finally)",
+                    pytrace=False)

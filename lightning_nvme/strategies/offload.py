@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -122,11 +122,16 @@ class OffloadStrategy(Strategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and self.optimizers:
+        if trainer.state.fn == TrainerFn.FITTING and self._has_state_to_offload():
             self._check_overlap_supported(trainer)
             self._offload_optimizers(trainer)
             self._start_offload()
             self._plan_shelf()
+
+    def _has_state_to_offload(self) -> bool:
+        """False when ``configure_optimizers`` returned None: Lightning then steps its ``_MockOptimizer`` (a no-op
+        step on a dummy tensor), so the run trains as under the default strategy with nothing to offload."""
+        return any(not isinstance(opt, _MockOptimizer) for opt in self.optimizers)
 
     def _check_overlap_supported(self, trainer: pl.Trainer) -> None:
         if self.config.overlap != "backward":

@@ -387,11 +387,11 @@ class Jobs:
         return json.loads(line)
 
     def start(self, spec: dict) -> int:
-        pid = self._ask({"cmd": "run", "spec": spec}, timeout=120)["pid"]
+        pid = self._ask({"cmd": "run", "spec": spec}, timeout=600)["pid"]
         self.live.add(pid)
         return pid
 
-    def wait(self, pid: int, timeout: float = 120) -> int:
+    def wait(self, pid: int, timeout: float = 600) -> int:
         """Exit status of job ``pid`` (negative: killed by that signal). A job still running after
         ``timeout`` is killed, so a hang fails the test instead of blocking it."""
         deadline = time.monotonic() + timeout
@@ -399,14 +399,14 @@ class Jobs:
             time.sleep(0.02)
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
-            self._ask({"cmd": "wait", "pid": pid}, timeout=30)
+            self._ask({"cmd": "wait", "pid": pid}, timeout=120)
             self.live.discard(pid)
             raise TimeoutError(f"job {pid} still running after {timeout}s; killed")
-        rc = self._ask({"cmd": "wait", "pid": pid}, timeout=30)["returncode"]
+        rc = self._ask({"cmd": "wait", "pid": pid}, timeout=120)["returncode"]
         self.live.discard(pid)
         return rc
 
-    def run(self, spec: dict, timeout: float = 120) -> tuple[int, int]:
+    def run(self, spec: dict, timeout: float = 600) -> tuple[int, int]:
         pid = self.start(spec)
         return pid, self.wait(pid, timeout)
 
@@ -414,7 +414,7 @@ class Jobs:
         for pid in list(self.live):
             try:
                 os.kill(pid, signal.SIGKILL)
-                self._ask({"cmd": "wait", "pid": pid}, timeout=30)
+                self._ask({"cmd": "wait", "pid": pid}, timeout=120)
             except (OSError, TimeoutError, RuntimeError):
                 pass
         self.live.clear()

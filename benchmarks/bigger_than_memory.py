@@ -24,6 +24,15 @@ top; the measured plain peak at the smaller size shows how much).
     python benchmarks/bigger_than_memory.py                        # 7 and 32 layers at width 2560 (~0.55 B, ~2.5 B)
     python benchmarks/bigger_than_memory.py --sizes 2,8 --width 256 --steps 2 --pairs 1   # a smoke run
 
+Every run above measures the memory floor: ``host_memory_budget=0`` (passed explicitly). ``--budgets`` instead
+measures the shelf (#25, docs/shelf.md): at the small size budget 0, "everything fits" and plain Lightning,
+alternating (plain, 0, all, plain, 0, all, ...); at the larger sizes each budget given, alternating. Each
+record of the JSON's ``budgets`` list: ``params``, ``budget_bytes``, the bytes the plan put in RAM and on the
+SSD, ``peak_rss_MiB``, ``bytes_per_step``, ``step_s``, ``io_bound_s``, and the medians of per-pair ratios to
+budget 0 (and to plain, at the small size).
+
+    python benchmarks/bigger_than_memory.py --sizes 7 --budgets 0,8G,16G       # 0.55 B: 0, all, plain
+
 Progress goes to stderr; the last line of stdout is one JSON object.
 """
 
@@ -84,21 +93,24 @@ def child(args: argparse.Namespace) -> dict:
                                n_embd=args.width, activation_checkpointing=True, empty_init=offload,
                                optimizer=lambda ps: torch.optim.AdamW(ps, lr=1e-4))
     starts: list[float] = []
+    cpu: list[float] = []  # process CPU time (all threads): what a step costs whatever else loads the machine
     stats: list = []
     strategy: object = "auto"
     callbacks: list = []
+    budget = _budget_bytes(args.host_memory_budget)
     if offload:
         strategy = NVMeOffloadStrategy(args.dir, offload_params=True, overlap="backward", restore_params=False,
-                                       param_prefetch=args.param_prefetch)
+                                       param_prefetch=args.param_prefetch, host_memory_budget=budget)
         callbacks.append(NVMeActivationOffload(args.dir, min_bytes=args.act_min_bytes))
     elif state_only:
-        strategy = NVMeOffloadStrategy(args.dir, overlap="backward")
+        strategy = NVMeOffloadStrategy(args.dir, overlap="backward", host_memory_budget=budget)
 
     class Clock(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, *_: object) -> None:
             store = getattr(trainer.strategy, "nvme_store", None)
             stats.append(store.stats if store is not None else None)
             starts.append(time.perf_counter())
+            cpu.append(time.process_time())
             print(f"  {args.child} L={args.layers}: step {len(starts) - 1} starts", file=sys.stderr, flush=True)
 
         def on_train_end(self, trainer: pl.Trainer, *_: object) -> None:
@@ -107,6 +119,7 @@ def child(args: argparse.Namespace) -> dict:
                 store.fence(durable=True)  # the last step's write-backs are part of it
             stats.append(store.stats if store is not None else None)
             starts.append(time.perf_counter())
+            cpu.append(time.process_time())
 
     trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=n, logger=False,
                          enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
@@ -116,7 +129,10 @@ def child(args: argparse.Namespace) -> dict:
     setup_s = starts[0] - t0
     steps = [b - a for a, b in zip(starts[args.warmup:], starts[args.warmup + 1:])]
     out: dict = {"params": sum(p.numel() for p in model.parameters()), "peak_rss_bytes": _peak_rss_bytes(),
-                 "step_s": statistics.median(steps), "steps_s": steps, "setup_s": setup_s}
+                 "step_s": statistics.median(steps), "steps_s": steps, "setup_s": setup_s,
+                 "cpu_s": statistics.median(b - a for a, b in zip(cpu[args.warmup:], cpu[args.warmup + 1:]))}
+    print(f"  {args.child} L={args.layers}: step {out['step_s']:.2f}s wall, {out['cpu_s']:.2f}s CPU", file=sys.stderr,
+          flush=True)
     if offload:
         moved = [b - a for a, b in zip(stats[args.warmup:], stats[args.warmup + 1:])]
         out["bytes_read_per_step"] = statistics.median(m.bytes_read for m in moved)
@@ -125,16 +141,29 @@ def child(args: argparse.Namespace) -> dict:
         out["peak_resident_blocks"] = params.peak_resident_blocks
         out["peak_resident_block_MiB"] = params.peak_resident_bytes / MiB
         out["store_wait_s_per_step"] = statistics.median(m.wait_seconds for m in moved)
+        out["placement"] = trainer.strategy.placement.as_dict()  # type: ignore[attr-defined]
     return out
 
 
-def _run_child(args: argparse.Namespace, kind: str, layers: int) -> dict:
+def _budget_bytes(text: str) -> int:
+    """``--budgets`` items: bytes, ``8G``/``512M``, or ``all``: what is available now less 2 GiB (the plan
+    then takes everything the model has, if it fits)."""
+    from lightning_nvme.placement import available_host_memory
+
+    if text == "all":
+        return max(0, available_host_memory() - 2 * GiB)
+    units = {"G": GiB, "M": MiB, "K": 1024}
+    return int(float(text[:-1]) * units[text[-1].upper()]) if text[-1].upper() in units else int(text)
+
+
+def _run_child(args: argparse.Namespace, kind: str, layers: int, budget: str = "0") -> dict:
     """One configuration in a fresh process with its own store directory, deleted afterwards (a 2.5 B
     model's store is ~30 GB; the next child must not find it)."""
     with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"{kind}-") as store_dir:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, "--layers", str(layers)] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k not in ("child", "layers", "sizes", "pairs", "dir", "state_offload") and v is not None] + [f"--dir={store_dir}"]
+            if k not in ("child", "layers", "sizes", "pairs", "dir", "state_offload", "budgets", "host_memory_budget")
+            and v is not None] + [f"--dir={store_dir}", f"--host-memory-budget={budget}"]
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
     if res.returncode != 0:
         raise SystemExit(f"child {kind} (layers={layers}) failed with exit code {res.returncode}")
@@ -165,6 +194,9 @@ def main() -> None:
     p.add_argument("--dir", default=None, help="store directory (default: a temp dir beside the checkout)")
     p.add_argument("--state-offload", action="store_true", help="also the optimizer-state-only offload at the "
                    "small size (peak RSS and step time: the memory table's middle row)")
+    p.add_argument("--budgets", default=None, help="host_memory_budget values, comma-separated (bytes, 8G, 512M): "
+                   "measure the shelf instead of the memory floor (see above)")
+    p.add_argument("--host-memory-budget", default="0", help=argparse.SUPPRESS)
     p.add_argument("--child", choices=["empty", "offload", "plain", "state"], help=argparse.SUPPRESS)
     p.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -179,6 +211,8 @@ def main() -> None:
     empty = _run_child(args, "empty", sizes[0])["peak_rss_bytes"]
     print(f"empty process (same imports): {empty / MiB:.0f} MiB", file=sys.stderr, flush=True)
     mem_total = _mem_total()
+    if args.budgets is not None:
+        return _budgets(args, sizes, empty, load, t_start, tmp)
     results = []
     for i, layers in enumerate(sizes):
         pairs = args.pairs if i == 0 else 1
@@ -212,6 +246,57 @@ def main() -> None:
         "wall_s": round(time.perf_counter() - t_start, 1),
     }
     print(json.dumps(out))
+
+
+def _budgets(args: argparse.Namespace, sizes: list[int], empty: int, load: list[float], t_start: float,
+             tmp: tempfile.TemporaryDirectory) -> None:
+    """The shelf: per size, the budgets alternating pair by pair (the small size: 0, all and plain)."""
+    records = []
+    for i, layers in enumerate(sizes):
+        budgets = ["0", "all"] if i == 0 else args.budgets.split(",")
+        runs: dict[str, list[dict]] = {b: [] for b in budgets}
+        plain: list[dict] = []
+        for pair in range(args.pairs):
+            print(f"size {layers} layers, pair {pair}", file=sys.stderr, flush=True)
+            if i == 0:
+                plain.append(_run_child(args, "plain", layers))
+                print(f"  plain step {plain[-1]['step_s']:.2f}s", file=sys.stderr, flush=True)
+            for b in budgets:
+                off = _run_child(args, "offload", layers, b)
+                w, r = _raw(args, max(off["bytes_read_per_step"], 8 * MiB))
+                load.append(os.getloadavg()[0])
+                off["io_bound_s"] = off["bytes_read_per_step"] / (r * 1e9) + off["bytes_written_per_step"] / (w * 1e9)
+                runs[b].append(off)
+                print(f"  budget {b}: step {off['step_s']:.2f}s (I/O bound {off['io_bound_s']:.2f}s), "
+                      f"{(off['bytes_read_per_step'] + off['bytes_written_per_step']) / 1e9:.2f} GB/step, "
+                      f"{off['placement']['ram_bytes'] / GiB:.2f} GiB in RAM, peak {off['peak_rss_bytes'] / MiB:.0f} MiB",
+                      file=sys.stderr, flush=True)
+        med = statistics.median
+        for b, offs in runs.items():
+            rec: dict = {
+                "layers": layers, "params": offs[0]["params"], "budget": b,
+                "budget_bytes": offs[0]["placement"]["budget_bytes"],
+                "ram_bytes": offs[0]["placement"]["ram_bytes"], "ssd_bytes": offs[0]["placement"]["ssd_bytes"],
+                "peak_rss_MiB": round(max(o["peak_rss_bytes"] for o in offs) / MiB, 1),
+                "bytes_per_step": med(o["bytes_read_per_step"] + o["bytes_written_per_step"] for o in offs),
+                "planned_bytes_per_step": offs[0]["placement"]["io_bytes_per_step_after"],
+                "step_s": round(med(o["step_s"] for o in offs), 3),
+                "cpu_s_per_step": round(med(o.get("cpu_s", float("nan")) for o in offs), 3),
+                "io_bound_s": round(med(o["io_bound_s"] for o in offs), 3),
+                "step_vs_budget0": spread([o["step_s"] / z["step_s"] for o, z in zip(offs, runs[budgets[0]])]),
+            }
+            if plain:
+                rec["plain_step_s"] = round(med(q["step_s"] for q in plain), 3)
+                rec["plain_cpu_s_per_step"] = round(med(q.get("cpu_s", float("nan")) for q in plain), 3)
+                rec["plain_peak_rss_MiB"] = round(max(q["peak_rss_bytes"] for q in plain) / MiB, 1)
+                rec["step_vs_plain"] = spread([o["step_s"] / q["step_s"] for o, q in zip(offs, plain)])
+            records.append(rec)
+    tmp.cleanup()
+    load.append(os.getloadavg()[0])
+    print(json.dumps({"budgets": records, "empty_process_MiB": round(empty / MiB, 1), "width": args.width,
+                      "seq": args.seq, "batch": args.batch, "steps": args.steps, "pairs": args.pairs,
+                      "load_avg_1min": {"min": min(load), "max": max(load), "samples": [round(x, 2) for x in load]},
+                      "wall_s": round(time.perf_counter() - t_start, 1)}))
 
 
 def _mem_total() -> int:

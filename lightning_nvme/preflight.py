@@ -23,6 +23,7 @@ from dataclasses import dataclass, field
 from lightning_nvme import fsinfo
 from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import ALIGN, GiB
+from lightning_nvme.placement import available_host_memory
 from lightning_nvme.store.manifest import MAGIC as STORE_MAGIC
 
 
@@ -250,6 +251,16 @@ def check_checkpoint_space(store_dir: str, store_bytes: int, plans: Sequence[Che
                                    f"{needed - free} bytes, keep fewer checkpoints (save_top_k), put the checkpoints "
                                    "on another disk (ModelCheckpoint(dirpath=...)), or use a larger disk.")
     return out
+
+
+def check_host_memory_budget(budget: int, setting: int | str, available: int | None = None) -> None:
+    """Refuse a ``host_memory_budget`` above the memory available now: the shelf would push the run (or its
+    neighbours) into swap or the OOM killer instead of saving disk I/O."""
+    free = available_host_memory() if available is None else available
+    if budget > free:
+        raise ConfigError("host_memory_budget", f"{budget} bytes ({_gib(budget)}) asked, but only {free} bytes "
+                                                f"({_gib(free)}) of memory are available now (MemAvailable). Fix: "
+                                                f"set host_memory_budget <= {free}, or \"auto\", or 0.")
 
 
 def device_of(path: str | os.PathLike) -> str:

@@ -71,6 +71,13 @@ def _mmap_threshold(value: Any) -> str | None:
             f"allocator alone), got {value!r}.")
 
 
+def _budget(value: Any) -> str | None:
+    if value == "auto" or (is_int(value) and value >= 0):
+        return None
+    return (f"must be an integer number of bytes >= 0 (0: nothing kept in memory) or \"auto\" (a share of the "
+            f"memory available at setup, docs/shelf.md), got {value!r}. Fix: e.g. {8 * GiB} for 8 GiB.")
+
+
 # ---- the arguments -------------------------------------------------------------------------------------
 @dataclasses.dataclass(frozen=True, kw_only=True)
 class OffloadSettings:
@@ -141,6 +148,10 @@ class OffloadSettings:
                 "clones the store's extents (XFS/btrfs, checkpoint on the store's filesystem; refused elsewhere), "
                 "``\"streamed\"`` reads and writes every byte, ``\"auto\"`` reflinks where the filesystem allows; "
                 "see docs/checkpoints.md.", one_of("auto", "reflink", "streamed"))
+    host_memory_budget: int | str = setting(
+        0, "Bytes of host RAM that parameter blocks and optimizer chunks may occupy instead of the SSD, chosen to "
+           "save the most I/O per byte (docs/shelf.md); ``\"auto\"``: 60% of the memory available at setup less "
+           "2 GiB; 0: everything streams.", _budget)
 
     def __post_init__(self) -> None:
         check_fields(self)

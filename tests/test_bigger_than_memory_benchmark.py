@@ -29,3 +29,21 @@ def test_bigger_than_memory_benchmark_smoke(tmp_path):
     assert small["step_vs_bound"]["min"] <= small["step_vs_bound"]["median"] <= small["step_vs_bound"]["max"]
     assert result["load_avg_1min"]["samples"]
     assert os.listdir(tmp_path) == []  # every store removed
+
+
+def test_bigger_than_memory_budgets_smoke(tmp_path):
+    """``--budgets``: at the small size budget 0, everything in RAM and plain Lightning, one record per budget."""
+    out = subprocess.run([sys.executable, os.path.join(ROOT, "benchmarks", "bigger_than_memory.py"), "--sizes", "1",
+                          "--width", "64", "--heads", "2", "--seq", "16", "--steps", "1", "--warmup", "1",
+                          "--pairs", "1", "--budgets", "0", "--dir", str(tmp_path)],
+                         capture_output=True, text=True, timeout=300, env=dict(os.environ, OMP_NUM_THREADS="1"))
+    assert out.returncode == 0, out.stderr[-3000:]
+    zero, everything = json.loads(out.stdout.strip().splitlines()[-1])["budgets"]
+    assert (zero["budget"], everything["budget"]) == ("0", "all")
+    for rec in (zero, everything):
+        for key in ("params", "peak_rss_MiB", "step_s", "plain_step_s"):
+            assert rec[key] > 0, key
+        assert rec["step_vs_plain"]["min"] <= rec["step_vs_plain"]["median"] <= rec["step_vs_plain"]["max"]
+    assert zero["budget_bytes"] == 0 and zero["ram_bytes"] == 0 and zero["bytes_per_step"] > 0
+    assert everything["ssd_bytes"] == 0 and everything["bytes_per_step"] == 0  # nothing of the step on the disk
+    assert os.listdir(tmp_path) == []

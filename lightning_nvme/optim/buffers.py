@@ -22,6 +22,7 @@ from lightning_nvme.store.pinned import unpin
 class ChunkBuffer:
     data: torch.Tensor  # uint8, page-aligned, capacity bytes
     pending_write: IOHandle | None = None
+    borrowed: bool = False  # the store's in-memory copy of a shelved region, not one of the ring's buffers
     uploaded: Any = None  # a CUDA event after the asynchronous copies of its state to the device
 
 
@@ -62,6 +63,8 @@ class ChunkRing:
         return buf
 
     def release(self, buf: ChunkBuffer, pending_write: IOHandle | None = None) -> None:
+        if buf.borrowed:
+            return
         buf.pending_write = pending_write
         self._free.append(buf)
 

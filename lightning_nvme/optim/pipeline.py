@@ -64,8 +64,12 @@ class ReadAhead:
             self.ring = self._new_ring(self.live_store())
 
     def issue(self, c: int) -> None:
-        buf = self.live_ring().acquire()
         chunk = self.chunks[c]
+        shelved = self.live_store().shelved(chunk.region)
+        if shelved is not None:  # host_memory_budget: updated in place in memory; its "write" is then free
+            self.inflight[c] = (ChunkBuffer(shelved[:self.capacity[c]], borrowed=True), None)
+            return
+        buf = self.live_ring().acquire()
         handle = self.live_store().read(chunk.region, buf.data[:self.capacity[c]]) if self.needs_read(chunk) else None
         self.inflight[c] = (buf, handle)
 

@@ -48,6 +48,7 @@ class _State:
     dirty: bool = False
     dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
     placed: bool = False  # its values are in the store
+    shelved: bool = False  # ``buffer`` is the store's in-memory copy of the region (``FlatStore.shelved``)
     retained: bool = False  # at its last eviction, something (autograd) still held its device copy
     uploaded: Any = None  # a device copy started before the block is bound (``upload_ready``)
     refs: Counter = field(default_factory=Counter)
@@ -128,10 +129,14 @@ class BlockResidency:
         self._issue_writes()
         if st.buffer is None:
             self._issue_writes(of=block)  # the read must see this block's last write-back
-            st.buffer = self._new_buffer(block)
-            st.read = self.store.read(block.region, st.buffer)
-            self.stats.loads += 1
-            self.stats.bytes_read += block.nbytes
+            shelved = self.store.shelved(block.region)
+            if shelved is not None:  # host_memory_budget: the block lives in memory, bound in place, never read
+                st.buffer, st.shelved = shelved, True
+            else:
+                st.buffer = self._new_buffer(block)
+                st.read = self.store.read(block.region, st.buffer)
+                self.stats.loads += 1
+                self.stats.bytes_read += block.nbytes
             self._count(block, +1)
 
     def acquire(self, block: BlockLayout, why: str) -> None:
@@ -181,7 +186,10 @@ class BlockResidency:
         if st.buffer is None:
             return
         self._wait_read(block)
-        if st.dirty:
+        if st.shelved:  # the shelf is the block's storage: a device copy comes back into it, nothing else moves
+            if st.dirty and st.device is not None:
+                self.staging.to_host(st.device, st.buffer).synchronize()
+        elif st.dirty:
             ready = self.staging.to_host(st.device, st.buffer) if st.device is not None else DONE
             self._write(block, st.buffer, 0 if st.dirty_whole else block.writable_offset, ready)
         else:
@@ -191,6 +199,7 @@ class BlockResidency:
         if st.bound:
             self._count_bound(-1)
         st.buffer, st.device, st.read, st.bound, st.dirty, st.dirty_whole = None, None, None, False, False, False
+        st.shelved = False
         st.uploaded = None  # an early copy never used: the allocator frees it after its stream's copy
         st.refs.clear()
         self._count(block, -1)

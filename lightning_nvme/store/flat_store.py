@@ -31,6 +31,7 @@ from lightning_nvme.store.file_io import StoreFile
 from lightning_nvme.store.handle import IOHandle, wait_all
 from lightning_nvme.store.layout import ALIGN, HEADER_BYTES, Layout, Region, align_up
 from lightning_nvme.store.lock import StoreLock
+from lightning_nvme.store.shelf import Shelf
 from lightning_nvme.store.stats import IOStats, StatsRecorder
 from lightning_nvme.store.stripes import STRIPE_BYTES, StripeMap, check_stripe_set, find_manifest, new_stripe_set
 
@@ -96,6 +97,7 @@ class FlatStore:
         self._submit_lock = threading.Lock()
         self._layout_unsynced = False
         self._stats = StatsRecorder()
+        self.shelf = Shelf()  # regions kept in memory (host_memory_budget); see shelve()
         self._locks: list[StoreLock] = []
         self._files: list[StoreFile] = []
         try:
@@ -271,6 +273,9 @@ class FlatStore:
         if offset + nbytes > region.capacity:
             raise ValueError(f"{kind} of {nbytes} bytes at offset {offset} does not fit region {name!r} "
                              f"({region.capacity} bytes)")
+        if self.shelf.get(name) is not None:  # in memory: copied now, never touches the disk
+            self.shelf.transfer(name, _as_bytes(t), offset, kind == "write")
+            return IOHandle(kind, name, region.offset + offset, nbytes, 0, [], default_timeout=self.io_timeout_s)
         if t.device.type != "cpu":
             zero_copy = False
         else:
@@ -304,6 +309,26 @@ class FlatStore:
         """Asynchronously fill ``out`` from region ``name`` at byte ``offset``. Sees every write issued
         before it to the same bytes."""
         return self._submit("read", name, out, offset)
+
+    def shelve(self, names: list[str], *, load: bool = True) -> None:
+        """Keep these regions in host memory from now on (``lightning_nvme.store.shelf``): their bytes are read
+        from the disk once (``load``; ``False`` for regions nothing was written to yet) and every later request
+        is served from memory, until ``close`` writes them back."""
+        self._check_usable()
+        names = [n for n in names if self.shelf.get(n) is None]
+        if not names:
+            return
+        self.fence(names)
+        for name in names:
+            data = self.aligned_empty(self.layout[name].capacity)
+            if load:
+                self.wait(self.read(name, data))
+            self.shelf.hold(name, data)
+
+    def shelved(self, name: str) -> torch.Tensor | None:
+        """The memory holding region ``name`` if it is shelved (uint8, its capacity): callers may work in it in
+        place; a write of that same tensor is then free."""
+        return self.shelf.get(name)
 
     def fence(self, regions: list[str] | None = None, *, durable: bool = False, timeout: float | None = None) -> None:
         """Wait until every pending request (or those touching ``regions``) has completed on the disk;
@@ -389,14 +414,20 @@ class FlatStore:
         again once the disk answers, or exit the process (the kernel then drops the lock)."""
         if self._closed:
             return
-        self._closing = True
         error: BaseException | None = None
+        if not delete and self._first_error is None:
+            try:  # the disk copy of shelved regions is stale: a reopened store must read the true bytes
+                for name, data in self.shelf.take_all().items():
+                    self.write(name, data)
+            except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
+                error = e
+        self._closing = True
         try:
             if not delete:
                 self._sync_layout()
             self.fence(timeout=self.io_timeout_s)
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
-            error = e
+            error = error or e
         deadline = time.monotonic() + min(self.io_timeout_s, 30.0)
         busy = sum(e.shutdown(timeout=max(0.0, deadline - time.monotonic())) for e in self._engines)
         if busy:

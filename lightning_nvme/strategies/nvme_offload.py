@@ -54,6 +54,7 @@ from lightning_nvme.models.hub_export import (
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
+from lightning_nvme.placement import Item, block_item
 from lightning_nvme.settings import OffloadSettings, from_arguments, with_settings
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
@@ -103,10 +104,14 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
             self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device)
         super().setup(trainer)
+        if self.param_offload is not None and self.nvme_store is None:
+            self.param_offload = None  # no optimizer: nothing trains, nothing to offload
+
+    @override
+    def _start_offload(self) -> None:
         if self.param_offload is not None:
-            if self.nvme_store is None:
-                self.param_offload = None  # no optimizer: nothing trains, nothing to offload
-                return
+            assert self.nvme_store is not None
+            s = self.config
             planned = [piece.param for off in self.offloaded for c in off.chunks for piece in c.pieces]
             in_blocks = self.param_offload.layout.block_of()
             stateless = [piece.index for off in self.offloaded for piece in off.resident if id(piece.param) in in_blocks]
@@ -120,6 +125,15 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
                            f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
                            f"resident ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
+
+    @override
+    def _shelf_items(self) -> list[Item]:
+        items = super()._shelf_items()
+        if self.param_offload is not None:
+            assert self.nvme_store is not None
+            items += [block_item(b.region, self.nvme_store.region(b.region).capacity, b.writable_offset, b.trainable)
+                      for b in self.param_offload.blocks]
+        return items
 
     def _check_param_offload_supported(self) -> None:
         device = self.root_device

@@ -39,7 +39,8 @@ from lightning_nvme.io_profile import IOProfile, io_request, slowest_disk_note
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
 from lightning_nvme.optim.store_ref import StoreRef
-from lightning_nvme.preflight import check_store_dirs
+from lightning_nvme.placement import Item, Placement, chunk_item, plan_placement, resolve_budget
+from lightning_nvme.preflight import check_host_memory_budget, check_store_dirs
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import ALIGN, FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
@@ -65,6 +66,7 @@ class OffloadStrategy(Strategy):
         self.config = config
         self.nvme_store = None
         self.offloaded = []
+        self.placement: Placement | None = None  # what host_memory_budget keeps in RAM (made at setup)
         self._run_token = uuid.uuid4().hex[:12]  # names this instance's store (see store_claim)
 
     @property
@@ -88,6 +90,35 @@ class OffloadStrategy(Strategy):
         """Store bytes beyond the optimizer state (parameter regions), for the free-space check."""
         return 0
 
+    def _start_offload(self) -> None:
+        """After the optimizers are offloaded at setup: what else moves into the store (parameter blocks)."""
+
+    def _shelf_items(self) -> list[Item]:
+        """The regions a step moves, for the placement plan (``host_memory_budget``): optimizer chunks here,
+        parameter blocks in the strategy that offloads them."""
+        return [chunk_item(c.region, c.nbytes) for off in self.offloaded for c in off.chunks]
+
+    # ---- the shelf: what stays in host memory (host_memory_budget, lightning_nvme.placement) --------------
+    def _plan_shelf(self) -> None:
+        """Place the store's regions in RAM or on the SSD (at setup, after every region exists), and shelve
+        those in RAM; later calls place regions added since (parameters added mid-run)."""
+        if self.nvme_store is None:
+            return
+        items = self._shelf_items()
+        if self.placement is None:
+            budget = resolve_budget(self.config.host_memory_budget)
+            check_host_memory_budget(budget, self.config.host_memory_budget)
+            self.placement = plan_placement([], budget)
+        if len(items) == len(self.placement.items):
+            return
+        placed = set(self.placement.extend(items))
+        if placed:
+            fresh = {c.region for off in self.offloaded for c in off.chunks
+                     if c.region in placed and not any(off.initialized(p) for p in c.pieces)}
+            self.nvme_store.shelve([r for r in placed if r not in fresh])  # hold bytes already written
+            self.nvme_store.shelve([r for r in placed if r in fresh], load=False)
+        rank_zero_info(f"{self.strategy_name}: {self.placement.summary()}")
+
     # ---- setup / teardown -----------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -95,6 +126,8 @@ class OffloadStrategy(Strategy):
         if trainer.state.fn == TrainerFn.FITTING and self._has_state_to_offload():
             self._check_overlap_supported(trainer)
             self._offload_optimizers(trainer)
+            self._start_offload()
+            self._plan_shelf()
 
     def _has_state_to_offload(self) -> bool:
         """False when ``configure_optimizers`` returned None: Lightning then steps its ``_MockOptimizer`` (a no-op
@@ -245,6 +278,7 @@ class OffloadStrategy(Strategy):
         out = super().optimizer_step(optimizer, closure, model, **kwargs)
         if off is not None:
             self._after_update(off)
+            self._plan_shelf()  # chunks planned during this step (parameters made trainable mid-run)
         return out
 
     # ---- checkpoints ------------------------------------------------------------------------------------

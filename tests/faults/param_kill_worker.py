@@ -38,6 +38,8 @@ def run(spec: dict) -> None:
     class Arm(Callback):
         def on_train_start(self, trainer, pl_module):
             inj.store = trainer.strategy.nvme_store
+            with open(os.path.join(root, "placement.json"), "w") as f:  # host_memory_budget's plan of this run
+                json.dump(trainer.strategy.placement.as_dict(), f)
             start = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
             torch.save({"global_step": trainer.global_step, "state_dict": start}, os.path.join(root, "start.pt"))
 
@@ -46,7 +48,8 @@ def run(spec: dict) -> None:
                 inj.kill = {"phase": "params", "at": inj.total["params"] + spec["kill_at"], "torn": spec.get("torn")}
 
     strategy = NVMeOffloadStrategy(store_dir=os.path.join(root, "store"), chunk_bytes=64 << 10, io_chunk_bytes=8 << 10,
-                                   io_workers=2, min_free_bytes=0, offload_params=True, overlap="backward")
+                                   io_workers=2, min_free_bytes=0, offload_params=True, overlap="backward",
+                                   host_memory_budget=spec.get("host_memory_budget", 0))
     # Checkpoints at epoch ends and max_epochs (not max_steps, nor limit_train_batches): only then does
     # Lightning resume a plain dataloader exactly where the uninterrupted run would be.
     checkpoints = ModelCheckpoint(dirpath=os.path.join(root, "ckpts"), save_last=True, save_top_k=-1, every_n_epochs=1)

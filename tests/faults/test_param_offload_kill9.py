@@ -78,3 +78,26 @@ def test_kill9_mid_writeback_resumes_bitwise(tmp_path, reference):
     assert got.keys() == final.keys() and json.loads(open(tmp_path / "steps").read()) == STEPS
     for name, value in final.items():
         assert torch.equal(got[name], value), f"{name} differs after resuming to step {STEPS}"
+
+
+def test_kill9_in_a_partly_resident_run_resumes_bitwise_with_another_budget(tmp_path, reference):
+    """``host_memory_budget`` keeps two blocks (and what chunks fit) in RAM, the others on the SSD; the kill
+    lands in a write-back of a block on the SSD, and what was in RAM dies with the process. The resume (with
+    budget 0: everything from the SSD) starts from the checkpoint and ends bitwise equal."""
+    at_checkpoint, final = reference
+    killed = _job(tmp_path, kill_step=KILL_STEP, kill_at=3, torn=0.5, host_memory_budget=120_000)
+    assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
+    plan = json.loads(open(tmp_path / "placement.json").read())
+    assert plan["blocks_in_ram"] >= 1 and plan["blocks_on_ssd"] >= 1, plan
+    assert [e["phase"] for e in map(json.loads, open(tmp_path / "events.jsonl")) if e["event"] == "dying"] == ["params"]
+
+    resumed = _job(tmp_path, resume=True, host_memory_budget=0)
+    assert resumed.returncode == 0, resumed.stderr[-3000:]
+    assert json.loads(open(tmp_path / "placement.json").read())["ram_bytes"] == 0
+    start = torch.load(tmp_path / "start.pt")
+    assert start["global_step"] == EVERY
+    for name, value in at_checkpoint.items():
+        assert torch.equal(start["state_dict"][name], value), f"{name} differs in the resumed checkpoint"
+    got = torch.load(tmp_path / "final.pt")
+    for name, value in final.items():
+        assert torch.equal(got[name], value), f"{name} differs after resuming to step {STEPS}"

@@ -1,0 +1,150 @@
+"""The placement plan: which store regions (parameter blocks, optimizer chunks) stay in host RAM under
+``host_memory_budget``, and which go to the SSD.
+
+Why a plan and not "whatever fits": RAM is worth most where it saves most disk traffic per byte, so
+regions are taken greedily by the I/O bytes a step spends on them per byte they hold (a trainable block:
+read twice, its trainable tail written once; a frozen block: read twice; an optimizer chunk: read once and
+written once; compressed formats count their stored bytes). A region on the shelf is never read from or
+written to the disk during training (``lightning_nvme.store.shelf``). Pure bookkeeping: no I/O here.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from lightning_nvme.constants import GiB, MiB
+
+# ``host_memory_budget="auto"``: this share of the memory available at setup, less a fixed headroom for
+# the data loader, activations, gradients, the offload's own buffers and the OS (docs/shelf.md).
+AUTO_SHARE = 0.6
+AUTO_HEADROOM = 2 * GiB
+
+
+@dataclass(frozen=True)
+class Item:
+    """One store region a step moves: ``nbytes`` held (what RAM would hold), read ``reads`` times whole and
+    ``written`` bytes of it written back per step."""
+
+    region: str
+    nbytes: int
+    reads: int
+    written: int
+    kind: str  # "block" (parameters) or "chunk" (optimizer state): for the summary
+
+    @property
+    def io_bytes(self) -> int:
+        """Disk bytes one step spends on this region when it is on the SSD."""
+        return self.reads * self.nbytes + self.written
+
+    @property
+    def density(self) -> float:
+        return self.io_bytes / self.nbytes if self.nbytes else 0.0
+
+
+def block_item(region: str, nbytes: int, writable_offset: int, trainable: bool) -> Item:
+    """A parameter block: read in forward and in backward, its trainable tail written back after its update."""
+    return Item(region, nbytes, 2, nbytes - writable_offset if trainable else 0, "block")
+
+
+def chunk_item(region: str, nbytes: int) -> Item:
+    """An optimizer chunk (stored bytes): read and written once per step."""
+    return Item(region, nbytes, 1, nbytes, "chunk")
+
+
+@dataclass
+class Placement:
+    """The plan: ``budget`` bytes of RAM, the regions placed in it (``in_ram``) and those on the SSD."""
+
+    budget: int
+    items: list[Item] = field(default_factory=list)
+    in_ram: set[str] = field(default_factory=set)
+
+    @property
+    def ram_bytes(self) -> int:
+        return sum(i.nbytes for i in self.items if i.region in self.in_ram)
+
+    @property
+    def ssd_bytes(self) -> int:
+        return sum(i.nbytes for i in self.items if i.region not in self.in_ram)
+
+    @property
+    def io_before(self) -> int:
+        """Disk bytes per step with nothing on the shelf (``host_memory_budget=0``)."""
+        return sum(i.io_bytes for i in self.items)
+
+    @property
+    def io_after(self) -> int:
+        """Disk bytes per step with this plan."""
+        return sum(i.io_bytes for i in self.items if i.region not in self.in_ram)
+
+    def extend(self, items: Iterable[Item]) -> list[str]:
+        """Add regions (parameters added mid-run, or planned after setup) and place them greedily in what is
+        left of the budget; returns the regions newly placed in RAM."""
+        known = {i.region for i in self.items}
+        new = [i for i in items if i.region not in known]
+        self.items.extend(new)
+        left = self.budget - self.ram_bytes
+        placed: list[str] = []
+        # densest first; stable on ties so the plan is the same on every run of one model
+        for item in sorted(new, key=lambda i: -i.density):
+            if 0 < item.nbytes <= left and item.io_bytes > 0:
+                placed.append(item.region)
+                left -= item.nbytes
+        self.in_ram.update(placed)
+        return placed
+
+    def count(self, kind: str, in_ram: bool) -> int:
+        return sum(1 for i in self.items if i.kind == kind and (i.region in self.in_ram) == in_ram)
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget, "ram_bytes": self.ram_bytes, "ssd_bytes": self.ssd_bytes,
+                "blocks_in_ram": self.count("block", True), "blocks_on_ssd": self.count("block", False),
+                "chunks_in_ram": self.count("chunk", True), "chunks_on_ssd": self.count("chunk", False),
+                "io_bytes_per_step_before": self.io_before, "io_bytes_per_step_after": self.io_after}
+
+    def summary(self) -> str:
+        d = self.as_dict()
+        return (f"host_memory_budget={_shown(self.budget)}: {_shown(d['ram_bytes'])} in RAM ({d['blocks_in_ram']} "
+                f"blocks, {d['chunks_in_ram']} chunks), {_shown(d['ssd_bytes'])} on the SSD ({d['blocks_on_ssd']} "
+                f"blocks, {d['chunks_on_ssd']} chunks); disk I/O per step {_shown(self.io_before)} -> "
+                f"{_shown(self.io_after)}")
+
+
+def _shown(n: int) -> str:
+    for unit, size in (("GiB", GiB), ("MiB", MiB), ("KiB", 1024)):
+        if n >= size:
+            return f"{n / size:.1f} {unit}"
+    return f"{n} B"
+
+
+def plan_placement(items: Iterable[Item], budget: int) -> Placement:
+    """Greedy by I/O bytes saved per byte of RAM (the fractional knapsack's order; a region that no longer
+    fits is skipped and smaller ones after it may still fit)."""
+    placement = Placement(budget)
+    placement.extend(items)
+    return placement
+
+
+def available_host_memory() -> int:
+    """``MemAvailable`` from ``/proc/meminfo`` (what can be allocated without swapping), in bytes; where
+    that file is missing, the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
+
+
+def resolve_budget(value: int | str, available: int | None = None) -> int:
+    """``host_memory_budget`` in bytes: an int as given; ``"auto"``: ``AUTO_SHARE`` of the available memory
+    less ``AUTO_HEADROOM`` (never negative)."""
+    if value != "auto":
+        return int(value)
+    free = available_host_memory() if available is None else available
+    return max(0, int(free * AUTO_SHARE) - AUTO_HEADROOM)

@@ -252,7 +252,7 @@ def test_hydra_strategy_config_takes_the_formats():
     import hydra
     from omegaconf import OmegaConf
 
-    conf = Path(__file__).resolve().parents[1] / "conf" / "strategy" / "nvme_offload.yaml"  # conf/ at the top level
+    conf = Path(__file__).resolve().parents[2] / "conf" / "strategy" / "nvme_offload.yaml"  # conf/ at the top level
     cfg = OmegaConf.load(conf)
     cfg.store_dir, cfg.state_format, cfg.master_format = None, "int8", "bf16_sr"
     strategy = hydra.utils.instantiate(cfg)

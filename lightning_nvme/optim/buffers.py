@@ -48,9 +48,6 @@ class ChunkRing:
         buf.pending_write = pending_write
         self._free.append(buf)
 
-    def in_flight_writes(self) -> list[IOHandle]:
-        return [b.pending_write for b in self._free if b.pending_write is not None]
-
 
 class DecodeArena:
     """Where a chunk's compressed state is decoded for its update: one buffer, reused for every chunk

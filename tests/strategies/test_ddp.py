@@ -199,7 +199,8 @@ def test_partition_balances_bytes_and_cuts_large_params():
     opt = torch.optim.AdamW([big, *small, half])
     for world in (1, 2, 3, 4):
         part = partition_by_bytes(opt, world)
-        assert part.balance <= 1.01, (world, part.state_bytes)
+        balance = max(part.state_bytes) / (sum(part.state_bytes) / world)  # max / mean; 1.0 is perfect
+        assert balance <= 1.01, (world, part.state_bytes)
         covered: dict[int, list] = {}
         for r in range(world):
             for i, rs in part.owned(r).items():

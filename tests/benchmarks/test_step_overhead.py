@@ -1,5 +1,5 @@
 """Step-overhead tooling (#14): chunk temporaries reuse heap pages, the profiling counters attribute
-CPU to the right threads, and run_all prints the README table from the benchmarks' results."""
+CPU to the right threads, and run_all prints docs/performance.md's figures table from the benchmarks' results."""
 
 from __future__ import annotations
 

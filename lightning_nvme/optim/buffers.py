@@ -13,6 +13,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_nvme.constants import SLOT_ALIGN, align_up
 from lightning_nvme.store import FlatStore, IOHandle
 
 
@@ -56,8 +57,6 @@ class DecodeArena:
     Why: a fresh tensor per key and chunk is returned to the OS when freed (it is above glibc's mmap
     threshold) and page-faulted in again at the next chunk; that cost more than the decoding itself."""
 
-    ALIGN = 64
-
     def __init__(self) -> None:
         self._buf = torch.empty(0, dtype=torch.uint8)
         self._used = 0
@@ -68,8 +67,8 @@ class DecodeArena:
 
     @classmethod
     def _span(cls, numel: int, dtype: torch.dtype) -> int:
-        """Bytes one ``take`` uses: its tensor, rounded up to ``ALIGN``."""
-        return -(-numel * dtype.itemsize // cls.ALIGN) * cls.ALIGN
+        """Bytes one ``take`` uses: its tensor, rounded up to ``SLOT_ALIGN``."""
+        return align_up(numel * dtype.itemsize, SLOT_ALIGN)
 
     @classmethod
     def need(cls, sizes: list[tuple[int, torch.dtype]]) -> int:

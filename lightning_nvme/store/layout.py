@@ -14,7 +14,7 @@ from dataclasses import asdict, dataclass, field
 from lightning_nvme.constants import ALIGN, align_up
 
 HEADER_BYTES = ALIGN  # the first block of the file holds the header
-FORMAT_VERSION = 1
+STORE_FORMAT_VERSION = 1  # of the store file (header + manifest); the checkpoint formats have their own
 
 
 @dataclass(frozen=True)

@@ -17,13 +17,13 @@ from lightning_nvme import atomic
 from lightning_nvme.store.buffers import aligned_empty, memview
 from lightning_nvme.store.errors import StoreFormatError, StoreIOError
 from lightning_nvme.store.file_io import StoreFile
-from lightning_nvme.store.layout import FORMAT_VERSION, HEADER_BYTES, Layout
+from lightning_nvme.store.layout import HEADER_BYTES, STORE_FORMAT_VERSION, Layout
 
 MAGIC = "lightning-nvme-store"
 
 
 def _header(layout: Layout) -> bytes:
-    header = json.dumps({"magic": MAGIC, "version": FORMAT_VERSION, "layout": layout.digest(),
+    header = json.dumps({"magic": MAGIC, "version": STORE_FORMAT_VERSION, "layout": layout.digest(),
                          "end": layout.end}).encode()
     return header.ljust(HEADER_BYTES, b"\0")
 
@@ -40,7 +40,7 @@ def write_layout(file: StoreFile, layout: Layout, manifest_path: str, *, sync: b
             file.pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
         else:
             raise
-    manifest = {"magic": MAGIC, "version": FORMAT_VERSION, "digest": layout.digest(), "layout": layout.to_json()}
+    manifest = {"magic": MAGIC, "version": STORE_FORMAT_VERSION, "digest": layout.digest(), "layout": layout.to_json()}
     atomic.write_json(manifest_path, manifest, durable=sync)
 
 
@@ -51,10 +51,10 @@ def read_layout(file: StoreFile, manifest_path: str) -> Layout:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise StoreFormatError(f"store manifest {manifest_path} is missing or unreadable: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("magic") != MAGIC or manifest.get("version") != STORE_FORMAT_VERSION:
         found = manifest if not isinstance(manifest, dict) else f"{manifest.get('magic')!r} v{manifest.get('version')}"
         raise StoreFormatError(f"{manifest_path}: not a lightning-nvme store of format version "
-                               f"{FORMAT_VERSION} (found {found})")
+                               f"{STORE_FORMAT_VERSION} (found {found})")
     try:
         layout = Layout.from_json(manifest["layout"])
     except (KeyError, TypeError, ValueError) as e:
@@ -74,7 +74,7 @@ def read_layout(file: StoreFile, manifest_path: str) -> Layout:
         header = {}
     if not isinstance(header, dict):
         header = {}
-    if (header.get("magic") != MAGIC or header.get("version") != FORMAT_VERSION
+    if (header.get("magic") != MAGIC or header.get("version") != STORE_FORMAT_VERSION
             or header.get("layout") != layout.digest() or header.get("end") != layout.end):
         raise StoreFormatError(f"{file.path}: header does not match manifest {manifest_path} "
                                f"(layout hash {header.get('layout')} vs {layout.digest()})")

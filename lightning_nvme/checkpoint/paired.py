@@ -102,9 +102,7 @@ def begin(path: str) -> Pending:
 
 def publish(pending: Pending) -> None:
     """Step 3: the fsynced optimizer files become ``<path>.optim/<id>/`` (not yet referenced)."""
-    atomic.fsync_path(pending.tmp)
-    os.rename(pending.tmp, pending.final)
-    atomic.fsync_path(parts_root(pending.path))
+    atomic.commit(pending.tmp, pending.final)  # fsyncs the directory, renames it, fsyncs parts_root
     atomic.fsync_path(os.path.dirname(pending.path))
 
 

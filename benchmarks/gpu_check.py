@@ -1,30 +1,42 @@
-"""GPU check: one run on a CUDA machine verifies the two accelerator paths bitwise against plain Lightning.
+"""GPU check: one prepared run (< 5 min on one GPU) of the accelerator paths, bitwise against plain Lightning.
 
-1. ``NVMeActivationOffload``: a few CUDA training steps with and without the callback must give
-   bitwise-identical parameters (device -> pinned host -> store on a side stream, and back).
-2. ``NVMeOffloadStrategy(offload_params=True, overlap="backward")``: a small GPT trained for a few steps
-   with its blocks' parameters in the store (store -> pinned staging -> device on a side stream with
-   events) must give bitwise-identical parameters to ``strategy="auto"``. Reports the host <-> device
-   speed of the staging copies (bytes over their CUDA-event durations), the store's read/write speed
-   (bytes over the summed request times), the step time of both runs (median after the first step) and
-   the peak number of blocks on the device.
+Every case trains the same small GPT (every block under non-reentrant checkpoint, AdamW ``foreach=False``)
+for ``--steps`` steps over two epochs and compares all parameters bitwise with ``strategy="auto"`` trained
+the same way. ``ok`` needs every baseline run twice and found deterministic first (cuBLAS workspace pinned,
+SDPA on its math kernel, ``deterministic=True``): otherwise equality would prove nothing.
 
-Determinism: cuBLAS workspace pinned, SDPA forced to its math kernel, ``deterministic=True``, and each
-baseline is run twice to show it is deterministic on this machine before the offloaded run is compared to
-it. AdamW runs with ``foreach=False`` in both runs of check 2 (the offloaded optimizer steps chunk by chunk;
-single-tensor AdamW makes each parameter's update independent of that grouping). The last line printed is
-one JSON object; the exit status is 1 unless both checks are bitwise equal (and without a CUDA device).
+Cases (``--only NAME,...`` runs a subset):
 
-    python benchmarks/gpu_check.py [--store-dir DIR] [--steps 3] [--param-steps 6]
+- ``activation_offload``: ``NVMeActivationOffload`` against the plain run.
+- ``params_backward`` / ``params_step``: ``offload_params=True`` with ``overlap="backward"`` / ``"step"``.
+- ``params_bf16``: ``precision="bf16-true"``, against a bf16-true baseline.
+- ``params_resume``: a checkpoint saved mid-fit (``ModelCheckpoint`` at the end of epoch 1, the blocks
+  gathered from the store), resumed by a new Trainer to the last step.
+- ``params_keep``: ``restore_params=False``: the weights stay in the store, exported with
+  ``export_weights`` (streamed block by block) and compared from the file.
+- ``params_delayed``: ``params_backward`` with a delay before every host <-> device copy (the ``CudaOps.copy``
+  seam): a missing wait on an event then reads or overwrites a buffer too early and shows as a difference.
+- ``sanitizer``: ``params_backward`` again in a subprocess under ``TORCH_CUDA_SANITIZER=1`` (PyTorch's
+  stream sanitizer raises on an unsynchronized access between streams), 2 steps.
+
+Per case: ``bitwise_equal``, ``max_abs_diff``, ``peak_device_MiB`` (``torch.cuda.max_memory_allocated`` of the
+offloaded run) beside ``baseline_peak_device_MiB``, ``peak_device_blocks``, staging copy speeds, step times.
+At the end: ``live_host_registrations`` (host ranges still registered with CUDA, must be 0). The last line
+printed is one JSON object. Exit status: 1 if a case fails on a CUDA machine; without a CUDA device the line
+says ``"skipped": "no CUDA device"`` and the status is 0.
+
+    python benchmarks/gpu_check.py [--store-dir DIR] [--steps 6] [--only params_backward,...]
 """
 
 from __future__ import annotations
 
 import argparse
 import copy
+import gc
 import json
 import os
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -43,6 +55,11 @@ from activation_offload import GPT, Tokens  # noqa: E402
 from lightning_nvme import NVMeOffloadStrategy  # noqa: E402
 from lightning_nvme.callbacks import NVMeActivationOffload  # noqa: E402
 from lightning_nvme.constants import MiB  # noqa: E402
+from lightning_nvme.params import staging  # noqa: E402
+from lightning_nvme.store import pinned  # noqa: E402
+
+CASES = ("activation_offload", "params_backward", "params_step", "params_bf16", "params_resume", "params_keep",
+         "params_delayed", "sanitizer")
 
 
 class AdamGPT(GPT):
@@ -53,7 +70,7 @@ class AdamGPT(GPT):
 
 
 class StepTimer(pl.Callback):
-    """Wall time of each training step (forward, backward, optimizer step), the device synchronized."""
+    """Wall time of each training step, the device synchronized; the store's I/O counters before teardown."""
 
     def __init__(self) -> None:
         self.times: list[float] = []
@@ -75,115 +92,200 @@ class StepTimer(pl.Callback):
             self.store_stats = store.stats
 
     @property
-    def step_s(self) -> float:
-        return statistics.median(self.times[1:] or self.times)
+    def step_s(self) -> float | None:
+        return round(statistics.median(self.times[1:] or self.times), 4) if self.times else None
 
 
-def train(model: pl.LightningModule, steps: int, data: Tokens, root: str, callbacks=(), strategy: Any = "auto"):
-    trainer = pl.Trainer(max_steps=steps, accelerator="gpu", devices=1, logger=False, enable_checkpointing=False,
+def verdict(reference: dict[str, torch.Tensor], again: dict[str, torch.Tensor],
+            other: dict[str, torch.Tensor]) -> dict[str, Any]:
+    """Bitwise comparison by name; ``ok`` only if the baseline repeated itself exactly."""
+    deterministic = reference.keys() == again.keys() and all(torch.equal(reference[k], again[k]) for k in reference)
+    equal = reference.keys() == other.keys() and all(torch.equal(reference[k], other[k]) for k in reference)
+    diff = max((float((reference[k].float() - other[k].float()).abs().max()) for k in reference if k in other),
+               default=float("inf"))
+    return {"bitwise_equal": equal, "baseline_deterministic": deterministic, "max_abs_diff": diff,
+            "ok": bool(equal and deterministic)}
+
+
+def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
+
+
+def peak_MiB() -> float:
+    return round(torch.cuda.max_memory_allocated() / MiB, 1)
+
+
+def train(model: pl.LightningModule, args: argparse.Namespace, data: Tokens, root: str, callbacks=(),
+          strategy: Any = "auto", precision: str = "32-true", ckpt_path: str | None = None) -> pl.Trainer:
+    gc.collect()
+    torch.cuda.empty_cache()
+    torch.cuda.reset_peak_memory_stats()
+    trainer = pl.Trainer(max_steps=args.steps, accelerator="gpu", devices=1, logger=False,
+                         enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
                          enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
-                         default_root_dir=root, deterministic=True, strategy=strategy)
+                         default_root_dir=root, deterministic=True, strategy=strategy, precision=precision)
     with sdpa_kernel(SDPBackend.MATH):
-        trainer.fit(model, DataLoader(data, batch_size=None))
-    return model
+        trainer.fit(model, DataLoader(data, batch_size=None), ckpt_path=ckpt_path)
+    return trainer
 
 
-def compare(reference: pl.LightningModule, again: pl.LightningModule, other: pl.LightningModule) -> dict[str, Any]:
-    pa, pa2, pb = ([p.detach().cpu() for p in m.parameters()] for m in (reference, again, other))
-    return {"bitwise_equal": all(torch.equal(x, y) for x, y in zip(pa, pb)),
-            "baseline_deterministic": all(torch.equal(x, y) for x, y in zip(pa, pa2)),
-            "max_abs_diff": max(float((x - y).abs().max()) for x, y in zip(pa, pb))}
+class Baselines:
+    """``strategy="auto"`` runs, each made twice (determinism) and kept for every case that needs it."""
+
+    def __init__(self, args: argparse.Namespace, base: pl.LightningModule, data: Tokens, root: str) -> None:
+        self.args, self.base, self.data, self.root = args, base, data, root
+        self._runs: dict[str, tuple[dict, dict, float, float | None]] = {}
+
+    def get(self, precision: str = "32-true") -> tuple[dict, dict, float, float | None]:
+        if precision not in self._runs:
+            timer = StepTimer()
+            a = copy.deepcopy(self.base)
+            train(a, self.args, self.data, self.root, [timer], precision=precision)
+            peak = peak_MiB()
+            a2 = copy.deepcopy(self.base)
+            train(a2, self.args, self.data, self.root, precision=precision)
+            self._runs[precision] = (params_of(a), params_of(a2), peak, timer.step_s)
+        return self._runs[precision]
 
 
 def gbps(nbytes: float, seconds: float) -> float | None:
     return round(nbytes / seconds / 1e9, 2) if seconds > 0 else None
 
 
-def activation_check(args: argparse.Namespace, store_dir: str) -> dict[str, Any]:
-    torch.manual_seed(0)
-    base = GPT(vocab=256, d=args.d_model, heads=4, layers=args.layers, mlp=4)
-    data = Tokens(args.steps, args.batch, args.seq, 256)
-    t0 = time.perf_counter()
-    a = train(copy.deepcopy(base), args.steps, data, store_dir)
-    a2 = train(copy.deepcopy(base), args.steps, data, store_dir)
-    cb = NVMeActivationOffload(store_dir=store_dir, min_bytes=1 << 16)
-    b = train(copy.deepcopy(base), args.steps, data, store_dir, callbacks=[cb])
-    stats = cb.total_stats
-    result = {**compare(a, a2, b), "bytes_written": stats.bytes_written, "bytes_read": stats.bytes_read,
-              "prefetch_hits": stats.prefetch_hits, "misses": stats.misses,
-              "read_wait_s": round(stats.read_wait_s, 4), "total_s": round(time.perf_counter() - t0, 1)}
-    result["ok"] = bool(result["bitwise_equal"] and stats.bytes_written > 0 and stats.bytes_read > 0)
-    return result
+def offload(args: argparse.Namespace, store_dir: str, **kwargs: Any) -> NVMeOffloadStrategy:
+    kwargs.setdefault("overlap", "backward")
+    return NVMeOffloadStrategy(store_dir=store_dir, offload_params=True, param_prefetch=args.param_prefetch,
+                               chunk_bytes=args.chunk_mib * MiB, **kwargs)
 
 
-def param_offload_check(args: argparse.Namespace, store_dir: str) -> dict[str, Any]:
-    torch.manual_seed(0)
-    base = AdamGPT(vocab=256, d=args.param_d_model, heads=8, layers=args.param_layers, mlp=4)
-    data = Tokens(args.param_steps, args.param_batch, args.param_seq, 256)
-    t0 = time.perf_counter()
-    timers = [StepTimer(), StepTimer(), StepTimer()]
-    a = train(copy.deepcopy(base), args.param_steps, data, store_dir, [timers[0]])
-    a2 = train(copy.deepcopy(base), args.param_steps, data, store_dir, [timers[1]])
-    strategy = NVMeOffloadStrategy(store_dir=store_dir, offload_params=True, overlap="backward",
-                                   param_prefetch=args.param_prefetch, chunk_bytes=args.chunk_mib * MiB)
-    b = train(copy.deepcopy(base), args.param_steps, data, store_dir, [timers[2]], strategy=strategy)
+def staging_figures(strategy: NVMeOffloadStrategy, timer: StepTimer, args: argparse.Namespace) -> dict[str, Any]:
     assert strategy.param_offload is not None
     stats = strategy.param_offload.stats
-    staging, store = stats.staging, timers[2].store_stats
-    blocks = strategy.param_offload.blocks
-    result = {**compare(a, a2, b),
-              "params": sum(p.numel() for p in base.parameters()), "blocks": len(blocks),
-              "block_MiB": round(max(blk.nbytes for blk in blocks) / MiB, 1),
-              "param_prefetch": args.param_prefetch,
-              "peak_device_blocks": stats.peak_bound_blocks, "peak_host_blocks": stats.peak_resident_blocks,
-              "block_loads": stats.loads, "sync_loads": stats.sync_loads, "writebacks": stats.writebacks,
-              "h2d_GBps": gbps(staging.h2d_bytes, staging.h2d_s), "d2h_GBps": gbps(staging.d2h_bytes, staging.d2h_s),
-              "h2d_bytes": staging.h2d_bytes, "d2h_bytes": staging.d2h_bytes,
-              "pinned_buffers": staging.pinned_buffers, "pageable_buffers": staging.pageable_buffers,
-              "store_read_GBps": gbps(store.bytes_read, store.read_seconds),
-              "store_write_GBps": gbps(store.bytes_written, store.write_seconds),
-              "store_bytes_read": store.bytes_read, "store_bytes_written": store.bytes_written,
-              "store_wait_s": round(store.wait_seconds, 3),
-              "plain_step_s": round(timers[0].step_s, 4), "offload_step_s": round(timers[2].step_s, 4),
-              "total_s": round(time.perf_counter() - t0, 1)}
-    result["step_ratio"] = round(result["offload_step_s"] / result["plain_step_s"], 2)
-    result["ok"] = bool(result["bitwise_equal"] and staging.h2d_bytes > 0 and staging.d2h_bytes > 0
-                        and stats.peak_bound_blocks <= args.param_prefetch + 2)
+    st, store = stats.staging, timer.store_stats
+    out = {"peak_device_blocks": stats.peak_bound_blocks, "peak_host_blocks": stats.peak_resident_blocks,
+           "block_loads": stats.loads, "sync_loads": stats.sync_loads, "early_uploads": stats.early_uploads,
+           "writebacks": stats.writebacks,
+           "h2d_GBps": gbps(st.h2d_bytes, st.h2d_s), "d2h_GBps": gbps(st.d2h_bytes, st.d2h_s),
+           "pinned_buffers": st.pinned_buffers, "pageable_buffers": st.pageable_buffers,
+           "offload_step_s": timer.step_s}
+    if store is not None:
+        out.update(store_read_GBps=gbps(store.bytes_read, store.read_seconds),
+                   store_write_GBps=gbps(store.bytes_written, store.write_seconds))
+    out["copies_ok"] = bool(st.h2d_bytes > 0 and st.d2h_bytes > 0 and stats.peak_bound_blocks <= args.param_prefetch + 2)
+    return out
+
+
+def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_dir: str) -> dict[str, Any]:
+    base, data = baselines.base, baselines.data
+    precision = "bf16-true" if name == "params_bf16" else "32-true"
+    ref, again, ref_peak, ref_step = baselines.get(precision)
+    timer = StepTimer()
+    extra: dict[str, Any] = {}
+    if name == "activation_offload":
+        cb = NVMeActivationOffload(store_dir=store_dir, min_bytes=1 << 16)
+        model = copy.deepcopy(base)
+        train(model, args, data, store_dir, [cb, timer])
+        stats = cb.total_stats
+        extra = {"bytes_written": stats.bytes_written, "bytes_read": stats.bytes_read,
+                 "prefetch_hits": stats.prefetch_hits, "misses": stats.misses,
+                 "copies_ok": bool(stats.bytes_written > 0 and stats.bytes_read > 0)}
+        got = params_of(model)
+    elif name == "params_keep":
+        strategy = offload(args, store_dir, restore_params=False)
+        trainer = train(copy.deepcopy(base), args, data, store_dir, [timer], strategy=strategy)
+        extra = staging_figures(strategy, timer, args)
+        from safetensors.torch import load_file
+
+        path = os.path.join(store_dir, "kept.safetensors")
+        trainer.strategy.export_weights(path)
+        got = load_file(path)
+    elif name == "params_resume":
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        ckpt_dir = tempfile.mkdtemp(dir=store_dir)
+        saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+        strategy = offload(args, store_dir)
+        train(copy.deepcopy(base), args, data, store_dir, [saver, timer], strategy=strategy)
+        first = os.path.join(ckpt_dir, "epoch=0.ckpt")
+        model = copy.deepcopy(base)
+        train(model, args, data, store_dir, strategy=offload(args, store_dir), ckpt_path=first)
+        extra = staging_figures(strategy, timer, args)
+        got = params_of(model)
+    elif name == "sanitizer":
+        cmd = [sys.executable, os.path.abspath(__file__), "--only", "params_backward", "--steps", "2",
+               "--store-dir", store_dir, "--layers", str(max(2, args.layers // 2))]
+        proc = subprocess.run(cmd, env={**os.environ, "TORCH_CUDA_SANITIZER": "1"}, capture_output=True, text=True,
+                              timeout=240)
+        lines = proc.stdout.strip().splitlines()
+        inner = json.loads(lines[-1]) if lines and lines[-1].startswith("{") else {}
+        case = inner.get("params_backward", {})
+        return {"ok": bool(proc.returncode == 0 and case.get("ok")), "returncode": proc.returncode,
+                "bitwise_equal": case.get("bitwise_equal"), "stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}
+    else:
+        kwargs = {"overlap": "step"} if name == "params_step" else {}
+        strategy = offload(args, store_dir, **kwargs)
+        model = copy.deepcopy(base)
+        real_copy = staging.CudaOps.copy
+        if name == "params_delayed":
+            def delayed(self: staging.CudaOps, dst: torch.Tensor, src: torch.Tensor) -> None:
+                torch.cuda._sleep(args.delay_cycles)  # on the copy's stream, before the copy: a late copy
+                real_copy(self, dst, src)
+            staging.CudaOps.copy = delayed  # type: ignore[method-assign]
+        try:
+            train(model, args, data, store_dir, [timer], strategy=strategy, precision=precision)
+        finally:
+            staging.CudaOps.copy = real_copy  # type: ignore[method-assign]
+        extra = staging_figures(strategy, timer, args)
+        got = params_of(model)
+    result = {**verdict(ref, again, got), "peak_device_MiB": peak_MiB(), "baseline_peak_device_MiB": ref_peak,
+              "plain_step_s": ref_step, **extra}
+    result["ok"] = bool(result["ok"] and result.pop("copies_ok", True))
     return result
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser()
     p.add_argument("--store-dir", default=os.environ.get("LIGHTNING_NVME_STORE_DIR"))
-    p.add_argument("--steps", type=int, default=3)
-    p.add_argument("--layers", type=int, default=12)
-    p.add_argument("--batch", type=int, default=64)
+    p.add_argument("--only", default=",".join(CASES), help=f"comma-separated cases of {CASES}")
+    p.add_argument("--steps", type=int, default=6)  # two epochs of steps // 2 batches
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--batch", type=int, default=8)
     p.add_argument("--seq", type=int, default=256)
-    p.add_argument("--d-model", type=int, default=256)
-    p.add_argument("--param-steps", type=int, default=6)
-    p.add_argument("--param-layers", type=int, default=8)
-    p.add_argument("--param-batch", type=int, default=8)
-    p.add_argument("--param-seq", type=int, default=512)
-    p.add_argument("--param-d-model", type=int, default=1024)  # 12.6 M parameters (50 MiB) per block
+    p.add_argument("--d-model", type=int, default=512)  # 3.1 M parameters (12 MiB fp32) per block
     p.add_argument("--param-prefetch", type=int, default=1)
-    p.add_argument("--chunk-mib", type=int, default=32)  # optimizer chunks smaller than a block's state
-    args = p.parse_args()
+    p.add_argument("--chunk-mib", type=int, default=16)  # optimizer chunks about a block's state
+    p.add_argument("--delay-cycles", type=int, default=2_000_000)  # about 1 ms of GPU spin before each copy
+    args = p.parse_args(argv)
+    only = [c for c in args.only.split(",") if c]
+    unknown = sorted(set(only) - set(CASES))
+    if unknown:
+        p.error(f"unknown cases {unknown}; known: {CASES}")
     if not torch.cuda.is_available():
-        print(json.dumps({"ok": False, "error": "no CUDA device"}))
-        sys.exit(1)
+        print(json.dumps({"ok": False, "skipped": "no CUDA device", "cases": only, "torch": torch.__version__,
+                          "torch_cuda": torch.version.cuda}))
+        return 0
     store_dir = args.store_dir or tempfile.mkdtemp(prefix="nvme-gpu-check-")
     t0 = time.perf_counter()
+    torch.manual_seed(0)
+    base = AdamGPT(vocab=256, d=args.d_model, heads=8, layers=args.layers, mlp=4)
+    data = Tokens(max(1, args.steps // 2), args.batch, args.seq, 256)
+    baselines = Baselines(args, base, data, store_dir)
     checks: dict[str, Any] = {}
-    for name, check in (("activation_offload", activation_check), ("param_offload", param_offload_check)):
+    for name in only:
+        t = time.perf_counter()
         try:
-            checks[name] = check(args, store_dir)
+            checks[name] = run_case(name, args, baselines, store_dir)
         except Exception as e:  # noqa: BLE001  (report it in the JSON line, then fail)
-            checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"}
-    result = {"ok": all(c["ok"] for c in checks.values()), **checks,
-              "device": torch.cuda.get_device_name(0), "total_s": round(time.perf_counter() - t0, 1)}
+            checks[name] = {"ok": False, "error": f"{type(e).__name__}: {e}"[:2000]}
+        checks[name]["case_s"] = round(time.perf_counter() - t, 1)
+    gc.collect()
+    live = pinned.live_registrations()
+    result = {"ok": all(c["ok"] for c in checks.values()) and live == 0, **checks, "live_host_registrations": live,
+              "device": torch.cuda.get_device_name(0), "torch": torch.__version__,
+              "total_s": round(time.perf_counter() - t0, 1)}
     print(json.dumps(result))
-    sys.exit(0 if result["ok"] else 1)
+    return 0 if result["ok"] else 1
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())

@@ -5,6 +5,7 @@
     lightning-nvme bench [NAME ...]       (runs ./benchmarks/*.py of a source checkout)
     lightning-nvme doctor PATH [...]
     lightning-nvme convert {to-lightning,from-lightning} SRC DST   (lightning_nvme.checkpoint.convert)
+    lightning-nvme export CKPT DIR [--config MODEL_DIR] [--merge-adapters]   (a Hugging Face model in the Hub layout)
 
 Config problems (unknown key, wrong type, missing or unwritable store directory) are reported as one
 line naming the key and the fix, with exit code 2 and no traceback, before anything is built.
@@ -33,7 +34,7 @@ def main(argv: list[str] | None = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     parser = argparse.ArgumentParser(prog="lightning-nvme", description=__doc__.split("\n\n")[0],
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    sub = parser.add_subparsers(dest="command", metavar="{train,recipes,bench,doctor,convert}")
+    sub = parser.add_subparsers(dest="command", metavar="{train,recipes,bench,doctor,convert,export}")
     p_train = sub.add_parser("train", help="train a recipe: train recipe=NAME [key=value ...]")
     p_train.add_argument("--dry-run", action="store_true", help="validate and print the config, do not train")
     p_train.add_argument("overrides", nargs="*", help="recipe=NAME and Hydra overrides (trainer.max_steps=100)")
@@ -44,6 +45,15 @@ def main(argv: list[str] | None = None) -> int:
     p_doctor.add_argument("rest", nargs=argparse.REMAINDER)
     sub.add_parser("convert", help="convert a checkpoint: convert to-lightning SRC DST (one plain Lightning file)",
                    add_help=False).add_argument("rest", nargs=argparse.REMAINDER)
+    p_export = sub.add_parser("export", help="a Hugging Face model's checkpoint to the Hub layout (config.json + "
+                              "sharded safetensors + index), streamed: export CKPT DIR")
+    p_export.add_argument("checkpoint")
+    p_export.add_argument("directory")
+    p_export.add_argument("--config", help="the directory of the model's config.json (default: the checkpoint's "
+                                           "model.path hyperparameter)")
+    p_export.add_argument("--max-shard-bytes", type=int, default=None, help="bytes per shard (default 5e9)")
+    p_export.add_argument("--merge-adapters", action="store_true",
+                          help="a LoRA model: the base with its adapters merged (default: the adapters alone, peft's layout)")
     if argv[:1] == ["doctor"]:  # pass everything through untouched, including --help
         return _doctor(argv[1:])
     if argv[:1] == ["convert"]:
@@ -55,8 +65,23 @@ def main(argv: list[str] | None = None) -> int:
         return _recipes()
     if args.command == "bench":
         return _bench(args.names)
+    if args.command == "export":
+        return _export(args.checkpoint, args.directory, args.config, args.max_shard_bytes, args.merge_adapters)
     parser.print_help()
     return EXIT_CONFIG
+
+
+def _export(checkpoint: str, directory: str, config: str | None, max_shard_bytes: int | None,
+            merge_adapters: bool) -> int:
+    from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_checkpoint
+
+    try:
+        files = export_checkpoint(checkpoint, directory, config, max_shard_bytes=max_shard_bytes or MAX_SHARD_BYTES,
+                                  merge_adapters=merge_adapters)
+    except (ValueError, FileNotFoundError) as e:
+        return _config_error(str(e))
+    print(f"exported {checkpoint} to {directory}: {', '.join(files)}")
+    return 0
 
 
 def _config_error(message: str) -> int:

@@ -95,6 +95,20 @@ def directory(value: Any) -> str | None:
     return None if value is None or isinstance(value, (str, os.PathLike)) else f"must be a path, got {value!r}."
 
 
+def directories(value: Any) -> str | None:
+    """A path, a non-empty list of distinct paths (one per disk: the store is striped over them), or ``None``."""
+    if directory(value) is None:
+        return None
+    if (isinstance(value, Sequence) and not isinstance(value, (str, bytes)) and len(value) > 0
+            and all(isinstance(v, (str, os.PathLike)) for v in value)):
+        resolved = [os.path.abspath(os.fspath(v)) for v in value]
+        twice = sorted({d for d in resolved if resolved.count(d) > 1})
+        if twice:
+            return f"lists {twice[0]} twice; each directory (disk) may hold one stripe. Fix: list it once."
+        return None
+    return f"must be a path or a non-empty list of paths (one per disk, e.g. [/mnt/a, /mnt/b]), got {value!r}."
+
+
 def default_store_dir(default_root_dir: str) -> str:
     """Where a store goes when no ``store_dir`` is given: ``$LIGHTNING_NVME_STORE_DIR``, else
     ``<default_root_dir>/nvme_store``. The one home of this rule: the strategies, the activation callback and
@@ -105,3 +119,11 @@ def default_store_dir(default_root_dir: str) -> str:
 def resolve_store_dir(store_dir: str | os.PathLike[str] | None, default_root_dir: str) -> str:
     """``store_dir`` if given, else ``default_store_dir(default_root_dir)``, as an absolute path."""
     return os.path.abspath(store_dir or default_store_dir(default_root_dir))
+
+
+def resolve_store_dirs(store_dir: str | os.PathLike[str] | Sequence[str | os.PathLike[str]] | None,
+                       default_root_dir: str) -> list[str]:
+    """``resolve_store_dir`` for a setting that may list several directories (a striped store): absolute paths."""
+    if store_dir is None or isinstance(store_dir, (str, os.PathLike)):
+        return [resolve_store_dir(store_dir, default_root_dir)]
+    return [os.path.abspath(os.fspath(d)) for d in store_dir]

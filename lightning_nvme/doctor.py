@@ -1,5 +1,5 @@
 """``lightning-nvme doctor PATH``: is this directory a good home for the store, and how should the
-store be tuned for it?
+store be tuned for it? (``doctor DIR DIR ...``: the disks of a striped store, see ``doctor_stripes``.)
 
 Reports the filesystem and mount options, O_DIRECT support, free space against a planned store,
 swap on the same disk, a short measured sequential bandwidth (O_DIRECT, writes timed through
@@ -11,11 +11,10 @@ order, and compared by the median of per-round ratios, because a disk's speed dr
 from __future__ import annotations
 
 import argparse
-import contextlib
 import json
 import mmap
 import os
-import random
+import shutil
 import statistics
 import sys
 import time
@@ -24,13 +23,13 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lightning_nvme import fsinfo
+from lightning_nvme import doctor_stripes, fsinfo
 from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.io_profile import IOProfile
 from lightning_nvme.preflight import check_store_dir, check_writable, ensure_dir
 from lightning_nvme.settings import OffloadSettings
-from lightning_nvme.store import FlatStore, StoreError, aligned_empty
+from lightning_nvme.store import StoreError, aligned_empty
 
 # the strategies' defaults: what a tuned profile is compared with
 DEFAULT_SETTING = (OffloadSettings.io_chunk_bytes, OffloadSettings.io_workers)
@@ -85,22 +84,8 @@ def measure_bandwidth(directory: str, nbytes: int, seconds: float, block: int = 
 
 def _trial(directory: str, chunk: int, workers: int, nbytes: int, data) -> tuple[float, float]:
     """Write ``nbytes`` through a fresh FlatStore (durable fence) and read them back; MiB/s each."""
-    store = FlatStore(directory, io_chunk_bytes=chunk, io_workers=workers, staging_bytes=chunk, name="doctor-tune",
-                      io_timeout_s=120)
-    try:
-        store.add_region("bench", nbytes)
-        t0 = time.perf_counter()
-        store.write("bench", data)
-        store.fence(durable=True)
-        t_write = time.perf_counter() - t0
-        t0 = time.perf_counter()
-        store.wait(store.read("bench", data))
-        t_read = time.perf_counter() - t0
-    finally:
-        store.close(delete=True)
-        with contextlib.suppress(OSError):
-            os.remove(store.path + ".lock")
-    return nbytes / MiB / t_write, nbytes / MiB / t_read
+    return doctor_stripes.trial([directory], OffloadSettings.stripe_bytes, workers, nbytes, data, io_chunk_bytes=chunk,
+                                name="doctor-tune")
 
 
 def tune(directory: str, *, nbytes: int = 32 * MiB, seconds: float = 6.0, min_rounds: int = 2, max_rounds: int = 5,
@@ -115,17 +100,9 @@ def tune(directory: str, *, nbytes: int = 32 * MiB, seconds: float = 6.0, min_ro
     candidates = sorted({(c, w) for c in chunks for w in workers} | {DEFAULT_SETTING})
     data = aligned_empty(nbytes)
     data.copy_(_random_bytes(nbytes))
-    rng = random.Random(seed)
-    rounds: list[dict[tuple[int, int], tuple[float, float]]] = []
-    t_start = time.perf_counter()
-    while len(rounds) < max_rounds and (len(rounds) < min_rounds or time.perf_counter() - t_start < seconds):
-        order = candidates[:]
-        rng.shuffle(order)
-        rounds.append({cand: _trial(directory, *cand, nbytes, data) for cand in order})
-
-    def combined(w: float, r: float) -> float:  # MiB/s over the bytes moved both ways
-        return 2 / (1 / w + 1 / r)
-
+    rounds = doctor_stripes.random_rounds(candidates, lambda cand: _trial(directory, *cand, nbytes, data),
+                                          seconds=seconds, min_rounds=min_rounds, max_rounds=max_rounds, seed=seed)
+    combined = doctor_stripes.combined  # MiB/s over the bytes moved both ways
     score = {c: statistics.median(combined(*rd[c]) for rd in rounds) for c in candidates}
     # chosen by the median of per-round ratios to the default (pairs measured close in time), and
     # only when clearly better: a setting within noise of the default is not worth a profile change
@@ -168,7 +145,8 @@ def _size(n: float) -> str:
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="lightning-nvme doctor",
                                 description="Check a directory as a home for the NVMe store and tune the I/O profile.")
-    p.add_argument("path", help="the store directory to check (created if its parent exists)")
+    p.add_argument("path", nargs="+", help="the store directory to check (created if its parent exists); several: "
+                                           "the disks of a striped store, measured each and together")
     p.add_argument("--plan-bytes", type=int, default=None, help="planned store size in bytes, checked against free space")
     p.add_argument("--min-free-bytes", type=int, default=OffloadSettings.min_free_bytes,
                    help=f"safety margin kept free (default {_size(OffloadSettings.min_free_bytes)})")
@@ -285,10 +263,82 @@ def _measure_and_tune(path: str, info: fsinfo.FsInfo, args: argparse.Namespace, 
         f.say("written", f"{args.write_profile}; use it with NVMeOffloadStrategy(io_profile={args.write_profile!r})")
 
 
+def _stripes(paths: list[str], args: argparse.Namespace, f: Findings) -> None:
+    """Several directories: each checked, then measured alone and striped together; tuned on the striped store."""
+    f.data.update(paths=paths, dirs={})
+    for path in paths:
+        f.say("directory", path)
+        try:
+            ensure_dir(path, "DIR")
+            check_writable(path, "DIR")
+        except ConfigError as e:
+            f.problem(str(e))
+            continue
+        one = Findings(path, True)  # collected, then printed under this directory
+        one.as_json = f.as_json
+        plan = args.plan_bytes
+        args.plan_bytes = None if plan is None else -(-plan // len(paths)) + OffloadSettings.stripe_bytes
+        _check_filesystem(path, fsinfo.inspect(path), args, one)
+        args.plan_bytes = plan
+        f.data["dirs"][path] = one.data
+        f.data["problems"] += one.data["problems"]
+        f.data["advice"] += one.data["advice"]
+    if f.data["problems"]:
+        return
+    for warning in doctor_stripes.device_warnings(paths):
+        f.advise("WARNING", warning)
+    free = min(shutil.disk_usage(p).free for p in paths) - args.min_free_bytes
+    nbytes = min(args.tune_bytes, max(0, free) // 2) // MiB * MiB
+    if nbytes < MiB:
+        f.say("bandwidth", "skipped: not enough free space for a measurement")
+        return
+    report = doctor_stripes.measure(paths, nbytes)
+    f.data["each"] = [{"path": p, "write_mib_s": round(w, 1), "read_mib_s": round(r, 1)}
+                      for p, (w, r) in zip(paths, report.each)]
+    f.data["together"] = {"write_mib_s": round(report.together[0], 1), "read_mib_s": round(report.together[1], 1),
+                          "scaling": round(report.scaling, 3)}
+    for p, (w, r) in zip(paths, report.each):
+        f.say("alone", f"{p}: write {w:.0f} MiB/s (through fsync), read {r:.0f} MiB/s")
+    f.say("striped", f"all {len(paths)}: write {report.together[0]:.0f} MiB/s, read {report.together[1]:.0f} MiB/s "
+                     f"({report.scaling:.2f} of the sum of the disks alone; medians of {report.rounds} alternating "
+                     f"rounds of {_size(nbytes)} per disk through FlatStore)")
+    i, cost = report.slowest()
+    f.data["slowest"] = {"path": paths[i], "cost": round(cost, 3)}
+    if cost > 0.1:
+        f.advise("slowest", doctor_stripes.slowest_disk_note(paths, report) + "; leave it out of store_dir if the "
+                 "others are enough")
+    else:
+        f.say("slowest", doctor_stripes.slowest_disk_note(paths, report))
+    if args.no_tune:
+        return
+    profile = doctor_stripes.tune(paths, nbytes=nbytes, seconds=args.seconds * 0.5)
+    profile.disks = f.data["each"]  # what the strategy says at setup about the slowest disk
+    f.data["profile"] = asdict(profile)
+    f.say("profile", f"stripe_bytes={profile.stripe_bytes} ({(profile.stripe_bytes or 0) // MiB} MiB), io_workers="
+                     f"{profile.io_workers} per disk: {profile.speedup_vs_default:.2f}x the default "
+                     f"({_size(doctor_stripes.DEFAULT_STRIPING[0])} x {doctor_stripes.DEFAULT_STRIPING[1]}), "
+                     f"median of {profile.trials[0]['rounds']} rounds")
+    if args.write_profile:
+        profile.save(args.write_profile)
+        f.data["profile_file"] = os.path.abspath(args.write_profile)
+        f.say("written", f"{args.write_profile}; use it with NVMeOffloadStrategy(store_dir={paths!r}, "
+                         f"io_profile={args.write_profile!r})")
+
+
 def main(argv: list[str] | None = None) -> int:
     """Run the doctor; returns 0 when the directory is usable for the plan, 1 when it is not."""
     args = _parser().parse_args(argv)
-    path = os.path.abspath(args.path)
+    paths = [os.path.abspath(p) for p in args.path]
+    if len(paths) > 1:
+        f = Findings(paths[0], args.json)
+        if not args.json:
+            print(f"lightning-nvme doctor: {len(paths)} directories (a striped store)")
+        try:
+            _stripes(paths, args, f)
+        except (OSError, StoreError) as e:
+            f.problem(f"I/O on {paths} failed during the measurements: {e}")
+        return f.finish()
+    path = paths[0]
     f = Findings(path, args.json)
     if not args.json:
         print(f"lightning-nvme doctor: {path}")

@@ -35,6 +35,9 @@ class IOProfile:
 
     io_chunk_bytes: int
     io_workers: int
+    stripe_bytes: int | None = None  # for a store striped over ``stripe_dirs`` (doctor DIR DIR ...)
+    stripe_dirs: list[str] | None = None  # the directories measured together, in order
+    disks: list[dict[str, Any]] | None = None  # each of stripe_dirs alone: path, write_mib_s, read_mib_s
     write_mib_s: float | None = None  # of the chosen setting, writes timed through fsync
     read_mib_s: float | None = None
     speedup_vs_default: float | None = None  # re-measured against the default in alternating pairs
@@ -48,6 +51,8 @@ class IOProfile:
 
     def __post_init__(self) -> None:
         check_values(io_chunk_bytes=self.io_chunk_bytes, io_workers=self.io_workers)
+        if self.stripe_bytes is not None:
+            check_values(stripe_bytes=self.stripe_bytes)
 
     def save(self, file: str | os.PathLike) -> None:
         """Write atomically (``atomic.write_json``), so a reader never sees half a profile."""
@@ -79,9 +84,33 @@ class IOProfile:
             raise ConfigError(key, f"I/O profile {file}: {e}") from e
 
 
-def io_request(config: OffloadSettings) -> tuple[int, int]:
-    """``(io_chunk_bytes, io_workers)`` of a strategy: from its tuned ``io_profile`` if given, else its arguments."""
+def io_request(config: OffloadSettings) -> tuple[int, int, int]:
+    """``(io_chunk_bytes, io_workers, stripe_bytes)`` of a strategy: from its tuned ``io_profile`` if given (a
+    profile of one disk leaves ``stripe_bytes`` to the argument), else its arguments."""
     if config.io_profile:
         profile = IOProfile.load(config.io_profile)
-        return profile.io_chunk_bytes, profile.io_workers
-    return config.io_chunk_bytes, config.io_workers
+        return profile.io_chunk_bytes, profile.io_workers, profile.stripe_bytes or config.stripe_bytes
+    return config.io_chunk_bytes, config.io_workers, config.stripe_bytes
+
+
+def slowest_disk(speeds: list[float]) -> tuple[int, float]:
+    """Striped round-robin, every disk moves the same share, so the set delivers about ``N x slowest``: the
+    slowest disk's index, and the fraction of the disks' summed bandwidth that costs (``1 - N x slowest / sum``)."""
+    i = min(range(len(speeds)), key=speeds.__getitem__)
+    return i, 1 - len(speeds) * speeds[i] / sum(speeds)
+
+
+def slowest_disk_note(profile: IOProfile, dirs: list[str], min_cost: float = 0.1) -> str | None:
+    """What the slowest of ``dirs`` costs by the profile's measurements, when over ``min_cost``; None when it costs
+    less, or when the profile did not measure exactly these directories."""
+    measured = {d.get("path"): d for d in profile.disks or []}
+    if len(dirs) < 2 or any(os.path.abspath(d) not in measured for d in dirs):
+        return None
+    rows = [measured[os.path.abspath(d)] for d in dirs]
+    speeds = [2 / (1 / r["write_mib_s"] + 1 / r["read_mib_s"]) for r in rows]
+    i, cost = slowest_disk(speeds)
+    if cost < min_cost:
+        return None
+    return (f"the slowest disk {dirs[i]} ({speeds[i]:.0f} MiB/s by the I/O profile) sets the pace of the striped "
+            f"store: about {len(dirs)} x {speeds[i]:.0f} = {len(dirs) * speeds[i]:.0f} MiB/s of the {sum(speeds):.0f} "
+            f"MiB/s the disks sum to ({cost:.0%} lost to it). Fix: leave it out of store_dir if the others are enough.")

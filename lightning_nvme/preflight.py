@@ -191,3 +191,40 @@ def check_store_dir(path: str | os.PathLike | None, needed_bytes: int, *, min_fr
     for w in report.warnings:
         warnings.warn(w, PreflightWarning, stacklevel=2)
     return report
+
+
+def device_of(path: str | os.PathLike) -> str:
+    """The disk ``path`` is on (``fsinfo.disk_of_path``), or its filesystem's device number where there is no
+    block device (tmpfs, overlay): two paths with the same answer share their bandwidth."""
+    disk = fsinfo.disk_of_path(path)
+    if disk is not None:
+        return disk
+    dev = os.stat(fsinfo.existing_ancestor(path)).st_dev
+    return f"dev {os.major(dev)}:{os.minor(dev)}"
+
+
+def shared_devices(roles: Mapping[str, Sequence[str]]) -> list[str]:
+    """One warning per device that holds two of the given directories (``roles``: a name such as
+    ``"store_dir stripe 2"`` or ``"checkpoints"`` for each list of directories): striping over them, or
+    giving them separate roles, gains no bandwidth."""
+    by_device: dict[str, list[str]] = {}
+    for role, dirs in roles.items():
+        for i, d in enumerate(dirs):
+            label = role if len(dirs) == 1 else f"{role} stripe {i + 1}"
+            by_device.setdefault(device_of(d), []).append(f"{label} ({os.path.abspath(d)})")
+    return [f"{' and '.join(users)} are on the same device {dev}: they share its bandwidth, so separating them gains "
+            f"nothing. Fix: put each on its own SSD." for dev, users in by_device.items() if len(users) > 1]
+
+
+def check_store_dirs(dirs: Sequence[str], needed_bytes: int, stripe_bytes: int, *, min_free_bytes: int = 0,
+                     key: str = "store_dir", roles: Mapping[str, Sequence[str]] | None = None) -> list[PreflightReport]:
+    """``check_store_dir`` for each directory of a (possibly striped) store, each holding its share of
+    ``needed_bytes``; then a ``PreflightWarning`` for each device that two stripes (or a stripe and another
+    role in ``roles``, e.g. checkpoints) share."""
+    if len(dirs) == 1:
+        return [check_store_dir(dirs[0], needed_bytes, min_free_bytes=min_free_bytes, key=key)]
+    share = -(-needed_bytes // len(dirs)) + stripe_bytes + ALIGN  # round-robin: one unit more at most, a header
+    reports = [check_store_dir(d, share, min_free_bytes=min_free_bytes, key=key) for d in dirs]
+    for w in shared_devices({key: list(dirs), **(roles or {})}):
+        warnings.warn(w, PreflightWarning, stacklevel=2)
+    return reports

@@ -26,12 +26,12 @@ from lightning_nvme.config import (
     boolean,
     check_fields,
     count,
-    directory,
+    directories,
     is_int,
     nbytes,
     one_of,
     reject_unknown,
-    resolve_store_dir,
+    resolve_store_dirs,
     setting,
 )
 from lightning_nvme.constants import ALIGN, STORE_DIR_ENV, GiB, MiB
@@ -40,6 +40,7 @@ from lightning_nvme.optim import CHUNK_BYTES, OVERLAP_MODES, PREFETCH_DEPTH
 from lightning_nvme.optim.formats import master_format_names, state_format_names
 from lightning_nvme.optim.state_format import StateFormat
 from lightning_nvme.store.flat_store import IO_CHUNK_BYTES, IO_WORKERS, STAGING_BYTES
+from lightning_nvme.store.stripes import STRIPE_BYTES
 
 if TYPE_CHECKING:
     from _typeshed import DataclassInstance
@@ -75,9 +76,13 @@ def _mmap_threshold(value: Any) -> str | None:
 class OffloadSettings:
     """Arguments of both offload strategies (``nvme_offload`` and ``nvme_offload_ddp``)."""
 
-    store_dir: str | None = setting(
-        None, f"Directory on a local SSD for the store file; None: ``${STORE_DIR_ENV}``, else "
-              "``<default_root_dir>/nvme_store``.", directory)
+    store_dir: str | list[str] | None = setting(
+        None, f"Directory on a local SSD for the store file, or a list of directories on different SSDs to stripe "
+              f"the store over (docs/striping.md); None: ``${STORE_DIR_ENV}``, else ``<default_root_dir>/nvme_store``.",
+        directories)
+    stripe_bytes: int = setting(
+        STRIPE_BYTES, "With several ``store_dir``: bytes of one stripe unit, laid out round-robin over the disks; "
+                      "overridden by ``io_profile``.", nbytes(ALIGN, aligned=True, typical=str(STRIPE_BYTES)))
     chunk_bytes: int = setting(
         CHUNK_BYTES, "Optimizer state per chunk, the unit that is read, updated and written back; resident "
                   "memory is ``(prefetch_depth + 2) x chunk_bytes``.", nbytes(ALIGN, typical="16-64 MiB"))
@@ -134,6 +139,8 @@ class OffloadSettings:
 
     def __post_init__(self) -> None:
         check_fields(self)
+        if self.store_dir is not None and not isinstance(self.store_dir, (str, os.PathLike)):
+            object.__setattr__(self, "store_dir", [os.fspath(d) for d in self.store_dir])  # e.g. Hydra's ListConfig
         if self.staging_bytes < self.io_chunk_bytes:
             raise ConfigError("staging_bytes", f"staging_bytes={self.staging_bytes} cannot hold one io_chunk_bytes="
                                                f"{self.io_chunk_bytes}. Fix: set staging_bytes >= io_chunk_bytes.")
@@ -143,9 +150,10 @@ class OffloadSettings:
         """``state_format`` and ``master_format`` as the ``StateFormat`` that stores and decodes the state."""
         return StateFormat(self.state_format, self.master_format)
 
-    def resolve_store_dir(self, default_root_dir: str) -> str:
-        """``store_dir``, else ``$LIGHTNING_NVME_STORE_DIR``, else ``<default_root_dir>/nvme_store``."""
-        return resolve_store_dir(self.store_dir, default_root_dir)
+    def resolve_store_dirs(self, default_root_dir: str) -> list[str]:
+        """``store_dir`` (one directory, or each of a striped store's), else ``$LIGHTNING_NVME_STORE_DIR``, else
+        ``<default_root_dir>/nvme_store``."""
+        return resolve_store_dirs(self.store_dir, default_root_dir)
 
     def mmap_threshold(self) -> int | None:
         """``malloc_mmap_threshold`` in bytes (``"auto"`` resolved), None: leave glibc alone."""

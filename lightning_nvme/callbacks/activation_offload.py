@@ -6,13 +6,15 @@ released at batch end, or on an exception. *What* and *how* live in
 :class:`~lightning_nvme.activations.ActivationOffloader`.
 
 Store: with ``strategy="nvme_offload"`` the strategy's store is shared (the callback adds its own
-``activations.N`` regions to it); otherwise the callback opens its own store file
-``activations-rank{R}.bin`` in ``store_dir`` and closes it at teardown.
+``activations.N`` regions to it) unless ``store_dir`` names other directories (another disk: activations then
+do not compete with the optimizer state for bandwidth); otherwise the callback opens its own store file
+``activations-rank{R}.bin`` in ``store_dir`` (one directory or several, striped) and closes it at teardown.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any
 
 import lightning.pytorch as pl
@@ -20,8 +22,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_nvme.activations import ActivationOffloader, ActivationSettings, OffloadStats, ResidencyMeter
-from lightning_nvme.config import boolean, check_fields, count, directory, nbytes, resolve_store_dir, setting
+from lightning_nvme.config import boolean, check_fields, count, directories, nbytes, resolve_store_dirs, setting
 from lightning_nvme.constants import ALIGN, STORE_DIR_ENV
+from lightning_nvme.preflight import PreflightWarning, shared_devices
 from lightning_nvme.settings import from_arguments, with_settings
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.flat_store import IO_CHUNK_BYTES, IO_WORKERS, STAGING_BYTES
@@ -31,9 +34,10 @@ from lightning_nvme.store.flat_store import IO_CHUNK_BYTES, IO_WORKERS, STAGING_
 class ActivationOffloadSettings(ActivationSettings):
     """The callback's arguments: the offloader's (``ActivationSettings``) and those of its own store."""
 
-    store_dir: str | None = setting(
-        None, f"Directory of the callback's own store (ignored when the strategy provides one); None: "
-              f"``${STORE_DIR_ENV}``, else ``<default_root_dir>/nvme_store``.", directory)
+    store_dir: str | list[str] | None = setting(
+        None, f"Directory (or directories, striped) of the callback's own store; None, or the strategy's own "
+              f"``store_dir``: the strategy's store is shared when it has one; None without one: "
+              f"``${STORE_DIR_ENV}``, else ``<default_root_dir>/nvme_store``.", directories)
     io_workers: int = setting(IO_WORKERS, "I/O threads of the callback's own store.", count(1, "1-8 (4 is a good default)"))
     io_chunk_bytes: int = setting(
         IO_CHUNK_BYTES, "Size of one disk request of the callback's own store.",
@@ -59,7 +63,7 @@ class NVMeActivationOffload(Callback):
 
     config: ActivationOffloadSettings
 
-    def __init__(self, store_dir: str | None = None, **settings: Any) -> None:
+    def __init__(self, store_dir: str | list[str] | None = None, **settings: Any) -> None:
         self.config = from_arguments(ActivationOffloadSettings, type(self).__name__,
                                      {"store_dir": store_dir, **settings})
         self.enabled = self.config.enabled  # the switch: may be flipped between steps (A/B runs, benchmarks)
@@ -79,11 +83,15 @@ class NVMeActivationOffload(Callback):
     # ---- store --------------------------------------------------------------------------------
     def _connect(self, trainer: pl.Trainer) -> ActivationOffloader:
         shared = getattr(trainer.strategy, "nvme_store", None)
-        if shared is not None:
+        c = self.config
+        dirs = resolve_store_dirs(c.store_dir, trainer.default_root_dir)
+        if shared is not None and (c.store_dir is None or dirs == shared.directories):
             store, owned = shared, False
         else:
-            c = self.config
-            store = FlatStore(resolve_store_dir(c.store_dir, trainer.default_root_dir), rank=trainer.global_rank,
+            if shared is not None:  # a disk of its own was asked for: say when it is not one
+                for w in shared_devices({"store_dir": shared.directories, f"{type(self).__name__} store_dir": dirs}):
+                    warnings.warn(w, PreflightWarning, stacklevel=2)
+            store = FlatStore(dirs, rank=trainer.global_rank,
                               name=f"activations-rank{trainer.global_rank}", io_chunk_bytes=c.io_chunk_bytes,
                               io_workers=c.io_workers, staging_bytes=c.staging_bytes, min_free_bytes=c.min_free_bytes)
             owned = True

@@ -194,8 +194,10 @@ def check_store_dir(key: str, path: Any) -> None:
     strategy applies at setup. ``None`` is left to the component: it picks its own default."""
     if path is None:
         return
+    paths = [path] if isinstance(path, (str, os.PathLike)) or not isinstance(path, Sequence) else list(path)
     try:
-        preflight.check_store_dir(os.path.expanduser(str(path)), 0, key=key)
+        for p in paths:  # a list: the disks of a striped store, each checked
+            preflight.check_store_dir(os.path.expanduser(str(p)), 0, key=key)
     except ConfigError as e:
         raise ConfigError(e.key, e.message) from None
 

@@ -200,7 +200,7 @@ class PretrainedWeights:
         self.prefix = prefix  # where the GPT sits in the module that asks (e.g. "model." in a LightningModule)
         self.config = GPTConfig.from_json(os.path.join(directory, "config.json"))
         self._where: dict[str, tuple[str, str]] = {}  # GPT name -> (file, key in that file)
-        for file in _safetensors_files(directory):
+        for file in safetensors_files(directory):
             with safe_open(file, framework="pt") as f:
                 for key in f.keys():
                     if not key.endswith(_IGNORED_SUFFIXES):
@@ -237,7 +237,8 @@ class PretrainedWeights:
             copy_checked(self.prefix + name, self.get(self.prefix + name), tensor)
 
 
-def _safetensors_files(directory: str | os.PathLike) -> list[str]:
+def safetensors_files(directory: str | os.PathLike) -> list[str]:
+    """A checkpoint directory's safetensors files: the shards its index names, else ``model.safetensors``."""
     index = os.path.join(directory, "model.safetensors.index.json")
     if os.path.exists(index):
         with open(index) as f:

@@ -22,7 +22,10 @@ from torchmetrics.text import Perplexity
 from typing_extensions import override
 
 from lightning_nvme.models.gpt import GPT, GPTConfig, PretrainedWeights
+from lightning_nvme.models.hf import HubWeights, block_classes, build_causal_lm
 from lightning_nvme.models.lora import add_lora
+from lightning_nvme.models.peft_lora import AdapterNames
+from lightning_nvme.models.peft_lora import add_lora as add_peft_lora
 from lightning_nvme.params.materialize import InitialWeights
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -140,16 +143,22 @@ class HFCausalLM(CausalLMModule):
         block_size: training context length; must not exceed the checkpoint's maximum positions.
         backend: ``"transformers"`` (any ``AutoModelForCausalLM``; needs the ``hf`` extra), ``"native"``
             (GPT-2 checkpoints through the built-in ``GPT``; no extra dependency) or ``"auto"``
-            (transformers when installed, else native).
+            (transformers for every architecture but GPT-2, which streams natively; GPT-2 in memory through
+            transformers when installed).
         activation_checkpointing: per-block recompute (``gradient_checkpointing_enable`` under transformers).
-        lora_rank: ``0``: finetune every weight; ``r > 0``: freeze the model and train rank-``r`` adapters on
-            its attention and MLP projections (``lightning_nvme.models.lora``; native backend).
+        lora_rank: ``0``: finetune every weight; ``r > 0``: freeze the model and train rank-``r`` adapters: through
+            ``peft`` under transformers (``get_peft_model``; saved in peft's format by
+            ``strategy.export_weights(dir, layout="hf")``), ``lightning_nvme.models.lora`` on the native GPT-2.
         lora_alpha: adapter scale numerator (``alpha / rank``); ``None``: ``rank`` (scale 1).
+        lora_targets: module names to adapt (peft's ``target_modules``); ``None``: peft's default for the
+            architecture (Llama, Qwen2, Mistral: ``q_proj``, ``v_proj``; GPT-NeoX: ``query_key_value``).
+        lora_dropout: dropout on the adapters' input (peft's ``lora_dropout``).
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial).
 
     Built inside ``trainer.init_module(empty_init=True)`` with ``offload_params=True`` (what the ``train``
-    command does), the native model is created on the meta device and its weights are streamed from the
-    checkpoint into the parameter store block by block at setup (``initial_weights``), never all in memory.
+    command does), the model is created on the meta device (``build_causal_lm`` under transformers) and its
+    weights are streamed from the checkpoint into the parameter store block by block at setup
+    (``initial_weights``: ``HubWeights`` / ``PretrainedWeights``), never all in memory.
     """
 
     # Every weight comes from the checkpoint (adapters from their own init): building under
@@ -157,8 +166,8 @@ class HFCausalLM(CausalLMModule):
     init_empty = True
 
     def __init__(self, path: str, block_size: int = 128, backend: str = "auto", activation_checkpointing: bool = False,
-                 lora_rank: int = 0, lora_alpha: float | None = None,
-                 optimizer: OptimizerFactory | None = None) -> None:
+                 lora_rank: int = 0, lora_alpha: float | None = None, lora_targets: list[str] | None = None,
+                 lora_dropout: float = 0.0, optimizer: OptimizerFactory | None = None) -> None:
         super().__init__(optimizer)
         self.save_hyperparameters(ignore=["optimizer"])
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -168,9 +177,9 @@ class HFCausalLM(CausalLMModule):
             raise ValueError(f"model.backend must be 'auto', 'native' or 'transformers', got {backend!r}")
         on_meta = torch.empty(()).is_meta  # inside init_module(empty_init=True) of a parameter-offload strategy
         if backend == "auto":
-            backend = "transformers" if importlib.util.find_spec("transformers") and not on_meta else "native"
+            backend = _auto_backend(path, on_meta)
         self.backend = backend
-        self._initial: PretrainedWeights | None = None
+        self._initial: InitialWeights | None = None
         if backend == "native":
             weights = PretrainedWeights(path, prefix="model.")
             self.model: nn.Module = GPT(weights.config, activation_checkpointing)
@@ -181,28 +190,37 @@ class HFCausalLM(CausalLMModule):
                 weights.load_into(self.model)  # one tensor at a time
             self._vocab = self.model.config.vocab_size
         else:
-            if on_meta:
-                raise ValueError("model.backend='transformers' loads the checkpoint in memory; it cannot stream into "
-                                 "the parameter store (offload_params=True with trainer.init_module(empty_init=True)). "
-                                 "Use model.backend=native (GPT-2 checkpoints), or strategy.offload_params=false.")
-            if lora_rank:
-                raise ValueError("model.lora_rank needs model.backend=native (GPT-2 checkpoints); with transformers "
-                                 "use the peft library, or set model.lora_rank=0")
-            from transformers import AutoModelForCausalLM
+            if on_meta:  # built on the meta device, streamed from the checkpoint into the store at setup
+                hf = build_causal_lm(path, gradient_checkpointing=activation_checkpointing)
+                self._initial = HubWeights(path, prefix="model.").checked(hf)
+            else:
+                from transformers import AutoModelForCausalLM
 
-            hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True)
-            hf.train()  # from_pretrained returns eval mode; Lightning switches modes per loop
-            if activation_checkpointing:
-                enable = getattr(hf, "activation_checkpointing_enable", None)  # transformers >= 5
-                (enable or hf.gradient_checkpointing_enable)()
+                hf = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, use_safetensors=True)
+                hf.train()  # from_pretrained returns eval mode; Lightning switches modes per loop
+                if activation_checkpointing:
+                    hf.gradient_checkpointing_enable()
             self._vocab = int(hf.get_output_embeddings().weight.shape[0])
             self.model = hf
-        if lora_rank:
+            if lora_rank:
+                self.model = add_peft_lora(hf, lora_rank, lora_alpha, lora_targets and list(lora_targets), lora_dropout)
+                if activation_checkpointing:
+                    hf.enable_input_require_grads()  # a frozen base: checkpointed layers need an input with grad
+                if self._initial is not None:
+                    self._initial = AdapterNames(self._initial, "model.")
+        if lora_rank and backend == "native":
+            if lora_targets or lora_dropout:
+                raise ValueError("model.lora_targets / model.lora_dropout need model.backend=transformers (peft); "
+                                 "the native GPT-2 LoRA adapts attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj")
             add_lora(self.model, lora_rank, lora_alpha)
         max_positions = _max_positions(self.model)
         if max_positions is not None and block_size > max_positions:
             raise ValueError(f"model.block_size={block_size} exceeds the checkpoint's maximum of {max_positions} "
                              f"positions: set model.block_size={max_positions} or less")
+
+    def param_block_classes(self) -> tuple[type[nn.Module], ...] | None:
+        """The blocks of ``offload_params``: transformers' decoder-layer classes (``_no_split_modules``)."""
+        return block_classes(self.model) if self.backend == "transformers" else None
 
     def initial_weights(self) -> InitialWeights | None:
         """The checkpoint, read tensor by tensor, for a model built on the meta device (``None`` once loaded)."""
@@ -218,6 +236,21 @@ class HFCausalLM(CausalLMModule):
             return self.model(input_ids)
         out: Any = self.model(input_ids=input_ids, use_cache=False)
         return out.logits
+
+
+def _auto_backend(path: str, on_meta: bool) -> str:
+    """transformers for any architecture but GPT-2; GPT-2 natively when streamed (or without transformers)."""
+    import json
+
+    with open(os.path.join(path, "config.json")) as f:
+        model_type = json.load(f).get("model_type", "gpt2")
+    has_transformers = importlib.util.find_spec("transformers") is not None
+    if model_type == "gpt2" and (on_meta or not has_transformers):
+        return "native"
+    if not has_transformers:
+        raise ValueError(f"model.path={path!r} is a {model_type!r} checkpoint: install the 'hf' extra "
+                         "(pip install 'lightning-nvme[hf]') to load architectures other than GPT-2")
+    return "transformers"
 
 
 def _max_positions(model: nn.Module) -> int | None:

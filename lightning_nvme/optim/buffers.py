@@ -10,26 +10,40 @@ from __future__ import annotations
 
 from collections import deque
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from lightning_nvme.constants import SLOT_ALIGN, align_up
 from lightning_nvme.store import FlatStore, IOHandle
+from lightning_nvme.store.pinned import unpin
 
 
 @dataclass
 class ChunkBuffer:
     data: torch.Tensor  # uint8, page-aligned, capacity bytes
     pending_write: IOHandle | None = None
+    uploaded: Any = None  # a CUDA event after the asynchronous copies of its state to the device
+
+
+def uploads_done(device: torch.device) -> Any:
+    """An event on ``device``'s current stream, after the copies just issued from a (pinned) chunk buffer:
+    the ring waits on it before the store reads into that buffer again."""
+    event = torch.cuda.Event()
+    event.record(torch.cuda.current_stream(device))
+    return event
 
 
 class ChunkRing:
-    def __init__(self, store: FlatStore, count: int, nbytes: int) -> None:
+    """``pin``: the parameters are on a CUDA device, whose copies of the state read from these buffers."""
+
+    def __init__(self, store: FlatStore, count: int, nbytes: int, pin: bool = False) -> None:
         if count < 2:
             raise ValueError(f"the chunk ring needs at least 2 buffers, got {count}")
         self.store = store
         self.nbytes = nbytes
-        self._free: deque[ChunkBuffer] = deque(ChunkBuffer(store.aligned_empty(nbytes)) for _ in range(count))
+        self._free: deque[ChunkBuffer] = deque(ChunkBuffer(store.aligned_empty(nbytes, pin=pin)) for _ in range(count))
+        self.pin = pin
         self.count = count
 
     @property
@@ -40,6 +54,9 @@ class ChunkRing:
         if not self._free:
             raise RuntimeError("chunk ring exhausted: more buffers held than prefetch_depth + 2 (a bug)")
         buf = self._free.popleft()
+        if buf.uploaded is not None:
+            buf.uploaded.synchronize()
+            buf.uploaded = None
         if buf.pending_write is not None:
             self.store.wait(buf.pending_write)
             buf.pending_write = None
@@ -48,6 +65,14 @@ class ChunkRing:
     def release(self, buf: ChunkBuffer, pending_write: IOHandle | None = None) -> None:
         buf.pending_write = pending_write
         self._free.append(buf)
+
+    def unpin(self) -> None:
+        """End of fit: unregister the buffers now rather than when they are freed (they stay usable, pageable)."""
+        for buf in self._free:
+            if buf.uploaded is not None:
+                buf.uploaded.synchronize()
+                buf.uploaded = None
+            unpin(buf.data)
 
 
 class DecodeArena:

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_nvme.memory import temporaries_off_heap, temporaries_on_heap
 from lightning_nvme.optim import chunk_views
-from lightning_nvme.optim.buffers import ChunkBuffer, DecodeArena
+from lightning_nvme.optim.buffers import ChunkBuffer, DecodeArena, uploads_done
 from lightning_nvme.optim.chunk_views import flat
 from lightning_nvme.optim.core import OffloadedCore
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, Piece
@@ -123,6 +123,9 @@ class ChunkUpdater(OffloadedCore):
         work = [w for w in (self._prepare_piece(piece, buf, state) for piece in chunk.pieces) if w is not None]
         if not work:
             return False
+        uploaded = [piece.param.device for piece, _, _, _ in work if piece.param.device.type == "cuda"]
+        if uploaded:  # the buffer is not read into again before these copies have completed
+            buf.uploaded = uploads_done(uploaded[-1])
         for piece, target, _, _ in work:
             chunk_params[piece.group].append(target)
         self._step_on(chunk_params, state)
@@ -138,8 +141,12 @@ class ChunkUpdater(OffloadedCore):
             return None
         shape = p.shape if piece.whole else (piece.numel,)
         host = {k: chunk_views.load(self.fmt, buf, piece, k, d, self.arena).view(shape) for k, d in piece.keys}
-        working = dict(host if p.device.type == "cpu" else {
-            k: v.to(p.device, non_blocking=True) for k, v in host.items()})
+        if p.device.type == "cpu":
+            working = dict(host)
+        elif self._initialized(piece):
+            working = {k: v.to(p.device, non_blocking=True) for k, v in host.items()}
+        else:  # nothing stored yet: nothing to upload (the optimizer initializes its state, the master is copied)
+            working = {k: torch.empty_like(v, device=p.device) for k, v in host.items()}
         grad = p.grad if piece.whole else flat(p.grad)[piece.start:piece.stop]
         if self.clip_value is not None:
             grad.clamp_(min=-self.clip_value, max=self.clip_value)

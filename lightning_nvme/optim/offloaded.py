@@ -100,7 +100,8 @@ class OffloadedOptimizer(GrowingPlan, StateTransfer):
         self._index(self.plan)
         store.add_regions([(c.region, c.nbytes) for c in self.chunks])
         self.capacity = {c.index: store.region(c.region).capacity for c in self.chunks}
-        self.reads = ReadAhead(store, self.chunks, self.capacity, prefetch_depth, self._chunk_has_state)
+        self.reads = ReadAhead(store, self.chunks, self.capacity, prefetch_depth, self._chunk_has_state,
+                               pin=any(p.device.type == "cuda" for p in self.params))
         self.arena = DecodeArena()
         self.scalars = {}
         self._known = [id(p) for p in self.params]
@@ -163,7 +164,7 @@ class OffloadedOptimizer(GrowingPlan, StateTransfer):
         for h in self._hooks:
             h.remove()
         self._hooks = []
-        self.reads.drain()
+        self.reads.close()
 
     def __getstate__(self) -> dict[str, Any]:
         """Everything but the open store, I/O buffers, pending reads (``ReadAhead`` drops those) and autograd

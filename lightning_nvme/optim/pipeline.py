@@ -21,21 +21,23 @@ MIN_RING_BYTES = 4096  # a ring's buffer size when no chunk is planned yet (one 
 class ReadAhead:
     """Reads of ``chunks`` (a list the plan may extend) into a ring of ``depth + 2`` buffers: ``depth`` read
     ahead, one being updated, one being written back. ``capacity``: chunk index -> its region's bytes;
-    ``needs_read(chunk)``: whether it holds state yet (a chunk without any gets a buffer and no read)."""
+    ``needs_read(chunk)``: whether it holds state yet (a chunk without any gets a buffer and no read).
+    ``pin``: the parameters are on CUDA, whose copies of the state read from the buffers (pinned then)."""
 
     def __init__(self, store: FlatStore, chunks: list[Chunk], capacity: dict[int, int], depth: int,
-                 needs_read: Callable[[Chunk], bool]) -> None:
+                 needs_read: Callable[[Chunk], bool], pin: bool = False) -> None:
         self.store: FlatStore | None = store
         self.chunks = chunks
         self.capacity = capacity
         self.depth = depth
         self.needs_read = needs_read
         self.inflight: dict[int, tuple[ChunkBuffer, IOHandle | None]] = {}
+        self.pin = pin
         self.ring: ChunkRing | None = self._new_ring(store)
 
     def _new_ring(self, store: FlatStore) -> ChunkRing:
         """The one place a ring is built: sized to the largest chunk region."""
-        return ChunkRing(store, self.depth + 2, max(self.capacity.values(), default=MIN_RING_BYTES))
+        return ChunkRing(store, self.depth + 2, max(self.capacity.values(), default=MIN_RING_BYTES), pin=self.pin)
 
     def live_ring(self) -> ChunkRing:
         if self.ring is None:
@@ -95,6 +97,12 @@ class ReadAhead:
             if handle is not None:
                 handle.wait(self.live_store().io_timeout_s)
             self.live_ring().release(buf)
+
+    def close(self) -> None:
+        """End of fit: reads drained, the ring's buffers unregistered now (they stay usable, pageable)."""
+        self.drain()
+        if self.ring is not None:
+            self.ring.unpin()
 
     def __getstate__(self) -> dict[str, Any]:
         """No open store, buffers or pending reads in a copy (deepcopy, pickle)."""

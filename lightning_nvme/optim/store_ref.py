@@ -17,18 +17,20 @@ from lightning_nvme.store import FlatStore, StoreFormatError
 
 @dataclass(frozen=True)
 class StoreRef:
-    directory: str
-    name: str  # file base name: ``<directory>/<name>.bin``
+    directory: str | tuple[str, ...]  # one, or a striped store's directories in order
+    name: str  # file base name: ``<directory>/<name>.bin`` (the first directory's, when striped)
     io_chunk_bytes: int
     owner: str | None = None  # a region only this run's store has
 
     @classmethod
     def of(cls, store: FlatStore, owner: str | None = None) -> StoreRef:
-        return cls(store.directory, os.path.basename(store.path)[:-len(".bin")], store.io_chunk_bytes, owner)
+        where = store.directory if len(store.directories) == 1 else tuple(store.directories)
+        return cls(where, os.path.basename(store.path)[:-len(".bin")], store.io_chunk_bytes, owner)
 
     @property
     def path(self) -> str:
-        return os.path.join(self.directory, self.name + ".bin")
+        first = self.directory if isinstance(self.directory, str) else self.directory[0]
+        return os.path.join(first, self.name + ".bin")
 
     def open(self) -> FlatStore:
         store = FlatStore(self.directory, name=self.name, io_chunk_bytes=self.io_chunk_bytes, reopen=True)

@@ -16,7 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_nvme.constants import ALIGN, SLOT_ALIGN, align_up
+from lightning_nvme.constants import ALIGN, align_up
+
+# bytes: a parameter view inside a block buffer starts where the CUDA caching allocator would put it
+# (cuBLASLt picks kernels by pointer alignment); coarser than constants.SLOT_ALIGN, the SIMD alignment
+PARAM_SLOT_ALIGN = 256
 
 
 @dataclass
@@ -97,7 +101,7 @@ def plan_layout(model: nn.Module, blocks: list[tuple[str, nn.Module]], region_pr
             for name, p in group:
                 nbytes = p.numel() * p.element_size()
                 block.slots.append(ParamSlot(name, p, p.shape, p.dtype, block.nbytes, nbytes))
-                block.nbytes = align_up(block.nbytes + nbytes, SLOT_ALIGN)
+                block.nbytes = align_up(block.nbytes + nbytes, PARAM_SLOT_ALIGN)
         if not trainable:
             block.writable_offset = block.nbytes  # read-only block: never written back
     kept = [b for b in layouts if b.slots]

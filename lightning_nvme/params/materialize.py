@@ -3,8 +3,9 @@ module at a time, each block written to the store as soon as its last module is 
 
 Initialization follows Lightning's convention for meta-device models (``_materialize_meta_tensors``,
 as for FSDP/DeepSpeed): module order, ``reset_parameters()`` of each module holding meta tensors.
-Conversion swaps tensors in place (``swap_module_params_on_conversion``), so the ``nn.Parameter``
-objects stay the same and tied parameters (GPT-2's wte / lm_head) stay tied.
+Meta tensors are swapped in place (``torch.utils.swap_tensors``), so the ``nn.Parameter`` objects stay
+the same and tied parameters (GPT-2's wte / lm_head) stay tied; tensors already on a device (buffers a
+model computed at construction) are left as they are.
 
 A pretrained model's values come from its checkpoint instead: a LightningModule that defines
 ``initial_weights()`` returns ``InitialWeights`` (e.g. ``lightning_nvme.models.gpt.PretrainedWeights``, a
@@ -15,12 +16,11 @@ initialized by ``reset_parameters()`` as above.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from collections.abc import Callable
 from typing import Protocol
 
 import torch
-from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers, _materialize
+from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from torch import nn
 
 
@@ -51,36 +51,41 @@ def has_meta_tensors(model: nn.Module) -> bool:
     return _has_meta_device_parameters_or_buffers(model)
 
 
-@contextmanager
-def _swap_on_conversion() -> Iterator[None]:
-    before = torch.__future__.get_swap_module_params_on_conversion()
-    torch.__future__.set_swap_module_params_on_conversion(True)
-    try:
-        yield
-    finally:
-        torch.__future__.set_swap_module_params_on_conversion(before)
-
-
 def materialize(model: nn.Module, device: torch.device, after_module: Callable[[], None] | None = None) -> None:
     """Initialize every meta tensor of ``model`` on ``device`` (from ``initial_weights(model)`` where it
     has them); ``after_module`` runs after each module (a parameter offload places the blocks that are
     now complete)."""
     source = initial_weights(model)
-    with _swap_on_conversion():
-        for prefix, module in model.named_modules():
-            if _has_meta_device_parameters_or_buffers(module, recurse=False):
-                _initialize(module, prefix + "." if prefix else "", device, source)
-            if after_module is not None:
-                after_module()
+    for prefix, module in model.named_modules():
+        if _has_meta_device_parameters_or_buffers(module, recurse=False):
+            _initialize(module, prefix + "." if prefix else "", device, source)
+        if after_module is not None:
+            after_module()
+
+
+def empty_meta(module: nn.Module, device: torch.device) -> None:
+    """``module.to_empty(recurse=False)`` for its meta tensors only: a buffer already computed (a rotary
+    ``inv_freq`` a model built on the CPU at construction) keeps its value. Parameters are swapped in place
+    (the same ``nn.Parameter`` objects: ties survive), as ``to_empty`` does under ``_swap_on_conversion``."""
+    for p in module._parameters.values():
+        if p is not None and p.is_meta:
+            torch.utils.swap_tensors(p, nn.Parameter(torch.empty_like(p, device=device), requires_grad=p.requires_grad))
+    for name, b in module._buffers.items():
+        if b is not None and b.is_meta:
+            module._buffers[name] = torch.empty_like(b, device=device)
 
 
 def _initialize(module: nn.Module, prefix: str, device: torch.device, source: InitialWeights | None) -> None:
     own = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
     given = [n for n in own if source is not None and prefix + n in source]
-    if len(given) < len(own):
-        _materialize(module, device)  # to_empty + reset_parameters() (for what the source does not cover)
-    else:
-        module.to_empty(device=device, recurse=False)  # every value comes from the source: no init to run
+    empty_meta(module, device)
+    if len(given) < len(own):  # reset_parameters() for what the source does not cover (Lightning's _materialize)
+        reset = getattr(module, "reset_parameters", None)
+        if not callable(reset):
+            raise TypeError(f"Materialization requires that the `{type(module).__name__}.reset_parameters` method is "
+                            f"implemented: {prefix}{[n for n in own if n not in given]} are not in the checkpoint and "
+                            "nothing else initializes them.")
+        reset()
     for n in given:
         assert source is not None
         tensor: torch.Tensor | None = module._parameters.get(n)

@@ -20,7 +20,7 @@ from lightning_nvme.checkpoint.weights import BesideWeight, WeightReaders
 from lightning_nvme.params import staging
 from lightning_nvme.params.layout import BlockLayout, ParamLayout, plan_layout
 from lightning_nvme.params.materialize import materialize
-from lightning_nvme.params.policy import BlockClasses, find_blocks
+from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
 from lightning_nvme.params.residency import BlockResidency, ResidencyStats
 from lightning_nvme.params.schedule import UPDATE, USER, BlockScheduler
 from lightning_nvme.store import FlatStore, StoreIOError
@@ -29,8 +29,8 @@ from lightning_nvme.store import FlatStore, StoreIOError
 class ParamOffload:
     """Args:
         model: the module whose parameters leave memory (the LightningModule).
-        block_classes: module classes (or dotted paths) that are blocks; ``None``: the children of the
-            largest ``ModuleList``/``Sequential``.
+        block_classes: module classes (or dotted paths) that are blocks; ``None``: those the model names
+            (``param_block_classes()``), else the children of the largest ``ModuleList``/``Sequential``.
         prefetch: blocks read ahead of need, in forward (and reverse, in backward) order.
         device: where the parameters are used (``cuda``: bound blocks are copied there, see ``staging``).
     """
@@ -54,6 +54,8 @@ class ParamOffload:
     def layout(self) -> ParamLayout:
         """Planned on first use: after the precision plugin has converted the module (dtypes are final)."""
         if self._layout is None:
+            if self.block_classes is None:
+                self.block_classes = model_block_classes(self.model)
             blocks = find_blocks(self.model, self.block_classes)
             if not blocks:
                 raise ValueError(f"offload_params=True: no blocks found in {type(self.model).__name__} (no "
@@ -142,11 +144,19 @@ class ParamOffload:
         if self.scheduler is not None:  # None: setup failed before the hooks were installed
             self.scheduler.finish_step()
             self.scheduler.remove()
-        if restore:
-            for block in self.blocks:
+        # Into host memory on every device: a copy to an accelerator would need the whole model there (an
+        # out-of-memory exactly when offload was needed), and Lightning's teardown moves the model to the CPU
+        # next. Without ``restore``, placeholders on the CPU: ``.cpu()`` of an expanded device placeholder
+        # would allocate it full size.
+        host = torch.device("cpu")
+        for block in self.blocks:
+            if restore:
                 values = self.residency.read_values(block)
                 for slot in block.slots:
-                    slot.param.data = values[slot.name].to(slot.param.device)  # CPU: the same tensor
+                    slot.param.data = values[slot.name]
+            elif not self.residency.is_resident(block):  # resident only if setup failed midway: left as it is
+                self.residency.unbind(block, host)
+        if restore:
             for h in self._state_hooks:
                 h.remove()
             self._state_hooks = []

@@ -39,6 +39,13 @@ def resolve_classes(classes: BlockClasses) -> tuple[type[nn.Module], ...] | None
     return tuple(out)
 
 
+def model_block_classes(model: nn.Module) -> BlockClasses:
+    """The block classes a model names for itself (``model.param_block_classes()``, e.g. a Hugging Face model's
+    decoder layers), if it does."""
+    own = getattr(model, "param_block_classes", None)
+    return own() if callable(own) else None
+
+
 def find_blocks(model: nn.Module, classes: BlockClasses = None) -> list[tuple[str, nn.Module]]:
     """``(qualified name, module)`` of each block, in registration order (the forward order of a layer
     list). With ``classes``: every outermost module of one of those classes. Without: the children of

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 from collections import Counter, deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -34,6 +35,7 @@ class ResidencyStats:
     peak_resident_bytes: int = 0
     bound_blocks: int = 0  # blocks whose parameters point at their values (on an accelerator: device copies)
     peak_bound_blocks: int = 0
+    early_uploads: int = 0  # device copies started once a read ahead completed, before the block was needed
     staging: StagingStats = field(default_factory=StagingStats)
 
 
@@ -46,6 +48,8 @@ class _State:
     dirty: bool = False
     dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
     placed: bool = False  # its values are in the store
+    retained: bool = False  # at its last eviction, something (autograd) still held its device copy
+    uploaded: Any = None  # a device copy started before the block is bound (``upload_ready``)
     refs: Counter = field(default_factory=Counter)
 
 
@@ -98,6 +102,13 @@ class BlockResidency:
         return {s.name: self._view(buf, s).clone() if copy else self._view(buf, s) for s in block.slots}
 
     # ---- residency ---------------------------------------------------------------------------------
+    def is_resident(self, block: BlockLayout) -> bool:
+        return self._state[block.index].buffer is not None
+
+    def retained(self, block: BlockLayout) -> bool:
+        """Its device copy outlived its last eviction (see ``Staging.retained``)."""
+        return self._state[block.index].retained
+
     def holders(self, block: BlockLayout) -> Counter:
         return self._state[block.index].refs
 
@@ -120,12 +131,24 @@ class BlockResidency:
         self._wait_read(block)
         if not st.bound:
             assert st.buffer is not None  # loaded just above
-            st.device = self.staging.to_device(st.buffer)
+            st.device, st.uploaded = self.staging.to_device(st.buffer, st.uploaded), None
             for slot in block.slots:
                 slot.param.data = self._view(st.device, slot)
             st.bound = True
             self._count_bound(+1)
         st.refs[why] += 1
+
+    def upload_ready(self) -> None:
+        """Start the device copy of every block read ahead whose read has completed (none on CPU): it then
+        overlaps the compute before the block is needed. Device memory: at most the blocks read ahead."""
+        for block in self.blocks:
+            st = self._state[block.index]
+            if st.buffer is None or st.bound or st.uploaded is not None or (st.read is not None and not st.read.done()):
+                continue
+            self._wait_read(block)  # completed: only collects it
+            st.uploaded = self.staging.upload(st.buffer)
+            if st.uploaded is not None:
+                self.stats.early_uploads += 1
 
     def release(self, block: BlockLayout, why: str) -> None:
         st = self._state[block.index]
@@ -153,9 +176,11 @@ class BlockResidency:
         else:
             self.staging.recycle(st.buffer)
         self._unbind(block)
+        st.retained = st.device is not None and st.device is not st.buffer and self.staging.retained(st.device)
         if st.bound:
             self._count_bound(-1)
         st.buffer, st.device, st.read, st.bound, st.dirty, st.dirty_whole = None, None, None, False, False, False
+        st.uploaded = None  # an early copy never used: the allocator frees it after its stream's copy
         st.refs.clear()
         self._count(block, -1)
 
@@ -201,7 +226,8 @@ class BlockResidency:
     def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0, ready: Ready = DONE) -> None:
         """Write ``buf[start:]`` (``start`` page-aligned) to the block's region at ``start``, once ``ready``
         (the copy filling ``buf``) has completed."""
-        if start >= buf.numel():
+        if start >= buf.numel():  # nothing to write (unreachable today: a trainable tail is never empty)
+            ready.synchronize()  # the device -> host copy may still write into the buffer
             self.staging.recycle(buf)
             return
         self._copies.append((block, buf, start, ready))
@@ -226,6 +252,12 @@ class BlockResidency:
         handle, buf = self._writes.popleft()
         self.store.wait(handle)
         self.staging.recycle(buf)
+
+    def unbind(self, block: BlockLayout, device: torch.device) -> None:
+        """Give a block that is not resident placeholders on ``device`` (the end of fit: on the CPU)."""
+        if self.is_resident(block):
+            raise RuntimeError(f"block {block.name} is resident; it cannot be given placeholders (a bug)")
+        self._unbind(block, device)
 
     def _unbind(self, block: BlockLayout, device: torch.device | None = None) -> None:
         for slot in block.slots:

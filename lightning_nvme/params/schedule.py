@@ -1,9 +1,11 @@
 """``BlockScheduler``: module hooks that make each block resident exactly while it is needed.
 
 Forward: a block's pre-forward hook acquires it (waiting for its read) and starts the reads of the
-next ``prefetch`` blocks; its post-forward hook releases it. Autograd keeps the ``nn.Parameter``
-objects themselves as saved tensors, so swapping ``.data`` back in before the block's backward is
-enough for backward (and for recomputation under activation checkpointing) to see the real values.
+next ``prefetch`` blocks; its post-forward hook releases it. Where autograd keeps the ``nn.Parameter``
+objects themselves as saved tensors, swapping ``.data`` back in before the block's backward is enough for
+backward (and for recomputation under activation checkpointing) to see the real values. Some ops save a
+view instead (``F.linear``: ``weight.t()``), which keeps the bound buffer alive until backward: harmless
+in host memory, unbounded on a GPU, so there activation checkpointing is required (``NOT_CHECKPOINTED``).
 
 Backward (the FSDP2 pattern): a multi-grad hook on the block's outputs fires before any of the block's
 backward runs -> acquire it, prefetch the blocks before it; an identity autograd function on the
@@ -23,8 +25,16 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_nvme.config import ConfigError
 from lightning_nvme.params.layout import BlockLayout
 from lightning_nvme.params.residency import BlockResidency
+
+NOT_CHECKPOINTED = (
+    "autograd kept the device copy of {block}'s parameters after its forward (an op such as F.linear saves a "
+    "view of the weight, not the Parameter): without activation checkpointing every block would stay on the "
+    "GPU until its backward, which uploads it again. Activation checkpointing is required with "
+    "offload_params=True on CUDA: wrap each block's call in torch.utils.checkpoint.checkpoint(block, x, "
+    "use_reentrant=False) (or the model's gradient-checkpointing switch), or set offload_params=False.")
 
 FWD, BWD, KEEP, PENDING, UPDATE, USER, RECOMPUTE = ("forward", "backward", "keep", "pending", "update", "user",
                                                     "recompute")
@@ -95,6 +105,7 @@ class BlockScheduler:
             self.residency.acquire(block, FWD)
             for ahead in self.blocks[block.index + 1:block.index + 1 + self.prefetch]:
                 self.residency.prefetch(ahead)
+            self.residency.upload_ready()
             call = _Call(block)
             self._stack[block.index].append(call)
             if not torch.is_grad_enabled():
@@ -122,6 +133,8 @@ class BlockScheduler:
                 if block.index >= len(self.blocks) - self.prefetch and not self.residency.holders(block)[KEEP]:
                     self.residency.acquire(block, KEEP)
             self.residency.release(block, FWD)
+            if torch.is_grad_enabled() and not self.residency.is_resident(block) and self.residency.retained(block):
+                raise ConfigError("offload_params", NOT_CHECKPOINTED.format(block=block.name))
         return hook
 
     # ---- backward --------------------------------------------------------------------------------------
@@ -140,6 +153,7 @@ class BlockScheduler:
                 self.residency.acquire(block, PENDING)
         for behind in reversed(self.blocks[max(0, block.index - self.prefetch):block.index]):
             self.residency.prefetch(behind)
+        self.residency.upload_ready()
         task = torch._C._current_graph_task_id()
         if task != self._callback_queued_for:
             self._callback_queued_for = task

@@ -6,21 +6,22 @@ Why one object with two implementations: ``BlockResidency`` makes the same calls
 
 - ``HostStaging`` (CPU): the page-aligned buffer the store reads into *is* the parameters' storage.
   ``to_device`` returns it, ``to_host`` has nothing to copy: no copy at all.
-- ``CudaStaging``: the host buffer is pinned staging. At acquire it is copied to a device buffer on a
-  side stream; the compute stream waits on the copy's event before the parameters point at the device
-  buffer (which is then the source of truth). Before a dirty block's write-back, the side stream waits
-  on an event recorded on the compute stream (after the update), copies device -> host and records an
-  event; the residency issues the store write once that event has completed (it polls ``query`` and
-  synchronizes only when it must: the compute stream never waits for the disk). Only bound blocks have
-  a device copy; blocks read ahead wait in host memory.
+- ``CudaStaging``: the host buffer is pinned staging. Once its read has completed (or at acquire at the
+  latest) it is copied to a device buffer on a side stream ("up"); at acquire the compute stream waits on
+  the copy's event before the parameters point at the device buffer (which is then the source of truth).
+  Before a dirty block's write-back, another stream ("down") waits on an event recorded on the compute
+  stream (after the update), copies device -> host and records an event; the residency issues the store
+  write once that event has completed (it polls ``query`` and synchronizes only when it must: the compute
+  stream never waits for the disk). Bound blocks, and the blocks read ahead whose upload started early
+  (at most ``prefetch``), have a device copy.
 
 Host buffers on CUDA: a pool of ``pool_size`` page-aligned buffers (anonymous mmap, as the store's own,
-so O_DIRECT moves them without a staging copy), each registered once with ``cudaHostRegister`` (so the
-copies are asynchronous) and unregistered by ``close``. Why not pin each fresh buffer: registration
-pins the pages at every block load (slow) and an mmap freed while registered keeps its pages pinned;
-why not ``torch.empty(pin_memory=True)``: its allocator rounds sizes up to a power of two and does not
-promise page alignment. Needs beyond the pool get pageable buffers (correct, copies synchronous;
-counted in ``StagingStats.pageable_buffers``).
+so O_DIRECT moves them without a staging copy), each registered once with CUDA (``store.pinned``: portable,
+errors cleared, unregistered by ``close`` or at the latest before its memory is freed). Why not pin each
+fresh buffer: registration pins the pages at every block load (slow); why not
+``torch.empty(pin_memory=True)``: its allocator rounds sizes up to a power of two and does not promise page
+alignment. Needs beyond the pool get pageable buffers (correct, copies synchronous; counted in
+``StagingStats.pageable_buffers``). The CPU staging pins nothing (no device copy: no CUDA context).
 """
 
 from __future__ import annotations
@@ -32,6 +33,7 @@ from typing import Any, Protocol
 import torch
 
 from lightning_nvme.store import aligned_empty
+from lightning_nvme.store.pinned import pinned_empty, unpin
 
 
 class Ready(Protocol):
@@ -57,7 +59,7 @@ DONE: Ready = _Done()
 class StagingStats:
     h2d_bytes: int = 0  # host -> device copies whose timing is known (completed)
     d2h_bytes: int = 0
-    h2d_s: float = 0.0  # their summed duration on the side stream (CUDA events)
+    h2d_s: float = 0.0  # their summed duration on the side streams (CUDA events)
     d2h_s: float = 0.0
     pinned_buffers: int = 0  # host buffers registered with CUDA (the pool)
     pageable_buffers: int = 0  # host buffers handed out beyond the pool (or when registration failed)
@@ -73,9 +75,13 @@ class Staging(Protocol):
 
     def recycle(self, host: torch.Tensor) -> None: ...
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor: ...
+    def upload(self, host: torch.Tensor) -> Any: ...
+
+    def to_device(self, host: torch.Tensor, uploaded: Any = None) -> torch.Tensor: ...
 
     def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready: ...
+
+    def retained(self, device: torch.Tensor) -> bool: ...
 
     def finish_step(self) -> None: ...
 
@@ -92,18 +98,24 @@ class HostStaging:
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """Page-aligned and padded: the store moves it with O_DIRECT, no staging copy (as ``FlatStore.aligned_empty``)."""
-        return aligned_empty(nbytes, pin=torch.cuda.is_available())
+        return aligned_empty(nbytes)
 
     caller_buffer = host_buffer
 
     def recycle(self, host: torch.Tensor) -> None:
         pass
 
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
+    def upload(self, host: torch.Tensor) -> Any:
+        return None  # nothing to copy
+
+    def to_device(self, host: torch.Tensor, uploaded: Any = None) -> torch.Tensor:
         return host
 
     def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready:
         return DONE
+
+    def retained(self, device: torch.Tensor) -> bool:
+        return False  # the host buffer: host memory, bounded by the store's reads only with checkpointing too
 
     def finish_step(self) -> None:
         pass
@@ -130,11 +142,9 @@ class CudaOps:
     def record_stream(self, t: torch.Tensor, stream: Any) -> None:
         t.record_stream(stream)
 
-    def pin(self, t: torch.Tensor) -> bool:
-        return int(torch.cuda.cudart().cudaHostRegister(t.data_ptr(), t.numel() * t.element_size(), 0)) == 0
-
-    def unpin(self, t: torch.Tensor) -> None:
-        torch.cuda.cudart().cudaHostUnregister(t.data_ptr())
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One host <-> device copy on the current stream (``gpu_check`` delays it to expose missing waits)."""
+        dst.copy_(src, non_blocking=True)
 
 
 class CudaStaging:
@@ -151,7 +161,10 @@ class CudaStaging:
         self.buffer_bytes = buffer_bytes
         self.pool_size = pool_size
         self.ops = ops if ops is not None else CudaOps()
-        self.side = self.ops.stream(device)
+        # Two side streams: a write-back's copy waits for the compute stream's update; on one stream with the
+        # uploads, the next block's upload would queue behind it.
+        self.up = self.ops.stream(device)
+        self.down = self.ops.stream(device)
         self.stats = StagingStats()
         self._pinned: dict[int, torch.Tensor] = {}  # data_ptr -> pool buffer
         self._free: list[tuple[torch.Tensor, Ready]] = []  # with the copy that may still read it
@@ -167,11 +180,11 @@ class CudaStaging:
             busy.synchronize()  # a host -> device copy may still read it; the store is about to overwrite it
             return base[:nbytes]
         if len(self._pinned) < self.pool_size:
-            base = aligned_empty(self.buffer_bytes)
-            if self.ops.pin(base):
-                self._pinned[base.data_ptr()] = base
+            fresh = pinned_empty(self.buffer_bytes)
+            if fresh is not None:
+                self._pinned[fresh.data_ptr()] = fresh
                 self.stats.pinned_buffers += 1
-                return base[:nbytes]
+                return fresh[:nbytes]
             self.pool_size = len(self._pinned)  # registration refused (e.g. a locked-memory limit): stop asking
         self.stats.pageable_buffers += 1
         return aligned_empty(nbytes)
@@ -187,14 +200,21 @@ class CudaStaging:
             self._free.append((base, self._reading.pop(base.data_ptr(), DONE)))
 
     # ---- copies --------------------------------------------------------------------------------------
-    def to_device(self, host: torch.Tensor) -> torch.Tensor:
-        """A device copy of ``host``, usable on the current stream as soon as this returns."""
-        compute = self.ops.current_stream(self.device)
-        with self.ops.on(self.side):
+    def upload(self, host: torch.Tensor) -> tuple[torch.Tensor, Any]:
+        """Start copying ``host`` to a new device buffer (a block read ahead, before it is needed: the copy
+        overlaps the compute of the blocks before it). Nothing waits for it until ``to_device``."""
+        with self.ops.on(self.up):
             dev = torch.empty(host.numel(), dtype=torch.uint8, device=self.device)
-            done = self._copy("h2d", dev, host)
+            done = self._copy("h2d", self.up, dev, host)
         if host.data_ptr() in self._pinned:
             self._reading[host.data_ptr()] = done
+        return dev, done
+
+    def to_device(self, host: torch.Tensor, uploaded: Any = None) -> torch.Tensor:
+        """A device copy of ``host`` (the one ``upload`` started, if given), usable on the current stream as
+        soon as this returns."""
+        dev, done = uploaded if uploaded is not None else self.upload(host)
+        compute = self.ops.current_stream(self.device)
         compute.wait_event(done)
         self.ops.record_stream(dev, compute)  # freed after the compute stream's last use, not the side stream's
         return dev
@@ -203,15 +223,23 @@ class CudaStaging:
         """Start copying ``device`` back into ``host`` after the compute stream's work so far (the update)."""
         updated = self.ops.event()
         updated.record(self.ops.current_stream(self.device))
-        self.side.wait_event(updated)
-        with self.ops.on(self.side):
-            return self._copy("d2h", host, device)
+        self.down.wait_event(updated)
+        with self.ops.on(self.down):
+            return self._copy("d2h", self.down, host, device)
 
-    def _copy(self, kind: str, dst: torch.Tensor, src: torch.Tensor) -> Any:
+    def retained(self, device: torch.Tensor) -> bool:
+        """Whether anything besides ``device`` itself still holds its memory once the parameters no longer
+        point into it: autograd's saved tensors (``F.linear`` saves ``weight.t()``, a view, not the Parameter)."""
+        use_count = getattr(torch._C, "_storage_Use_Count", None)
+        if use_count is None:
+            return False
+        return int(use_count(device.untyped_storage()._cdata)) > 2  # ``device`` and the storage object asked for
+
+    def _copy(self, kind: str, stream: Any, dst: torch.Tensor, src: torch.Tensor) -> Any:
         start, done = self.ops.event(timing=True), self.ops.event(timing=True)
-        start.record(self.side)
-        dst.copy_(src, non_blocking=True)
-        done.record(self.side)
+        start.record(stream)
+        self.ops.copy(dst, src)
+        done.record(stream)
         self._timed.append((kind, start, done, src.numel()))
         return done
 
@@ -240,7 +268,7 @@ class CudaStaging:
         """Unregister the pool (after the residency drained its I/O); later buffers are pageable."""
         self.collect(wait=True)  # every copy has completed
         for base in self._pinned.values():
-            self.ops.unpin(base)
+            unpin(base)  # now, even if a caller still holds a view of it
         self._pinned, self._free, self._reading, self.pool_size = {}, [], {}, 0
 
 

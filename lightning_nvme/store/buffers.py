@@ -16,30 +16,23 @@ import threading
 import torch
 
 from lightning_nvme.store.layout import ALIGN, align_up
-
-
-def _pin(buf: mmap.mmap) -> bool:
-    """Register host memory with CUDA so device copies run asynchronously (no-op without CUDA)."""
-    if not torch.cuda.is_available():
-        return False
-    ptr = ctypes.addressof(ctypes.c_char.from_buffer(buf))
-    return int(torch.cuda.cudart().cudaHostRegister(ptr, len(buf), 0)) == 0
+from lightning_nvme.store.pinned import pinned_empty
 
 
 def aligned_empty(shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8, *, pin: bool = False) -> torch.Tensor:
     """An uninitialised tensor whose storage is page-aligned and padded to a multiple of 4 KiB.
 
-    The store reads into and writes from such tensors without a staging copy.
+    The store reads into and writes from such tensors without a staging copy. ``pin``: registered with
+    CUDA for as long as it lives (``pinned``; pageable if refused): only for memory a device copy uses.
     """
     shape = (shape,) if isinstance(shape, int) else tuple(shape)
     numel = 1
     for s in shape:
         numel *= s
     nbytes = numel * torch.empty((), dtype=dtype).element_size()
-    buf = mmap.mmap(-1, align_up(max(nbytes, 1)))
-    if pin:
-        _pin(buf)
-    raw = torch.frombuffer(buf, dtype=torch.uint8)
+    raw = pinned_empty(nbytes) if pin else None
+    if raw is None:
+        raw = torch.frombuffer(mmap.mmap(-1, align_up(max(nbytes, 1))), dtype=torch.uint8)
     # The tensor keeps the mmap alive through its storage.
     return raw[:nbytes].view(dtype).view(shape)
 
@@ -78,7 +71,7 @@ class StagingPool:
     """A fixed number of page-aligned buffers of ``buffer_bytes`` each. ``acquire`` blocks while all
     are in use, which is what bounds the store's memory whatever the size of the data."""
 
-    def __init__(self, count: int, buffer_bytes: int, *, pin: bool = False) -> None:
+    def __init__(self, count: int, buffer_bytes: int) -> None:
         if count < 1:
             raise ValueError(f"staging pool needs at least one buffer, got {count}")
         if buffer_bytes <= 0 or buffer_bytes % ALIGN:
@@ -88,7 +81,7 @@ class StagingPool:
         self._free: queue.LifoQueue[torch.Tensor] = queue.LifoQueue()
         # One mapping cut into the buffers: a mapping per buffer hit the kernel's limit of 65530 maps per
         # process (ENOMEM) once a few stores with small io_chunk_bytes were open (4 KiB: 16 K buffers each).
-        whole = aligned_empty(count * buffer_bytes, pin=pin)
+        whole = aligned_empty(count * buffer_bytes)  # host <-> disk only: never pinned
         for i in range(count):
             self._free.put(whole[i * buffer_bytes:(i + 1) * buffer_bytes])
         self._lock = threading.Lock()

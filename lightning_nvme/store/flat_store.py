@@ -1,4 +1,4 @@
-"""``FlatStore``: one preallocated file per rank holding named, 4 KiB-aligned regions.
+"""``FlatStore``: one preallocated file per rank (or one per directory, striped) holding named, 4 KiB-aligned regions.
 
 Requests are asynchronous (``write``/``read`` return an ``IOHandle``), split into chunks served by a
 small worker pool, and ordered by the store itself: a read always sees the last write issued before
@@ -17,7 +17,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -26,12 +26,13 @@ from lightning_nvme.constants import MiB
 from lightning_nvme.store import manifest
 from lightning_nvme.store.buffers import StagingPool, aligned_empty, copy_bytes, is_direct_capable, memview
 from lightning_nvme.store.engine import IOEngine
-from lightning_nvme.store.errors import StoreError, StoreIOError, StoreTimeoutError
+from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreTimeoutError
 from lightning_nvme.store.file_io import StoreFile
 from lightning_nvme.store.handle import IOHandle, wait_all
 from lightning_nvme.store.layout import ALIGN, HEADER_BYTES, Layout, Region, align_up
 from lightning_nvme.store.lock import StoreLock
 from lightning_nvme.store.stats import IOStats, StatsRecorder
+from lightning_nvme.store.stripes import STRIPE_BYTES, StripeMap, check_stripe_set, find_manifest, new_stripe_set
 
 log = logging.getLogger(__name__)
 
@@ -50,73 +51,108 @@ class FlatStore:
     """A flat file of named regions with asynchronous, fenced, chunked I/O.
 
     Args:
-        directory: where the store file lives (created if missing). Use a local SSD.
+        directory: where the store file lives (created if missing). Use a local SSD. A list of directories
+            (one per disk) stripes the store over one file in each (``store/stripes.py``): the first holds
+            the manifest; each file has its own I/O workers, lock and header.
         rank: the store file is ``store-rank{rank}.bin``; one store per process.
         io_chunk_bytes: requests are split into chunks of this size (multiple of 4 KiB, >= 1 MiB advised).
-        io_workers: I/O threads; a few give the disk queue depth.
+        io_workers: I/O threads per file; a few give each disk its queue depth.
         staging_bytes: the staging pool (used only when a tensor is not page-aligned); bounded.
         direct: force O_DIRECT on (True) or off (False); ``None`` probes the filesystem.
         reopen: open an existing store and check it against its manifest instead of creating one. The
             layout (like the data) is persisted by ``fence(durable=True)`` and ``close()``.
         io_timeout_s: no wait is unbounded; a stuck request raises with what was pending.
         min_free_bytes: safety margin kept free on the disk when the store grows.
+        stripe_bytes: with several directories, bytes of one stripe unit (multiple of 4 KiB); a reopened
+            store keeps the unit it was created with.
     """
 
-    def __init__(self, directory: str | os.PathLike, rank: int = 0, *, io_chunk_bytes: int = IO_CHUNK_BYTES,
-                 io_workers: int = IO_WORKERS, staging_bytes: int = STAGING_BYTES, direct: bool | None = None,
-                 reopen: bool = False, io_timeout_s: float = 600.0, min_free_bytes: int = 0,
-                 name: str | None = None) -> None:
+    def __init__(self, directory: str | os.PathLike | Sequence[str | os.PathLike], rank: int = 0, *,
+                 io_chunk_bytes: int = IO_CHUNK_BYTES, io_workers: int = IO_WORKERS,
+                 staging_bytes: int = STAGING_BYTES, direct: bool | None = None, reopen: bool = False,
+                 io_timeout_s: float = 600.0, min_free_bytes: int = 0, name: str | None = None,
+                 stripe_bytes: int = STRIPE_BYTES) -> None:
         if io_chunk_bytes <= 0 or io_chunk_bytes % ALIGN:
             raise ValueError(f"io_chunk_bytes must be a positive multiple of {ALIGN}, got {io_chunk_bytes}")
         if staging_bytes < io_chunk_bytes:
             raise ValueError(f"staging_bytes ({staging_bytes}) must hold at least one chunk ({io_chunk_bytes})")
-        self.directory = os.path.abspath(os.fspath(directory))
-        os.makedirs(self.directory, exist_ok=True)
+        dirs = [directory] if isinstance(directory, (str, os.PathLike)) else list(directory)
+        self.directories = [os.path.abspath(os.fspath(d)) for d in dirs]
+        if not self.directories or len(set(self.directories)) != len(self.directories):
+            raise ValueError(f"a store needs one or more distinct directories, got {self.directories}")
+        self.directory = self.directories[0]
+        for d in self.directories:
+            os.makedirs(d, exist_ok=True)
         base = name or f"store-rank{rank}"
-        self.path = os.path.join(self.directory, base + ".bin")
+        self.paths = [os.path.join(d, base + ".bin") for d in self.directories]
+        self.path = self.paths[0]
         self.manifest_path = os.path.join(self.directory, base + ".json")
         self.io_chunk_bytes = io_chunk_bytes
         self.io_timeout_s = io_timeout_s
         self.min_free_bytes = min_free_bytes
         self._closing = False  # set by close(): no new requests while it drains
-        self._lock = StoreLock(self.path + ".lock")
-        self._lock.acquire()
         self._closed = False
         self._first_error: BaseException | None = None
         self._submit_lock = threading.Lock()
         self._layout_unsynced = False
         self._stats = StatsRecorder()
-        file: StoreFile | None = None
+        self._locks: list[StoreLock] = []
+        self._files: list[StoreFile] = []
         try:
-            self._file = file = StoreFile(self.path, reopen=reopen, direct=direct)
+            self._stripes = new_stripe_set(self.directories, stripe_bytes)
+            missing = [p for p in self.paths if reopen and not os.path.exists(p)]
+            if missing:
+                raise StoreFormatError(f"cannot reopen store {missing[0]}: the file does not exist (directory "
+                                       f"{os.path.dirname(missing[0])})")
             if reopen:
-                self.layout = manifest.read_layout(self._file, self.manifest_path)
+                self.manifest_path = find_manifest(self.directories, base)
+                recorded = manifest.read_manifest(self.manifest_path)
+                self._stripes = recorded.get("stripes")
+                check_stripe_set(self._stripes, self.directories, self.manifest_path)
+            self.stripe_map = StripeMap(len(self.paths), self._stripes["bytes"] if self._stripes else stripe_bytes)
+            for path in self.paths:  # each file locked before it is opened (and truncated, unless reopen)
+                self._locks.append(StoreLock(path + ".lock"))
+                self._locks[-1].acquire()
+                self._files.append(StoreFile(path, reopen=reopen, direct=direct))
+            if reopen:
+                self.layout = manifest.read_layout(self._files, recorded, self.manifest_path, self.stripe_map)
             else:
                 self.layout = Layout()
-                self._file.allocate(0, HEADER_BYTES, self.min_free_bytes)
+                self._allocate(0, HEADER_BYTES)
                 self._persist_layout()
-            self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes, pin=torch.cuda.is_available())
-            self._engine = IOEngine(io_workers)
+            self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes)
+            multi = len(self._files) > 1
+            # one queue and worker pool per file (disk); the first also orders all requests (logical byte ranges)
+            self._engines = [IOEngine(io_workers, name=f"lightning-nvme-io-s{i}" if multi else "lightning-nvme-io")
+                             for i in range(len(self._files))]
         except BaseException:
-            if file is not None:
-                file.close()  # a refused reopen must not leak the descriptor
-            self._lock.release()
+            for file in self._files:
+                file.close()  # a refused reopen must not leak descriptors
+            for lock in self._locks:
+                lock.release()
             raise
-        log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d pool=%d MiB", self.path, self.mode,
-                 io_chunk_bytes // 1024, io_workers, self._pool.total_bytes // MiB)
+        self._engine = self._engines[0]
+        log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d x %d file(s) pool=%d MiB", self.path, self.mode,
+                 io_chunk_bytes // 1024, io_workers, len(self._files), self._pool.total_bytes // MiB)
 
     # ---- file and manifest (store/file_io.py, store/manifest.py) ------------------------------------
     @property
     def fd(self) -> int:
-        return self._file.fd
+        return self._files[0].fd
 
     @property
     def direct(self) -> bool:
-        return self._file.direct
+        return all(f.direct for f in self._files)
 
     @property
     def mode(self) -> str:
-        return "direct" if self.direct else "buffered"
+        if self.direct:
+            return "direct"
+        return "buffered" if not any(f.direct for f in self._files) else "mixed"
+
+    @property
+    def _lock(self) -> StoreLock:
+        return self._locks[0]
 
     def _persist_layout(self, *, sync: bool = True) -> None:
         """Write the header block and the manifest (fsync'ed when ``sync``).
@@ -124,7 +160,7 @@ class FlatStore:
         ``add_regions`` writes without fsync (an fsync'ed rewrite per call made 1000 ``add_region``
         calls take 48 s on this disk) so the table is on disk at once, before a disk that fills up later
         could refuse it; ``fence(durable=True)`` and ``close`` make it durable."""
-        manifest.write_layout(self._file, self.layout, self.manifest_path, sync=sync)
+        manifest.write_layout(self._files, self.layout, self.manifest_path, sync=sync, stripes=self._stripes)
         self._layout_unsynced = not sync
 
     def _sync_layout(self) -> None:
@@ -132,6 +168,14 @@ class FlatStore:
         if self._layout_unsynced:
             atomic.fsync_path(self.manifest_path)
             self._layout_unsynced = False
+
+    def _allocate(self, start: int, nbytes: int) -> None:
+        """Reserve disk blocks for logical [start, start+nbytes) in every file it maps to."""
+        for i, file in enumerate(self._files):
+            old = self.stripe_map.file_size(i, start) if start else 0
+            new = self.stripe_map.file_size(i, start + nbytes)
+            if new > old:
+                file.allocate(old, new - old, self.min_free_bytes)
 
     # ---- regions ------------------------------------------------------------------------------
     def add_regions(self, specs: list[tuple[str, int]]) -> list[Region]:
@@ -145,7 +189,7 @@ class FlatStore:
             for n, b in specs:
                 regions.append(self.layout.add(n, b))
             if self.layout.end > start:
-                self._file.allocate(start, self.layout.end - start, self.min_free_bytes)
+                self._allocate(start, self.layout.end - start)
         except BaseException:
             for r in regions:
                 del self.layout.regions[r.name]
@@ -167,22 +211,22 @@ class FlatStore:
     def size_bytes(self) -> int:
         return self.layout.end
 
-    # ---- checked I/O (kept as methods: the chunk jobs call them, tests slow them down) ----------------
-    def _pwrite_full(self, mv: memoryview, offset: int, region: str) -> None:
-        self._file.pwrite_full(mv, offset, region)
-
-    def _pread_full(self, mv: memoryview, offset: int, region: str) -> None:
-        self._file.pread_full(mv, offset, region)
+    def extents(self, name: str) -> list[tuple[str, int, int, int]]:
+        """Where region ``name``'s bytes are on disk: ``(file path, file offset, offset in region, length)``
+        pieces, one for an unstriped store. For whoever addresses the files directly (e.g. cloning them)."""
+        r = self.layout[name]
+        return [(self.paths[i], file_off, a, n) for i, a, file_off, n in
+                self.stripe_map.pieces(r.offset, r.nbytes, max(r.nbytes, 1))]
 
     # ---- chunk jobs ---------------------------------------------------------------------------
-    def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file_off: int, region: str, zero_copy: bool,
-                   write: bool) -> Callable[[], None]:
-        """One disk request for bytes ``[a, a + n)`` of ``tensor``: in place when the tensor is page-aligned
-        (zero copy), else through a buffer of the bounded staging pool."""
-        transfer = self._pwrite_full if write else self._pread_full
+    def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file: StoreFile, file_off: int, region: str,
+                   zero_copy: bool, write: bool) -> Callable[[], None]:
+        """One disk request for bytes ``[a, a + n)`` of ``tensor`` at ``file_off`` of ``file``: in place when
+        the tensor is page-aligned (zero copy), else through a buffer of the bounded staging pool."""
+        transfer = file.pwrite_full if write else file.pread_full
 
         def job() -> None:
-            length = align_up(n) if self.direct else n
+            length = align_up(n) if file.direct else n
             if zero_copy:
                 transfer(memview(tensor.data_ptr() + a, length), file_off, region)
             else:
@@ -195,7 +239,7 @@ class FlatStore:
                         copy_bytes(tensor, a, buf, 0, n)
                 finally:
                     self._pool.release(buf)
-            self._file.drop_cache(file_off, n)
+            file.drop_cache(file_off, n)
         return job
 
     # ---- public async API ---------------------------------------------------------------------
@@ -233,17 +277,21 @@ class FlatStore:
             zero_copy = not self.direct or is_direct_capable(t, nbytes, for_read=kind == "read")
         start = region.offset + offset
         data = _as_bytes(t)
-        spans = [(a, min(self.io_chunk_bytes, nbytes - a)) for a in range(0, nbytes, self.io_chunk_bytes)]
-        jobs = [self._chunk_job(data if not zero_copy else t, a, n, start + a, name, zero_copy, kind == "write")
-                for a, n in spans]
+        pieces = self.stripe_map.pieces(start, nbytes, self.io_chunk_bytes)
+        jobs: list[list[Callable[[], None]]] = [[] for _ in self._files]
+        for i, a, file_off, n in pieces:
+            jobs[i].append(self._chunk_job(data if not zero_copy else t, a, n, self._files[i], file_off, name,
+                                           zero_copy, kind == "write"))
         # Finding the dependencies, registering the request and queueing its chunks is one step, so two
         # threads submitting at once cannot both miss each other (or queue out of dependency order).
         with self._submit_lock:
             deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
-            handle = IOHandle(kind, name, start, nbytes, len(spans), deps, keepalive=t, on_done=self._on_done,
+            handle = IOHandle(kind, name, start, nbytes, len(pieces), deps, keepalive=t, on_done=self._on_done,
                               default_timeout=self.io_timeout_s)
             self._engine.track(handle)
-            self._engine.submit(handle, jobs)
+            for engine, file_jobs in zip(self._engines, jobs):
+                if file_jobs:
+                    engine.submit(handle, file_jobs)
         return handle
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
@@ -283,7 +331,8 @@ class FlatStore:
             raise self._first_error
         if durable:
             self._sync_layout()
-            self._file.fdatasync()
+            for file in self._files:
+                file.fdatasync()
             self._stats.add(fsyncs=1)
 
     def wait(self, handle: IOHandle) -> None:
@@ -314,9 +363,10 @@ class FlatStore:
             out[name] = h.hexdigest()
         return out
 
-    def aligned_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8) -> torch.Tensor:
-        """A page-aligned tensor the store moves without a staging copy."""
-        return aligned_empty(shape, dtype, pin=torch.cuda.is_available())
+    def aligned_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8, *,
+                      pin: bool = False) -> torch.Tensor:
+        """A page-aligned tensor the store moves without a staging copy (``pin``: a device copies it too)."""
+        return aligned_empty(shape, dtype, pin=pin)
 
     @property
     def closed(self) -> bool:
@@ -347,7 +397,8 @@ class FlatStore:
             self.fence(timeout=self.io_timeout_s)
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             error = e
-        busy = self._engine.shutdown(timeout=min(self.io_timeout_s, 30.0))
+        deadline = time.monotonic() + min(self.io_timeout_s, 30.0)
+        busy = sum(e.shutdown(timeout=max(0.0, deadline - time.monotonic())) for e in self._engines)
         if busy:
             # A worker is stuck in a read/write on this fd. Closing it would let the number be reused by
             # another file, which that worker would then write into; releasing the lock would let another
@@ -359,12 +410,14 @@ class FlatStore:
                                     f"file and its lock stay held until they return (call close() again) or this "
                                     f"process exits.{pending}") from error
         self._closed = True
-        self._file.close()
+        for file in self._files:
+            file.close()
         if delete:
-            for p in (self.path, self.manifest_path):
+            for p in (*self.paths, self.manifest_path):
                 if os.path.exists(p):
                     os.remove(p)
-        self._lock.release()
+        for lock in self._locks:
+            lock.release()
         if error is not None:
             raise error
 
@@ -381,4 +434,5 @@ class FlatStore:
             log.error("FlatStore %s: error while closing after %s: %s", self.path, exc_type.__name__, e)
 
     def __repr__(self) -> str:
-        return f"FlatStore({self.path!r}, mode={self.mode}, regions={len(self.layout.regions)}, bytes={self.size_bytes})"
+        where = self.path if len(self.paths) == 1 else self.paths
+        return f"FlatStore({where!r}, mode={self.mode}, regions={len(self.layout.regions)}, bytes={self.size_bytes})"

@@ -40,6 +40,14 @@ from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
 from lightning_nvme.constants import MiB
+from lightning_nvme.models.hub_export import (
+    MAX_SHARD_BYTES,
+    export_adapters,
+    export_hub,
+    export_merged,
+    find_hf_model,
+    is_peft,
+)
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
@@ -61,7 +69,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     strategy_name = "nvme_offload"
     _frees_grads = True
 
-    def __init__(self, store_dir: str | None = None, *, device: torch.device | str | None = None,
+    def __init__(self, store_dir: str | list[str] | None = None, *, device: torch.device | str | None = None,
                  accelerator: pl.accelerators.Accelerator | None = None, checkpoint_io: CheckpointIO | None = None,
                  precision_plugin: Precision | None = None, parallel_devices: list[torch.device] | None = None,
                  **settings: Any) -> None:
@@ -239,14 +247,35 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             store.fence(durable=True)
             ckpt.paired.save(checkpoint, path, write_parts)
 
-    def export_weights(self, path: str) -> None:
-        """Write the LightningModule's ``state_dict()`` to one safetensors file (``safetensors.torch.load_file``
-        reads it), streaming offloaded blocks from the store one at a time: the way to get the trained weights
-        of a model too big to bring back into memory (``restore_params=False``), during or after fit."""
+    def export_weights(self, path: str, layout: str = "lightning", max_shard_bytes: int = MAX_SHARD_BYTES,
+                       merge_adapters: bool = False) -> None:
+        """Write the LightningModule's weights, streaming offloaded blocks from the store one at a time: the way to
+        get the trained weights of a model too big to bring back into memory (``restore_params=False``), during or
+        after fit. ``layout="lightning"``: its ``state_dict()`` as one safetensors file ``path``
+        (``safetensors.torch.load_file`` reads it). ``layout="hf"``: the Hugging Face model inside it written to the
+        directory ``path`` as ``save_pretrained`` would (config.json + sharded safetensors + index, transformers'
+        names), for ``AutoModelForCausalLM.from_pretrained(path)``; of a peft (LoRA) model, its adapters alone
+        in peft's layout, for ``PeftModel.from_pretrained(base, path)``, or with ``merge_adapters`` the base with
+        the adapters merged in (peft's ``merge_and_unload``), in the Hub layout."""
         assert self.lightning_module is not None
+        if layout not in ("lightning", "hf"):
+            raise ValueError(f"export_weights: layout must be 'lightning' or 'hf', got {layout!r}")
         params = self._offloaded_weights()
-        if params is None:
-            weights.export(path, self.lightning_module.state_dict(), lambda source: {})
-            return
-        with self._weights_readable(), params.by_reference():
-            weights.export(path, self.lightning_module.state_dict(), params.read_block)
+        with self._weights_readable() if params is not None else nullcontext(), \
+                params.by_reference() if params is not None else nullcontext():
+            state = self.lightning_module.state_dict()
+            if layout == "lightning":
+                weights.export(path, state, params.read_block if params is not None else lambda source: {})
+                return
+            prefix, hf = find_hf_model(self.lightning_module)
+
+            def read_group(refs: list[weights.BesideWeight]) -> dict[str, torch.Tensor]:
+                assert params is not None
+                values = params.read_block(refs[0].source[0])
+                return {r.key: values[r.source[1]] for r in refs}
+            if is_peft(hf) and merge_adapters:
+                export_merged(path, hf, state, read_group, prefix, max_shard_bytes)
+            elif is_peft(hf):
+                export_adapters(path, hf, state, read_group, prefix)
+            else:
+                export_hub(path, hf, state, read_group, prefix, max_shard_bytes)

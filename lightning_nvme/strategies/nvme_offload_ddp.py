@@ -75,7 +75,7 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
     _local_grad_hooks = False
     config: DDPOffloadSettings
 
-    def __init__(self, store_dir: str | None = None, *, accelerator: pl.accelerators.Accelerator | None = None,
+    def __init__(self, store_dir: str | list[str] | None = None, *, accelerator: pl.accelerators.Accelerator | None = None,
                  parallel_devices: list[torch.device] | None = None,
                  cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
                  precision_plugin: Precision | None = None, process_group_backend: str | None = None,

@@ -26,7 +26,7 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -35,11 +35,11 @@ from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import plugin_io, weights
 from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.constants import GiB, MiB
-from lightning_nvme.io_profile import io_request
+from lightning_nvme.io_profile import IOProfile, io_request, slowest_disk_note
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
 from lightning_nvme.optim.store_ref import StoreRef
-from lightning_nvme.preflight import check_store_dir
+from lightning_nvme.preflight import check_store_dirs
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import ALIGN, FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
@@ -124,20 +124,32 @@ class OffloadStrategy(Strategy):
     def _open_new_store(self, trainer: pl.Trainer, planned: int) -> FlatStore:
         """This process's store, created once; ``planned`` bytes (beyond what it already holds) are
         checked against the free space first: writable, enough free space (+ margin), warn on tmpfs/NFS."""
-        store_dir = self.config.resolve_store_dir(trainer.default_root_dir)
-        check_store_dir(store_dir, planned, min_free_bytes=self.config.min_free_bytes)
+        store_dirs = self.config.resolve_store_dirs(trainer.default_root_dir)
+        io_chunk_bytes, io_workers, stripe_bytes = io_request(self.config)
+        check_store_dirs(store_dirs, planned, stripe_bytes, min_free_bytes=self.config.min_free_bytes,
+                         roles=self._other_roles(trainer, store_dirs))
         if self.nvme_store is not None:
             return self.nvme_store
-        io_chunk_bytes, io_workers = io_request(self.config)
         threshold = self.config.mmap_threshold()
         if threshold is not None:
             release_freed_memory(threshold)  # see lightning_nvme.memory: bounded RSS
-        name = claim_store_name(store_dir, self._store_rank, self, self._run_token)
-        self.nvme_store = FlatStore(store_dir, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
+        if len(store_dirs) > 1 and self.config.io_profile:
+            note = slowest_disk_note(IOProfile.load(self.config.io_profile), store_dirs)
+            if note:
+                rank_zero_warn(f"{self.strategy_name}: {note}")
+        name = claim_store_name(store_dirs, self._store_rank, self, self._run_token)
+        self.nvme_store = FlatStore(store_dirs, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
                                     io_workers=io_workers, staging_bytes=max(self.config.staging_bytes, io_chunk_bytes),
-                                    min_free_bytes=self.config.min_free_bytes, name=name)
+                                    min_free_bytes=self.config.min_free_bytes, name=name, stripe_bytes=stripe_bytes)
         self.nvme_store.add_region(owner_region(self._run_token), ALIGN)
         return self.nvme_store
+
+    @staticmethod
+    def _other_roles(trainer: pl.Trainer, store_dirs: list[str]) -> dict[str, list[str]]:
+        """With several disks asked for, the checkpoint directory too, so preflight says if it shares one."""
+        callback = getattr(trainer, "checkpoint_callback", None)
+        dirpath = getattr(callback, "dirpath", None)
+        return {"checkpoints": [str(dirpath)]} if len(store_dirs) > 1 and dirpath else {}
 
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]

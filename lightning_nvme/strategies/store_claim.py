@@ -23,10 +23,12 @@ def owner_region(token: str) -> str:
     return f"owner/{token}"
 
 
-def claim_store_name(store_dir: str, rank: int, owner: object, token: str) -> str:
-    """The store file base name ``owner`` (a strategy instance) uses in ``store_dir``."""
+def claim_store_name(store_dirs: str | list[str], rank: int, owner: object, token: str) -> str:
+    """The store file base name ``owner`` (a strategy instance) uses in ``store_dirs`` (one, or a striped
+    store's directories: the first holds the manifest and names the store)."""
+    dirs = [store_dirs] if isinstance(store_dirs, str) else store_dirs
     base = f"store-rank{rank}"
-    key = os.path.join(os.path.abspath(store_dir), base)
+    key = os.path.join(os.path.abspath(dirs[0]), base)
     with _LOCK:
         ref = _CLAIMS.get(key)
         holder = ref() if ref is not None else None
@@ -34,13 +36,14 @@ def claim_store_name(store_dir: str, rank: int, owner: object, token: str) -> st
             _CLAIMS[key] = weakref.ref(owner)
             return base
     name = f"{base}-{token}"
-    weakref.finalize(owner, _remove_store_files, os.path.join(os.path.abspath(store_dir), name))
+    weakref.finalize(owner, _remove_store_files, [os.path.join(os.path.abspath(d), name) for d in dirs])
     return name
 
 
-def _remove_store_files(base_path: str) -> None:
-    for suffix in (".bin", ".json", ".bin.lock"):
-        try:
-            os.remove(base_path + suffix)
-        except FileNotFoundError:
-            pass
+def _remove_store_files(base_paths: list[str]) -> None:
+    for base_path in base_paths:
+        for suffix in (".bin", ".json", ".bin.lock"):
+            try:
+                os.remove(base_path + suffix)
+            except FileNotFoundError:
+                pass

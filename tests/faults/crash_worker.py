@@ -55,12 +55,14 @@ CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmd
 def job_spec(root: str, *, epochs: int, steps_per_epoch: int = 3, resume: bool = False,
              kill: dict[str, Any] | None = None, exchange: bool = True, snapshots: bool = False,
              hold: dict[str, Any] | None = None, activations: bool = False, recover_last: bool = False,
-             loader_workers: int = 0) -> dict:
+             loader_workers: int = 0, stripes: int = 1, kill_stripe: int = 0) -> dict:
     """``kill``: ``{"phase": ..., "at": n, "torn": fraction or None}``; ``hold``: ``{"step": n, "file": path}``
-    pauses the job after step ``n`` (I/O fenced) until ``file`` exists."""
+    pauses the job after step ``n`` (I/O fenced) until ``file`` exists. ``stripes`` > 1 stripes the store over that
+    many directories (``store``, ``store-s1``...) with a 4 KiB unit; ``writeback`` events then count the writes to
+    stripe ``kill_stripe``'s file only."""
     return dict(root=root, epochs=epochs, steps_per_epoch=steps_per_epoch, resume=resume, kill=kill,
                 exchange=exchange, snapshots=snapshots, hold=hold, activations=activations,
-                recover_last=recover_last, loader_workers=loader_workers)
+                recover_last=recover_last, loader_workers=loader_workers, stripes=stripes, kill_stripe=kill_stripe)
 
 
 def paths(root: str) -> dict[str, str]:
@@ -129,7 +131,7 @@ class _Injector:
 
     def _store_phase(self, offset: int) -> str:
         store = self.store
-        if store is not None:
+        if store is not None and len(store.paths) == 1:  # a stripe file's offsets are not the layout's
             for region in list(store.layout.regions.values()):
                 if region.offset <= offset < region.end:
                     if region.name.startswith("params/"):
@@ -230,7 +232,8 @@ def run_job(spec: dict) -> None:
     root = spec["root"]
     p = paths(root)
     inj = _Injector(spec["kill"])
-    inj.store_path = os.path.join(p["store"], STORE_FILE)
+    store_dirs = [p["store"]] + [f"{p['store']}-s{i}" for i in range(1, spec.get("stripes", 1))]
+    inj.store_path = os.path.join(store_dirs[spec.get("kill_stripe", 0)], STORE_FILE)
     inj.root = root
     inj.install()
     if not spec["exchange"]:
@@ -288,8 +291,9 @@ def run_job(spec: dict) -> None:
 
         callbacks.append(NVMeActivationOffload(scope="all", min_bytes=1024, keep_last=0, min_segment_bytes=1 << 20,
                                                write_inflight_bytes=1 << 20, prefetch_bytes=1 << 20))
-    strategy = NVMeOffloadStrategy(store_dir=p["store"], chunk_bytes=16 << 10, io_chunk_bytes=8 << 10,
-                                   staging_bytes=64 << 10, io_workers=2, min_free_bytes=0)
+    strategy = NVMeOffloadStrategy(store_dir=store_dirs if len(store_dirs) > 1 else p["store"], chunk_bytes=16 << 10,
+                                   io_chunk_bytes=8 << 10, staging_bytes=64 << 10, io_workers=2, min_free_bytes=0,
+                                   stripe_bytes=4 << 10)
     class Model(MLP):
         def train_dataloader(self):
             loader = super().train_dataloader()

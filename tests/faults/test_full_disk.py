@@ -161,3 +161,34 @@ def test_preflight_refuses_read_only_mount(tmp_path):
         with pytest.raises(ConfigError, match="not writable") as ei:
             check_store_dir(mnt, MiB)
         assert mnt in str(ei.value) and "Read-only" in str(ei.value)
+
+
+# ---- a striped store: the full disk is named ----------------------------------------------------------------
+def test_injected_enospc_on_one_stripe_names_that_file(tmp_path, monkeypatch):
+    from .conftest import FaultyDisk
+
+    dirs = [str(tmp_path / "a"), str(tmp_path / "b")]
+    full = os.path.join(dirs[1], "store-rank0.bin")
+    disk = FaultyDisk(monkeypatch, suffix=full)  # only the second disk fills up
+    store = FlatStore(dirs, io_chunk_bytes=1 * MiB, io_workers=2, staging_bytes=2 * MiB, io_timeout_s=20,
+                      stripe_bytes=1 * MiB)
+    store.add_region("state", 8 * MiB)
+    disk.write_errno = errno.ENOSPC
+    h = store.write("state", _pattern(store, 8 * MiB))
+    with pytest.raises(StoreIOError, match=f"write to {re.escape(full)} failed.*The disk is full") as info:
+        h.wait()
+    assert info.value.path == full and info.value.errno == errno.ENOSPC
+    with pytest.raises(StoreIOError, match=re.escape(full)):
+        store.close()
+
+
+def test_real_full_stripe_refused_at_allocation_naming_it(tmp_path):
+    with small_fs("ext4", 32 << 20, str(tmp_path)) as mnt:
+        dirs = [str(tmp_path / "big"), mnt]
+        with FlatStore(dirs, stripe_bytes=1 * MiB) as store:
+            with pytest.raises(StoreSpaceError, match=f"store {re.escape(os.path.join(mnt, 'store-rank0.bin'))}"):
+                store.add_region("state", 96 * MiB)  # 48 MiB per stripe: more than the small disk holds
+            assert "state" not in store
+            store.add_region("fits", 8 * MiB)  # the refused request left the store usable
+            store.write("fits", _pattern(store, 8 * MiB)).wait()
+            store.close(delete=True)

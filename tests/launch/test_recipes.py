@@ -215,3 +215,15 @@ def test_check_store_dir_names_the_key_and_the_fix(tmp_path: Path) -> None:
         check_store_dir("strategy.store_dir", str(a_file))
     check_store_dir("strategy.store_dir", str(tmp_path / "new" / "store"))  # created
     assert (tmp_path / "new" / "store").is_dir()
+
+
+@pytest.mark.skipif(not HAS_STRATEGY, reason="lightning_nvme.strategies has not landed in this checkout")
+def test_store_dir_list_on_the_command_line_stripes_the_store(tmp_path: Path) -> None:
+    a, b = tmp_path / "a", tmp_path / "b"
+    run = build(compose_config("quickstart", [f"paths.output_dir={tmp_path}", "strategy=nvme_offload",
+                                              f"strategy.store_dir=[{a},{b}]", "strategy.stripe_bytes=1048576"]))
+    assert run.trainer.strategy.config.store_dir == [str(a), str(b)] and a.is_dir() and b.is_dir()
+    assert run.trainer.strategy.config.stripe_bytes == 1 << 20
+    with pytest.raises(ConfigError, match="strategy.store_dir.*does not exist"):
+        validate(compose_config("quickstart", ["strategy=nvme_offload",
+                                               f"strategy.store_dir=[{a},/nonexistent_mount/run]"]))

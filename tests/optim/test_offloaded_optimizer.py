@@ -10,6 +10,7 @@ import torch
 
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.store import FlatStore
+from lightning_nvme.store import file_io as file_io_mod
 from lightning_nvme.store import flat_store as flat_store_mod
 
 
@@ -37,14 +38,14 @@ def _train(model, opt, steps=8, closure_style=True):
 def test_slow_writes_are_fenced(tmp_path, monkeypatch):
     """Writes are delayed so that step N+1's prefetch is issued while step N's writes are still in
     flight; the result must still equal in-memory training (the read waits for the write)."""
-    original = flat_store_mod.FlatStore._pwrite_full
+    original = file_io_mod.StoreFile.pwrite_full
     in_flight_at_prefetch = []
 
     def slow_write(self, mv, offset, region):
         time.sleep(0.01)
         return original(self, mv, offset, region)
 
-    monkeypatch.setattr(flat_store_mod.FlatStore, "_pwrite_full", slow_write)
+    monkeypatch.setattr(file_io_mod.StoreFile, "pwrite_full", slow_write)
     ref_model, model = _model(), _model()
     ref = torch.optim.Adam(ref_model.parameters(), lr=1e-2)
     _train(ref_model, ref)

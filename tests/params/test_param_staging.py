@@ -1,16 +1,15 @@
 """The staging between a block's host buffer and the device its parameters are used on
 (``lightning_nvme.params.staging``): on CPU no copy at all; the CUDA implementation's ordering (copy on a
-side stream, the compute stream waits on its event before the parameters point at the device buffer, a
+side stream (uploads and downloads on two), the compute stream waits on its event before the parameters point at the device buffer, a
 dirty block's store write only after its device -> host copy completed, a bounded pinned pool) checked
 on CPU with recorded streams and events in place of CUDA's, and training through it (the device copy a
 separate buffer, the source of truth while bound) bitwise equal to in-memory training."""
 
 from __future__ import annotations
 
-from contextlib import nullcontext
-
 import pytest
 import torch
+from fake_cuda import FakeCudaRuntime, FakeOps, install
 from torch import nn
 
 from lightning_nvme import NVMeOffloadStrategy
@@ -21,68 +20,6 @@ from lightning_nvme.params.staging import CudaStaging, HostStaging
 from lightning_nvme.store import FlatStore
 
 CPU = torch.device("cpu")
-
-
-class FakeEvent:
-    """A CUDA event that completes only when synchronized (so nothing may rely on it having run)."""
-
-    def __init__(self, log: list, n: int) -> None:
-        self.log, self.n, self.done = log, n, False
-
-    def record(self, stream: FakeStream) -> None:
-        self.log.append(("record", self.n, stream.name))
-
-    def query(self) -> bool:
-        return self.done
-
-    def synchronize(self) -> None:
-        if not self.done:
-            self.log.append(("sync", self.n))
-            self.done = True
-
-    def elapsed_time(self, end: FakeEvent) -> float:
-        return 1.0  # ms
-
-
-class FakeStream:
-    def __init__(self, log: list, name: str) -> None:
-        self.log, self.name = log, name
-
-    def wait_event(self, event: FakeEvent) -> None:
-        self.log.append(("wait", self.name, event.n))
-
-
-class FakeOps:
-    """Records the CUDA calls of ``CudaStaging``; the copies themselves run on CPU tensors."""
-
-    def __init__(self) -> None:
-        self.log: list = []
-        self.events = 0
-        self.compute = FakeStream(self.log, "compute")
-        self.pinned: set[int] = set()
-
-    def stream(self, device: torch.device) -> FakeStream:
-        return FakeStream(self.log, "side")
-
-    def current_stream(self, device: torch.device) -> FakeStream:
-        return self.compute
-
-    def on(self, stream: FakeStream) -> nullcontext:
-        return nullcontext()
-
-    def event(self, timing: bool = False) -> FakeEvent:
-        self.events += 1
-        return FakeEvent(self.log, self.events)
-
-    def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
-        self.log.append(("record_stream", stream.name))
-
-    def pin(self, t: torch.Tensor) -> bool:
-        self.pinned.add(t.data_ptr())
-        return True
-
-    def unpin(self, t: torch.Tensor) -> None:
-        self.pinned.remove(t.data_ptr())
 
 
 def _blocks_in_store(tmp_path, stager_of):
@@ -106,7 +43,8 @@ def _blocks_in_store(tmp_path, stager_of):
     return model, layout.blocks, residency, store
 
 
-def test_cuda_staging_orders_copies_with_events(tmp_path):
+def test_cuda_staging_orders_copies_with_events(tmp_path, monkeypatch):
+    rt = install(monkeypatch)
     ops = FakeOps()
     model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=3, ops=ops))
     block, weight = blocks[0], model[0].weight
@@ -114,19 +52,21 @@ def test_cuda_staging_orders_copies_with_events(tmp_path):
     ops.log.clear()
     res.prefetch(block)
     res.acquire(block, "forward")
-    # read into a pinned host buffer; copy to the device buffer on the side stream between two events;
+    # read into a pinned host buffer; copy to the device buffer on the upload stream (side0) between two events;
     # the compute stream waits on the copy's event; the device buffer is recorded on the compute stream
-    assert ops.log == [("read", block.region), ("record", 1, "side"), ("record", 2, "side"), ("wait", "compute", 2),
+    assert ops.log == [("read", block.region), ("record", 1, "side0"), ("record", 2, "side0"), ("wait", "compute", 2),
                        ("record_stream", "compute")]
-    assert weight.untyped_storage().data_ptr() not in ops.pinned  # views of the device copy, not of the host buffer
+    assert weight.untyped_storage().data_ptr() not in rt.live  # views of the device copy, not of the host buffer
     expected = weight.detach() + 1
     weight.data.add_(1)  # the update, on the device copy
     res.mark_dirty(block)
     ops.log.clear()
     res.release(block, "forward")
-    # the side stream waits for the compute stream's work (the update), then copies device -> host;
+    # the download stream (side1, not the uploads') waits for the compute stream's work (the update), then
+    # copies device -> host;
     # the store write waits for that copy: not issued while its event has not completed
-    assert ops.log == [("record", 3, "compute"), ("wait", "side", 3), ("record", 4, "side"), ("record", 5, "side")]
+    assert ops.log == [("record", 3, "compute"), ("wait", "side1", 3), ("record", 4, "side1"),
+                       ("record", 5, "side1")]
     assert is_placeholder(weight)
     ops.log.clear()
     res.prefetch(block)  # reading it back: the write-back goes first, after its copy completed
@@ -141,7 +81,7 @@ def test_cuda_staging_orders_copies_with_events(tmp_path):
     stats = res.staging.stats
     assert stats.pinned_buffers <= 3 and stats.pageable_buffers == 0
     res.staging.close()
-    assert ops.pinned == set()  # the pool is unregistered
+    assert rt.live == {}  # the pool is unregistered
     assert stats.h2d_bytes == 2 * block_capacity(store, block) and stats.d2h_bytes == 2 * block_capacity(store, block)
 
 
@@ -149,10 +89,11 @@ def block_capacity(store: FlatStore, block) -> int:
     return store.region(block.region).capacity
 
 
-def test_cuda_staging_pool_is_bounded_and_reused(tmp_path):
+def test_cuda_staging_pool_is_bounded_and_reused(tmp_path, monkeypatch):
+    rt = install(monkeypatch)
     ops = FakeOps()
     _, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=2, ops=ops))
-    pinned_after_setup, pageable = set(ops.pinned), res.staging.stats.pageable_buffers
+    pinned_after_setup, pageable = set(rt.live), res.staging.stats.pageable_buffers
     assert len(pinned_after_setup) == 2
     for block in blocks:  # three blocks resident at once: the third host buffer is pageable
         res.acquire(block, "user")
@@ -162,25 +103,20 @@ def test_cuda_staging_pool_is_bounded_and_reused(tmp_path):
     for block in blocks:  # the pool's buffers are reused, none registered again
         res.acquire(block, "user")
         res.release(block, "user")
-    assert ops.pinned == pinned_after_setup and res.staging.stats.pinned_buffers == len(pinned_after_setup)
+    assert set(rt.live) == pinned_after_setup and res.staging.stats.pinned_buffers == len(pinned_after_setup)
     assert res.stats.peak_bound_blocks == 3
     res.drain()
     store.close()
 
 
-def test_cuda_staging_without_registration_falls_back_to_pageable_buffers_once():
-    class Refusing(FakeOps):
-        def pin(self, t: torch.Tensor) -> bool:
-            self.log.append("pin")
-            return False
-
-    ops = Refusing()
-    stage = CudaStaging(CPU, 8192, pool_size=2, ops=ops)
+def test_cuda_staging_without_registration_falls_back_to_pageable_buffers_once(monkeypatch):
+    rt = install(monkeypatch, FakeCudaRuntime(refuse=True))
+    stage = CudaStaging(CPU, 8192, pool_size=2, ops=FakeOps())
     bufs = [stage.host_buffer(8192) for _ in range(3)]
-    assert ops.log == ["pin"] and stage.stats.pageable_buffers == 3 and stage.stats.pinned_buffers == 0
+    assert len(rt.failures) == 1 and stage.stats.pageable_buffers == 3 and stage.stats.pinned_buffers == 0
     for b in bufs:
         stage.recycle(b)  # pageable buffers are not pooled
-    assert stage.host_buffer(4096).numel() == 4096 and ops.log == ["pin"]
+    assert stage.host_buffer(4096).numel() == 4096 and len(rt.failures) == 1
 
 
 class RecordingHostStaging(HostStaging):
@@ -217,6 +153,7 @@ def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_facto
     events recorded): the device copy is what is updated and written back."""
     from test_param_offload import assert_same_params, fit, offload, reference
 
+    rt = install(monkeypatch)
     made: list[CudaStaging] = []
 
     def fake_cuda(device, buffer_bytes, pool_size):
@@ -224,12 +161,12 @@ def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_facto
         return made[-1]
 
     monkeypatch.setattr(staging, "staging_for", fake_cuda)
-    ref, _ = reference(tmp_path_factory)
+    ref, _ = reference(tmp_path_factory, checkpointing=True)  # required on CUDA (tests/params/test_cuda_path.py)
     strategy = offload(tmp_path)
-    off, t = fit(tmp_path / "off", strategy)
+    off, t = fit(tmp_path / "off", strategy, {"checkpointing": True})
     assert_same_params(ref, off)
     stats = strategy.param_offload.stats
-    assert len(made) == 1 and made[0].ops.pinned == set()  # unregistered at the end of fit
+    assert len(made) == 1 and rt.live == {} and rt.registers > 0  # unregistered at the end of fit
     assert stats.peak_bound_blocks <= 1 + 2  # device copies: param_prefetch + 2 blocks at most
     assert 0 < stats.staging.pinned_buffers <= 1 + 2 + 2 and stats.staging.pageable_buffers == 0  # the pool's size
     assert stats.staging.h2d_bytes > 0 and stats.staging.d2h_bytes > 0
@@ -266,3 +203,36 @@ def test_device_types_refused(tmp_path):
     with pytest.raises(ValueError, match="loss scaler"):
         strategy._check_param_offload_supported()
     NVMeOffloadStrategy(device="cuda:0", offload_params=True)._check_param_offload_supported()  # 32-true: fine
+
+
+def test_upload_starts_when_the_read_ahead_completes_and_compute_waits_only_at_acquire(tmp_path, monkeypatch):
+    """A block read ahead is copied to the device as soon as its read has completed (``upload_ready``, called
+    by the scheduler at each block's forward and backward), so the copy overlaps the blocks before it; the
+    compute stream waits for it only when the block is acquired, and no second copy is made then."""
+    install(monkeypatch)
+    ops = FakeOps()
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=3, ops=ops))
+    first, ahead = blocks[0], blocks[1]
+    res.acquire(first, "forward")
+    res.prefetch(ahead)
+    res._state[ahead.index].read.wait()  # the read ahead completes (the disk is faster than the block's compute)
+    ops.log.clear()
+    res.upload_ready()
+    assert ops.log == [("record", 3, "side0"), ("record", 4, "side0")]  # the copy only: nothing waits for it
+    assert res.stats.early_uploads == 1 and is_placeholder(model[1].weight)
+    ops.log.clear()
+    res.upload_ready()  # started already: not again
+    assert ops.log == []
+    res.acquire(ahead, "forward")
+    assert ops.log == [("wait", "compute", 4), ("record_stream", "compute")]  # bound to the early copy
+    expected = res.read_values(ahead)["1.weight"]
+    assert torch.equal(model[1].weight, expected)
+    res.release(ahead, "forward")
+    res.release(first, "forward")
+    res.prefetch(blocks[2])
+    res._state[blocks[2].index].read.wait()
+    res.upload_ready()
+    res.evict_unheld()  # read ahead, uploaded, never used: dropped, its host buffer back in the pool
+    assert res.resident_blocks == [] and res.stats.early_uploads == 2
+    res.drain()
+    store.close()

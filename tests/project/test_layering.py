@@ -41,7 +41,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("params",),  # parameter offload
     ("settings", "models"),  # the strategies' arguments (ask optim's state-format registry); the recipes' models
     ("io_profile", "preflight"),  # tuned I/O settings; checks before training
-    ("strategies", "activations"),  # the Lightning strategies; activation offload (independent of Lightning)
+    # the Lightning strategies; activation offload (independent of Lightning); several disks measured together
+    ("strategies", "activations", "doctor_stripes"),
     ("callbacks", "launch", "doctor"),  # Lightning callbacks; recipes -> runs; the disk check
     ("cli",),
     ("__main__",),

@@ -137,3 +137,35 @@ def test_main_reports_failing_disk_instead_of_crashing(tmp_path, monkeypatch, ca
     rc = doctor.main([str(tmp_path), "--json", *QUICK])
     out = _json_out(capsys)
     assert rc == 1 and "Input/output error" in out["problems"][0] and str(tmp_path) in out["problems"][0]
+
+
+# ---- several directories: a striped store ------------------------------------------------------------------
+def test_main_several_directories_measures_each_and_together(tmp_path, capsys):
+    dirs, prof = [str(tmp_path / "a"), str(tmp_path / "b")], tmp_path / "profile.json"
+    rc = doctor.main([*dirs, "--json", "--write-profile", str(prof), *QUICK])
+    out = _json_out(capsys)
+    assert rc == 0 and out["paths"] == dirs and set(out["dirs"]) == set(dirs)
+    assert [e["path"] for e in out["each"]] == dirs and all(e["write_mib_s"] > 0 for e in out["each"])
+    assert out["together"]["read_mib_s"] > 0 and out["slowest"]["path"] in dirs
+    assert any("are on the same device" in a and dirs[0] in a and dirs[1] in a for a in out["advice"])
+    loaded = IOProfile.load(prof)
+    assert loaded.stripe_dirs == dirs and loaded.disks == out["each"]
+    assert (loaded.stripe_bytes, loaded.io_workers) in {(t["stripe_bytes"], t["io_workers"]) for t in loaded.trials}
+    assert all(os.listdir(d) == [] for d in dirs)  # nothing left behind
+    strategy = NVMeOffloadStrategy(store_dir=dirs, io_profile=str(prof))
+    from lightning_nvme.io_profile import io_request
+
+    assert io_request(strategy.config) == (loaded.io_chunk_bytes, loaded.io_workers, loaded.stripe_bytes)
+
+
+def test_slowest_disk_cost_is_said_from_the_profile(tmp_path):
+    from lightning_nvme.io_profile import slowest_disk_note
+
+    dirs = [str(tmp_path / d) for d in "abc"]
+    disks = [{"path": d, "write_mib_s": w, "read_mib_s": w} for d, w in zip(dirs, (1000.0, 1000.0, 500.0))]
+    profile = IOProfile(io_chunk_bytes=8 * MiB, io_workers=4, stripe_bytes=8 * MiB, stripe_dirs=dirs, disks=disks)
+    note = slowest_disk_note(profile, dirs)
+    assert note is not None and f"the slowest disk {dirs[2]} (500 MiB/s" in note and "1500 MiB/s of the 2500" in note
+    assert "40% lost" in note
+    assert slowest_disk_note(profile, dirs[:2]) is None  # equal disks cost nothing
+    assert slowest_disk_note(profile, [*dirs[:2], str(tmp_path / "other")]) is None  # not what was measured

@@ -1,0 +1,235 @@
+"""Any Hugging Face causal LM built on the meta device and filled from its safetensors checkpoint, tensor by tensor.
+
+Why: a model bigger than memory cannot go through ``from_pretrained`` (it materializes every weight).
+``build_causal_lm`` uses transformers' own construction (``from_config``) on the meta device, so nothing is
+allocated; ``HubWeights`` is the initial-weights object (``lightning_nvme.params.materialize``) that reads
+each tensor by its checkpoint name when the strategy initializes that module, so with ``offload_params=True``
+each block goes to the store as soon as it is filled: at most one block in memory.
+
+What ``from_config`` on meta leaves empty and ``from_pretrained`` would fill: non-persistent buffers (rotary
+``inv_freq``, Gemma's ``embed_scale``). They are small and not in the checkpoint, so they are recomputed at
+build time on the CPU by the model's own ``_init_weights`` (what ``from_pretrained`` calls for them).
+
+For your own LightningModule::
+
+    def configure_model(self):
+        self.net = build_causal_lm(path)
+    def initial_weights(self):
+        return HubWeights(path, prefix="net.").checked(self.net)
+"""
+
+from __future__ import annotations
+
+import os
+import re
+from collections.abc import Callable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader
+from lightning_nvme.models.gpt import safetensors_files
+from lightning_nvme.params.materialize import copy_checked
+
+INDEX = "model.safetensors.index.json"  # the Hub layout's names (hub_export writes them)
+SINGLE = "model.safetensors"
+
+
+class HubWeights:
+    """A safetensors checkpoint (single file or sharded with an index) read one tensor at a time, under the
+    names of the module that asks (``prefix`` + the model's ``state_dict`` names).
+
+    ``checked(model)`` ties it to a model: refuses a tensor missing from the checkpoint, one the model does not
+    have, or one of another shape, each by name, and resolves tied parameters stored once (``lm_head.weight``
+    of a model with tied embeddings) and checkpoints saved from the base model (keys without ``model.``).
+    """
+
+    def __init__(self, directory: str | os.PathLike[str], prefix: str = "") -> None:
+        self.directory = str(directory)
+        self.prefix = prefix
+        self._stored: dict[str, tuple[str, tuple[int, ...]]] = {}  # checkpoint key -> (file, shape)
+        for file in safetensors_files(self.directory):
+            reader = SafetensorsReader(file)
+            try:
+                for key, (_dtype, shape, _off) in reader.entries.items():
+                    self._stored[key] = (file, shape)
+            finally:
+                reader.close()
+        self._where: dict[str, str] = {}  # model name (without prefix) -> checkpoint key
+
+    def checked(self, model: nn.Module) -> HubWeights:
+        """Map every ``state_dict`` tensor of ``model`` to its checkpoint key, or raise naming what differs."""
+        expected = model.state_dict(keep_vars=True)
+        by_id: dict[int, list[str]] = {}  # the names of parameters registered under several (tied) names
+        for name, p in model.named_parameters(remove_duplicate=False):
+            by_id.setdefault(id(p), []).append(name)
+        rename = load_names(model)
+        where: dict[str, str] = {}
+        extra: list[str] = []
+        for key in self._stored:
+            name = rename(key)
+            if name in expected:
+                where.setdefault(name, key)
+            else:
+                extra.append(key)
+        for group in by_id.values():  # a tied parameter stored once (a tied head): every name reads it
+            stored = next((where[n] for n in group if n in where), None)
+            for n in group:
+                if stored is not None:
+                    where.setdefault(n, stored)
+        missing = [n for n in expected if n not in where]
+        ignored = [re.compile(p) for p in (getattr(model, "_keys_to_ignore_on_load_unexpected", None) or [])]
+        extra = [k for k in extra if not any(p.search(k) for p in ignored)]
+        if missing or extra:
+            raise ValueError(f"{self.directory}: the checkpoint does not match the model built from its config.json: "
+                             f"missing {missing[:8]}{' ...' if len(missing) > 8 else ''}, "
+                             f"not in the model {extra[:8]}{' ...' if len(extra) > 8 else ''}. Point model.path at "
+                             "the directory save_pretrained wrote (config.json with its own weights).")
+        for name, key in where.items():
+            stored_shape = self._stored[key][1]
+            if tuple(expected[name].shape) != stored_shape:
+                raise ValueError(f"{self.directory}: {key} has shape {stored_shape} in the checkpoint, the model's "
+                                 f"{name} {tuple(expected[name].shape)} (a config.json that does not match its weights)")
+        self._where = where
+        return self
+
+    def __contains__(self, name: object) -> bool:
+        return isinstance(name, str) and name.startswith(self.prefix) and name[len(self.prefix):] in self._where
+
+    def get(self, name: str) -> torch.Tensor:
+        """The stored value of ``name`` (with ``prefix``); only this tensor is read."""
+        key = self._where[name[len(self.prefix):]]
+        reader = SafetensorsReader(self._stored[key][0])
+        try:
+            return reader.read(key).view(self._stored[key][1])
+        finally:
+            reader.close()
+
+    def load_into(self, model: nn.Module) -> None:
+        """Copy every tensor into an in-memory ``model`` (checked), one at a time."""
+        for name, tensor in model.state_dict(keep_vars=True).items():
+            copy_checked(name, self.get(self.prefix + name), tensor)
+
+
+def _conversions(model: nn.Module, loading: bool) -> tuple[list[Any], list[Any]]:
+    """transformers' renamings and converters between checkpoint keys and module names for ``model`` (e.g.
+    GPT-NeoX's ``embed_out`` is the module's ``lm_head``); reversed for saving."""
+    try:
+        from transformers.conversion_mapping import get_model_conversion_mapping
+        from transformers.core_model_loading import PrefixChange, WeightConverter, WeightRenaming
+    except ImportError:  # transformers < 5: checkpoint keys are module names
+        return [], []
+    mapping = get_model_conversion_mapping(model, add_legacy=loading)  # type: ignore[arg-type]
+    if not loading:  # as save_pretrained of a model not loaded by from_pretrained (no prefix changes)
+        mapping = [m.reverse_transform() for m in mapping[::-1] if not isinstance(m, PrefixChange)]
+    return ([m for m in mapping if isinstance(m, WeightRenaming)], [m for m in mapping if isinstance(m, WeightConverter)])
+
+
+def load_names(model: nn.Module) -> Callable[[str], str]:
+    """checkpoint key -> module name, as ``from_pretrained`` renames; a key that transformers would convert (fuse,
+    split or re-lay-out tensors, e.g. MoE experts) is refused by name: it has no one-to-one streamed copy."""
+    renamings, converters = _conversions(model, loading=True)
+    if not renamings and not converters:
+        return lambda key: key
+    from transformers.core_model_loading import rename_source_key
+
+    meta = model.state_dict(keep_vars=True)
+    base = getattr(model, "base_model_prefix", None)
+
+    def rename(key: str) -> str:
+        name, converter = rename_source_key(key, renamings, converters, base, meta)
+        if name not in meta and key in meta:
+            name, converter = rename_source_key(key, [], [], base, meta)
+        if converter is not None:
+            raise ValueError(f"checkpoint tensor {key!r}: transformers converts it on load ({converter!r}, a fused or "
+                             "re-laid-out tensor), which cannot be streamed one tensor at a time. Use "
+                             "strategy.offload_params=false (from_pretrained in memory).")
+        return str(name)
+    return rename
+
+
+def save_names(model: nn.Module) -> Callable[[str], str]:
+    """module name -> checkpoint key, as ``save_pretrained`` renames (the reverse of ``load_names``)."""
+    renamings, converters = _conversions(model, loading=False)
+    if not renamings and not converters:
+        return lambda name: name
+    from transformers.core_model_loading import rename_source_key
+
+    def rename(name: str) -> str:
+        key, converter = rename_source_key(name, renamings, converters)
+        if converter is not None:
+            raise ValueError(f"{name}: transformers converts it on save ({converter!r}); exporting it streamed is not "
+                             "supported. Export with layout='lightning' and convert in memory.")
+        return str(key)
+    return rename
+
+
+def load_config(path_or_config: Any) -> Any:
+    """A ``PretrainedConfig`` from a checkpoint directory (local files only), or the config itself."""
+    from transformers import AutoConfig, PretrainedConfig
+
+    if isinstance(path_or_config, PretrainedConfig):
+        return path_or_config
+    return AutoConfig.from_pretrained(str(path_or_config), local_files_only=True)
+
+
+def checkpoint_dtype(config: Any) -> torch.dtype:
+    """The dtype ``from_pretrained`` (``dtype="auto"``) gives the model: the config's, else fp32."""
+    dtype = getattr(config, "dtype", None) or getattr(config, "torch_dtype", None)
+    if isinstance(dtype, str):
+        dtype = getattr(torch, dtype)
+    return dtype if isinstance(dtype, torch.dtype) else torch.float32
+
+
+def build_causal_lm(path_or_config: Any, dtype: torch.dtype | None = None,
+                    gradient_checkpointing: bool = False) -> Any:
+    """``AutoModelForCausalLM.from_config`` on the meta device (no memory for weights) in the checkpoint's dtype,
+    training mode, with its non-persistent buffers recomputed on the CPU; fill it with ``HubWeights``."""
+    from transformers import AutoModelForCausalLM
+
+    config = load_config(path_or_config)
+    with torch.device("meta"):
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype or checkpoint_dtype(config))
+    recompute_buffers(model)
+    model.train()
+    if gradient_checkpointing:
+        model.gradient_checkpointing_enable()
+    return model
+
+
+def recompute_buffers(model: Any) -> None:
+    """Give every non-persistent meta buffer its value, on the CPU, from the owning model's ``_init_weights``;
+    refuse (by name) one it does not initialize, rather than train with an uninitialized tensor."""
+    persistent = set(model.state_dict(keep_vars=True).keys())
+    owners: list[tuple[str, Any]] = [(n, m) for n, m in model.named_modules() if hasattr(m, "_init_weights")]
+    for name, module in model.named_modules():
+        prefix = name + "." if name else ""
+        meta = [b for b, t in module._buffers.items() if t is not None and t.is_meta and prefix + b not in persistent]
+        if not meta:
+            continue
+        owner = max((o for o in owners if not o[0] or name.startswith(o[0] + ".")), key=lambda o: len(o[0]))[1]
+        marks = {}
+        for b in meta:
+            old = module._buffers[b]
+            assert old is not None
+            module._buffers[b] = (torch.full_like(old, float("nan"), device="cpu") if old.is_floating_point()
+                                  else torch.zeros_like(old, device="cpu"))
+            marks[b] = module._buffers[b]
+        # Outside every torch-function mode: new tensors on the CPU (not meta), nn.init not skipped by
+        # Lightning's empty-init mode; meta parameters of the same module stay meta (init on meta is free).
+        with torch._C.DisableTorchFunction(), torch.no_grad():
+            owner._init_weights(module)
+        for b, value in marks.items():
+            if value.is_floating_point() and torch.isnan(module._buffers[b]).any():
+                raise ValueError(f"{prefix}{b}: a non-persistent buffer that {type(owner).__name__}._init_weights does "
+                                 "not compute; this architecture cannot be built on the meta device here. Use "
+                                 "strategy.offload_params=false (from_pretrained in memory).")
+
+
+def block_classes(model: nn.Module) -> tuple[type[nn.Module], ...] | None:
+    """The decoder-layer classes transformers names in ``_no_split_modules`` (what FSDP auto-wrap uses) that occur
+    in ``model``; ``None`` if it names none (the largest ``ModuleList`` is then the block list)."""
+    names = set(getattr(model, "_no_split_modules", None) or ())
+    found = {type(m) for m in model.modules() if type(m).__name__ in names}
+    return tuple(sorted(found, key=lambda c: c.__name__)) or None

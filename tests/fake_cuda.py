@@ -1,0 +1,171 @@
+"""A fake CUDA for running the CUDA path's logic on CPU.
+
+- ``FakeCudaRuntime``: host registration as CUDA does it: a range overlapping a live registration fails
+  with ``cudaErrorHostMemoryAlreadyRegistered``, unregistering an unknown address with
+  ``cudaErrorHostMemoryNotRegistered``; a failure stays CUDA's last error until ``cudaGetLastError`` reads
+  it, and the next kernel launch (``launch``) raises it. It counts register/unregister pairs.
+- ``install(monkeypatch)``: makes ``torch.cuda.is_available()`` true and routes both torch's
+  ``cudart()`` bindings and ``lightning_nvme.store.pinned``'s runtime to one fake.
+- ``FakeOps``: streams and events recorded in a log (``CudaStaging``'s ``ops`` seam); an event completes
+  only when synchronized, so nothing may rely on a copy having run. Device buffers are CPU tensors it
+  sees (``record_stream``) and can count while alive.
+"""
+
+from __future__ import annotations
+
+import time
+from contextlib import nullcontext
+
+import torch
+
+SUCCESS = 0
+ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation (e.g. RLIMIT_MEMLOCK)
+ERROR_ALREADY_REGISTERED = 712  # cudaErrorHostMemoryAlreadyRegistered
+ERROR_NOT_REGISTERED = 713  # cudaErrorHostMemoryNotRegistered
+
+
+class CudaError(RuntimeError):
+    pass
+
+
+class FakeCudaRuntime:
+    def __init__(self, refuse: bool = False) -> None:
+        self.refuse = refuse  # every registration fails (a locked-memory limit)
+        self.live: dict[int, int] = {}  # address -> bytes
+        self.last_error = SUCCESS
+        self.registers = 0
+        self.unregisters = 0
+        self.failures: list[int] = []
+        self.flags: list[int] = []
+
+    # the protocol of lightning_nvme.store.pinned.Runtime
+    def register(self, ptr: int, nbytes: int, flags: int) -> int:
+        self.flags.append(flags)
+        if any(ptr < p + n and p < ptr + nbytes for p, n in self.live.items()):
+            return self._fail(ERROR_ALREADY_REGISTERED)
+        if self.refuse:
+            return self._fail(ERROR_MEMORY_ALLOCATION)
+        self.live[ptr] = nbytes
+        self.registers += 1
+        return SUCCESS
+
+    def unregister(self, ptr: int) -> int:
+        if self.live.pop(ptr, None) is None:
+            return self._fail(ERROR_NOT_REGISTERED)
+        self.unregisters += 1
+        return SUCCESS
+
+    def get_last_error(self) -> int:
+        err, self.last_error = self.last_error, SUCCESS
+        return err
+
+    def _fail(self, err: int) -> int:
+        self.failures.append(err)
+        self.last_error = err
+        return err
+
+    def launch(self) -> None:
+        """A kernel launch: torch checks ``cudaGetLastError`` after it and raises what it finds."""
+        err = self.get_last_error()
+        if err != SUCCESS:
+            raise CudaError(f"CUDA error {err} at an unrelated kernel launch")
+
+    def binding(self) -> _Binding:
+        return _Binding(self)
+
+
+class _Binding:
+    """What ``torch.cuda.cudart()`` returns, over the fake."""
+
+    def __init__(self, rt: FakeCudaRuntime) -> None:
+        self.rt = rt
+
+    def cudaHostRegister(self, ptr: int, nbytes: int, flags: int) -> int:  # noqa: N802
+        return self.rt.register(ptr, nbytes, flags)
+
+    def cudaHostUnregister(self, ptr: int) -> int:  # noqa: N802
+        return self.rt.unregister(ptr)
+
+
+def install(monkeypatch, rt: FakeCudaRuntime | None = None) -> FakeCudaRuntime:
+    rt = rt or FakeCudaRuntime()
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "cudart", rt.binding)
+    try:
+        from lightning_nvme.store import pinned
+    except ImportError:  # before the registration owner existed
+        return rt
+    monkeypatch.setattr(pinned, "_runtime", rt)
+    return rt
+
+
+class FakeEvent:
+    """A CUDA event that completes only when synchronized (so nothing may rely on it having run)."""
+
+    def __init__(self, log: list, n: int) -> None:
+        self.log, self.n, self.done = log, n, False
+
+    def record(self, stream: FakeStream) -> None:
+        self.log.append(("record", self.n, stream.name))
+
+    def query(self) -> bool:
+        return self.done
+
+    def synchronize(self) -> None:
+        if not self.done:
+            self.log.append(("sync", self.n))
+            self.done = True
+
+    def elapsed_time(self, end: FakeEvent) -> float:
+        return 1.0  # ms
+
+
+class FakeStream:
+    def __init__(self, log: list, name: str) -> None:
+        self.log, self.name = log, name
+
+    def wait_event(self, event: FakeEvent) -> None:
+        self.log.append(("wait", self.name, event.n))
+
+
+class FakeOps:
+    """Records the CUDA calls of ``CudaStaging``; the copies themselves run on CPU tensors. ``delay_s``:
+    sleep before each copy (as ``gpu_check``'s injected delay does on a real device)."""
+
+    def __init__(self, delay_s: float = 0.0) -> None:
+        self.log: list = []
+        self.events = 0
+        self.compute = FakeStream(self.log, "compute")
+        self.streams: list[FakeStream] = []
+        self.device_buffers: list[torch.Tensor] = []
+        self.delay_s = delay_s
+
+    def stream(self, device: torch.device) -> FakeStream:
+        self.streams.append(FakeStream(self.log, f"side{len(self.streams)}"))  # in the order made
+        return self.streams[-1]
+
+    def current_stream(self, device: torch.device) -> FakeStream:
+        return self.compute
+
+    def on(self, stream: FakeStream) -> nullcontext:
+        return nullcontext()
+
+    def event(self, timing: bool = False) -> FakeEvent:
+        self.events += 1
+        return FakeEvent(self.log, self.events)
+
+    def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
+        """``CudaStaging`` records each device copy on the compute stream: that is where it is seen."""
+        self.log.append(("record_stream", stream.name))
+        if not any(t is d for d in self.device_buffers):
+            self.device_buffers.append(t)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        if self.delay_s:
+            time.sleep(self.delay_s)
+        dst.copy_(src, non_blocking=True)
+
+    def live_device_buffers(self) -> int:
+        """Device buffers something besides this list still references (autograd's saved tensors count). A
+        storage's use count is 2 for a tensor of this list alone (its own and the ``untyped_storage()`` asked)."""
+        return sum(torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2 for t in self.device_buffers)

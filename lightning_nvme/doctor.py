@@ -23,11 +23,11 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lightning_nvme import doctor_stripes, fsinfo
+from lightning_nvme import doctor_stripes, fsinfo, reflink
 from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.io_profile import IOProfile
-from lightning_nvme.preflight import check_store_dir, check_writable, ensure_dir
+from lightning_nvme.preflight import CheckpointPlan, check_checkpoint_space, check_store_dir, check_writable, ensure_dir
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import StoreError, aligned_empty
 
@@ -150,6 +150,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--plan-bytes", type=int, default=None, help="planned store size in bytes, checked against free space")
     p.add_argument("--min-free-bytes", type=int, default=OffloadSettings.min_free_bytes,
                    help=f"safety margin kept free (default {_size(OffloadSettings.min_free_bytes)})")
+    p.add_argument("--checkpoints", type=int, default=0,
+                   help="checkpoints kept at once (save_top_k + last); with --checkpoint-bytes, planned with the store")
+    p.add_argument("--checkpoint-bytes", type=int, default=0, help="bytes of one checkpoint (optimizer state + weights)")
     p.add_argument("--write-profile", metavar="FILE", default=None, help="write the tuned I/O profile as JSON")
     p.add_argument("--seconds", type=float, default=10.0, help="rough time budget for the measurements (default 10)")
     p.add_argument("--bench-bytes", type=int, default=256 * MiB, help="bytes for the sequential bandwidth test")
@@ -219,6 +222,20 @@ def _check_filesystem(path: str, info: fsinfo.FsInfo, args: argparse.Namespace, 
             f.data["problems"].append(str(e))
             line += f"; PROBLEM: {e}"
     f.say("free space", line)
+    if args.checkpoints and args.checkpoint_bytes:
+        plan = CheckpointPlan(path, args.checkpoints + 1, args.checkpoint_bytes)  # + the save that replaces one
+        try:
+            needed = check_checkpoint_space(path, args.plan_bytes or 0, [plan], min_free_bytes=args.min_free_bytes,
+                                            key="PATH")
+            f.say("checkpoints", f"{plan.kept} x {_size(plan.bytes_each)} (kept + one being saved) with the store: "
+                                 f"fits ({_size(sum(needed.values()))} needed)")
+        except ConfigError as e:
+            f.problem(str(e))
+    support = reflink.probe(path)
+    f.data["reflink"] = support.supported
+    f.say("reflink", ("supported: checkpoints saved on this filesystem clone the store instead of copying it "
+                      "(docs/checkpoints.md)") if support.supported else f"not supported: checkpoints stream a full "
+          f"copy of the optimizer state ({support.reason})")
 
     if info.swap_same_disk:
         names = ", ".join(f"{s.filename} ({_size(s.size_bytes)}, {_size(s.used_bytes)} used)"

@@ -13,6 +13,7 @@ import fcntl
 import glob
 import json
 import os
+import shutil
 import socket
 import tempfile
 import warnings
@@ -191,6 +192,64 @@ def check_store_dir(path: str | os.PathLike | None, needed_bytes: int, *, min_fr
     for w in report.warnings:
         warnings.warn(w, PreflightWarning, stacklevel=2)
     return report
+
+
+@dataclass
+class CheckpointPlan:
+    """Checkpoints a run will keep in ``directory``: ``kept`` of ``bytes_each`` at once (a save writes the new one
+    before it deletes the one it replaces, so the caller counts that one too)."""
+
+    directory: str
+    kept: int
+    bytes_each: int
+
+
+def checkpoint_bytes_on_disk(directory: str) -> int:
+    """Bytes the checkpoints already in ``directory`` occupy (``*.ckpt`` files and their ``.optim`` trees): the
+    checkpoints a resumed run replaces, so they count toward what it keeps."""
+    total = 0
+    for entry in os.listdir(directory) if os.path.isdir(directory) else []:
+        if not (entry.endswith(".ckpt") or entry.endswith(".ckpt.optim")):
+            continue
+        path = os.path.join(directory, entry)
+        files = [path] if os.path.isfile(path) else [os.path.join(r, f) for r, _, fs in os.walk(path) for f in fs]
+        total += sum(os.lstat(f).st_blocks * 512 for f in files)
+    return total
+
+
+def check_checkpoint_space(store_dir: str, store_bytes: int, plans: Sequence[CheckpointPlan], *,
+                           min_free_bytes: int = 0, key: str = "ModelCheckpoint(save_top_k=...)") -> dict[str, int]:
+    """Refuse a run whose store plus the checkpoints it keeps cannot fit, per filesystem, before training.
+    Returns the bytes needed per mount point. A reflink checkpoint needs the same space in the end: its extents
+    stay with the checkpoint once training rewrites the store (docs/checkpoints.md)."""
+    needs: dict[int, tuple[str, list[tuple[str, int]]]] = {}
+
+    def need(path: str, what: str, nbytes: int) -> None:
+        where = fsinfo.existing_ancestor(path)
+        needs.setdefault(os.stat(where).st_dev, (where, []))[1].append((what, nbytes))
+
+    need(store_dir, f"the store in {store_dir}", store_bytes - stale_store_bytes(store_dir))
+    store_dev = os.stat(fsinfo.existing_ancestor(store_dir)).st_dev
+    for plan in plans:
+        held = checkpoint_bytes_on_disk(plan.directory)
+        need(plan.directory, f"{plan.kept} checkpoints of {plan.bytes_each} bytes in {plan.directory}" + (
+             f" ({held} bytes of them there already)" if held else ""), max(0, plan.kept * plan.bytes_each - held))
+    out = {}
+    for dev, (where, items) in needs.items():
+        free = shutil.disk_usage(where).free
+        margin = min_free_bytes if dev == store_dev else 0
+        needed = sum(n for _, n in items) + margin
+        mount = fsinfo.mount_of(where)
+        name = mount.mount_point if mount else where
+        out[name] = needed
+        if needed > free:
+            parts = " + ".join(f"{what}: {n} bytes ({_gib(n)})" for what, n in items)
+            extra = f" + min_free_bytes={margin}" if margin else ""
+            raise ConfigError(key, f"{name} cannot hold this run: it needs {needed} bytes ({_gib(needed)}) = "
+                                   f"{parts}{extra}, but {free} bytes ({_gib(free)}) are free. Fix: free "
+                                   f"{needed - free} bytes, keep fewer checkpoints (save_top_k), put the checkpoints "
+                                   "on another disk (ModelCheckpoint(dirpath=...)), or use a larger disk.")
+    return out
 
 
 def device_of(path: str | os.PathLike) -> str:

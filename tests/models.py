@@ -113,3 +113,35 @@ class TwoOptimizers(LightningModule):
 
     def train_dataloader(self):
         return DataLoader(dataset(), batch_size=8, shuffle=False)
+
+
+class NoOptimizer(LightningModule):
+    """``configure_optimizers`` returns None: Lightning warns and steps its ``_MockOptimizer`` (a no-op).
+    ``manual=True``: manual optimization without an optimizer, the parameters updated by hand from their
+    (data-parallel: all-reduced) gradients; else nothing changes the parameters."""
+
+    def __init__(self, manual: bool = False, batch_size: int = 8) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.automatic_optimization = not manual
+        self.batch_size = batch_size
+        self.a = torch.nn.Linear(32, 64)
+        self.b = torch.nn.Linear(64, 2)
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = torch.nn.functional.cross_entropy(self.b(torch.relu(self.a(x))), y)
+        if self.automatic_optimization:
+            return loss
+        self.manual_backward(loss)
+        with torch.no_grad():
+            for p in self.parameters():
+                p -= 0.05 * p.grad
+                p.grad = None
+        return loss
+
+    def configure_optimizers(self):
+        return None
+
+    def train_dataloader(self):
+        return DataLoader(dataset(), batch_size=self.batch_size, shuffle=False)

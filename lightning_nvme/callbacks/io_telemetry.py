@@ -94,6 +94,9 @@ class IOTelemetry(Callback):
         self._said_none = False
         self.summary_path: str | None = None
         self.plot_path: str | None = None
+        self.checkpoint_bytes_written = 0  # by the strategy's checkpoint saves (strategy.checkpoint_saves)
+        self.checkpoint_saves: dict[str, int] = {}  # "reflink"/"streamed" -> saves
+        self._saves_seen = 0
 
     # ---- sampling ---------------------------------------------------------------------------------
     def _delta(self, trainer: pl.Trainer) -> IOStats:
@@ -109,10 +112,19 @@ class IOTelemetry(Callback):
             self._prev[id(store)] = now
         return total
 
+    def _count_saves(self, trainer: pl.Trainer) -> None:
+        """Checkpoint saves since the last call: their written bytes count in the wear next to training's."""
+        saves = getattr(trainer.strategy, "checkpoint_saves", None) or []
+        for record in saves[self._saves_seen:]:
+            self.checkpoint_bytes_written += record.bytes_written
+            self.checkpoint_saves[record.path] = self.checkpoint_saves.get(record.path, 0) + 1
+        self._saves_seen = len(saves)
+
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         self._reset()
         self._delta(trainer)  # baseline
+        self._saves_seen = len(getattr(trainer.strategy, "checkpoint_saves", None) or [])
         fmt = getattr(getattr(trainer.strategy, "config", None), "state_format_spec", None)
         self.state_format = fmt.describe() if fmt is not None else None
         if not self.stores and not self._said_none:
@@ -143,6 +155,7 @@ class IOTelemetry(Callback):
                               (self.mean_gbps, gbps), (self.peak_gbps, gbps)):
             metric.update(float(value))
         self._steps += 1
+        self._count_saves(trainer)
         self.history.append(trainer.global_step, gbps, d.wait_seconds * 1e3)
         per_day, days = self._wear()
         pl_module.log_dict({"io/read_MB": d.bytes_read / 1e6, "io/written_MB": d.bytes_written / 1e6,
@@ -159,11 +172,14 @@ class IOTelemetry(Callback):
         for metric, value in ((self.read_bytes, d.bytes_read), (self.written_bytes, d.bytes_written),
                               (self.wait_seconds, d.wait_seconds)):
             metric.update(float(value))
+        self._count_saves(trainer)
 
     def _wear(self) -> tuple[float, float]:
-        """Bytes written per day at the run's average rate so far, and days until ``tbw_tb`` at that rate."""
+        """Bytes written per day (training's and checkpoints') at the run's average rate so far, and days until
+        ``tbw_tb`` at that rate."""
         seconds = float(self.step_seconds.compute()) if self._steps else 0.0
-        per_day = float(self.written_bytes.compute()) / seconds * 86400 if seconds > 0 else 0.0
+        written = float(self.written_bytes.compute()) + self.checkpoint_bytes_written if self._steps else 0.0
+        per_day = written / seconds * 86400 if seconds > 0 else 0.0
         return per_day, (self.tbw_tb * 1e12 / per_day if per_day > 0 else math.inf)
 
     # ---- end of fit: table, JSON, PNG ---------------------------------------------------------------
@@ -182,6 +198,7 @@ class IOTelemetry(Callback):
             "peak_GBps": float(self.peak_gbps.compute()) if self._steps else 0.0,
             "fence_wait_seconds": wait, "fence_wait_ms_per_step": wait / steps * 1e3,
             "fence_wait_fraction": wait / seconds if seconds > 0 else 0.0,
+            "checkpoint_bytes_written": self.checkpoint_bytes_written, "checkpoint_saves": dict(self.checkpoint_saves),
             "bytes_written_per_day": per_day, "tbw_tb": self.tbw_tb,
             "days_to_tbw": days if math.isfinite(days) else None,
             "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
@@ -245,6 +262,9 @@ def format_summary(s: dict[str, Any], plot_path: str | None, summary_path: str |
         ("store throughput", f"mean {s['mean_GBps']:.3f} GB/s, peak {s['peak_GBps']:.3f} GB/s"),
         ("fence wait (unhidden I/O)", f"{s['fence_wait_seconds']:.2f} s total, {s['fence_wait_ms_per_step']:.1f} ms/step, "
                                       f"{100 * s['fence_wait_fraction']:.1f}% of step time"),
+        ("checkpoints", ", ".join(f"{n} {path}" for path, n in sorted(s.get("checkpoint_saves", {}).items()))
+         + f" save(s), {s.get('checkpoint_bytes_written', 0) / GB:.3f} GB written (in the wear below)"
+         if s.get("checkpoint_saves") else "none saved during fit"),
         ("SSD wear", wear),
         ("peak RSS", f"{s['peak_rss_bytes'] / 2**30:.2f} GiB"),
         ("plot", plot_path or "not saved"),

@@ -28,6 +28,7 @@ from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
 from lightning_nvme.checkpoint.streamed import (
     file_metadata,
+    is_padding,
     open_readers,
     optimizer_file,
     parse_tensor_name,
@@ -49,7 +50,8 @@ def to_lightning(src: str, dst_file: str) -> None:
         try:
             for reader in readers:  # one per rank that wrote a shard of a data-parallel save
                 for name in reader.entries:
-                    _gather(state["state"], reader, name, marker.get("shapes"), fmt)
+                    if not is_padding(name):
+                        _gather(state["state"], reader, name, marker.get("shapes"), fmt)
         finally:
             for reader in readers:
                 reader.close()

@@ -45,7 +45,10 @@ def refuse_streamed(strategy: str, checkpoint_io: CheckpointIO, path: _PATH, sto
     elif type(checkpoint_io) is not TorchCheckpointIO:
         reason = (f"checkpoint_io={type(checkpoint_io).__name__} cannot carry it: a CheckpointIO takes the whole "
                   "checkpoint as one dict in memory, which is what streaming the optimizer state avoids. Remove the "
-                  "plugin for full checkpoints (the strategy writes them atomically itself). ")
+                  "plugin for full checkpoints (the strategy writes them atomically itself"
+                  + ("; an asynchronous plugin is unnecessary where the checkpoint is on the store's XFS/btrfs: "
+                     "the save is then a reflink snapshot, metadata only, see docs/checkpoints.md"
+                     if "Async" in type(checkpoint_io).__name__ else "") + "). ")
     else:
         reason = ("storage_options were given, which only a custom CheckpointIO understands, and that cannot "
                   "carry streamed optimizer state. Drop storage_options. ")

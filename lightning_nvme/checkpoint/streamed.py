@@ -49,6 +49,13 @@ def tensor_name(index: int, key: str, start: int | None = None, stop: int | None
     return f"state.{index}.{key}" if start is None else f"state.{index}.{key}[{start}:{stop}]"
 
 
+PAD_PREFIX = "pad."  # entries that only fill bytes between state (a reflink snapshot's layout, see ``snapshot``)
+
+
+def is_padding(name: str) -> bool:
+    return name.startswith(PAD_PREFIX)
+
+
 _NAME = re.compile(r"^state\.(\d+)\.(.+?)(?:\[(\d+):(\d+)\])?$")
 
 
@@ -130,6 +137,8 @@ class _FileSource:
         self.entries: dict[tuple[int, str], list[tuple[int, int, SafetensorsReader, str]]] = {}
         for reader in readers:
             for name, (_, shape, _) in reader.entries.items():
+                if is_padding(name):
+                    continue
                 index, key, start, stop = parse_tensor_name(name)
                 if start is None or stop is None:  # a whole-parameter entry
                     start, stop = 0, int(torch.Size(shape).numel())

@@ -231,6 +231,16 @@ class ParamOffload:
         finally:
             self._referencing = False
 
+    def issue_writes(self) -> None:
+        """Issue every write-back still waiting (a fence after it then covers them: a checkpoint may clone)."""
+        if self.residency is not None:
+            self.residency.issue_writes()
+
+    def in_store(self, source: BlockLayout) -> bool:
+        """The store holds this block's current values (after ``issue_writes`` and a fence)."""
+        assert self.residency is not None
+        return self.residency.in_store(source)
+
     def read_block(self, source: BlockLayout) -> dict[str, torch.Tensor]:
         """One block's values by parameter name (one block of memory)."""
         assert self.residency is not None

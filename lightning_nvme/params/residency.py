@@ -195,6 +195,12 @@ class BlockResidency:
         checkpoint after it must see them)."""
         self._issue_writes(force=True)
 
+    def in_store(self, block: BlockLayout) -> bool:
+        """Whether the store holds the block's current values once the writes issued so far complete: not resident
+        (its write-back is issued, see ``issue_writes``) or resident and unchanged. A checkpoint clones those."""
+        st = self._state[block.index]
+        return st.buffer is None or not st.dirty
+
     def drain(self) -> None:
         """Wait for every write-back in flight (their buffers are then freed)."""
         self._issue_writes(force=True)

@@ -11,6 +11,11 @@ write-backs, the next chunk's read made the update wait (``store.wait_seconds`` 
 optimizer step, ``benchmarks/optimizer_offload.py --profile``). No deadlock: a job's dependencies were
 submitted before it and are dequeued before it (a dependency-free read jumps only ahead of requests
 submitted later, and those may depend on it, never the reverse).
+
+Failed writes: a write that failed stays a dependency of every later request overlapping it, so such a
+request fails with it without touching the disk, even if it was submitted after the write had already
+finished (the store refuses new requests after an error, but a request whose submission raced with the
+failure got past that check: it read the stale bytes as valid, issue #20).
 """
 
 from __future__ import annotations
@@ -32,7 +37,11 @@ class IOEngine:
         self._queue: queue.PriorityQueue = queue.PriorityQueue()  # (lane, seq, handle, job)
         self._seq = itertools.count()
         self._pending: list[IOHandle] = []
+        self._failed_writes: list[IOHandle] = []  # done with an error: later overlapping requests fail with them
         self._lock = threading.Lock()
+        # Test hook: called as observer(event, handle) by the worker: "deps" before waiting for a chunk's
+        # dependencies, "run" before touching the disk. Lets tests force and check interleavings without sleeps.
+        self.observer: Callable[[str, IOHandle], None] | None = None
         self._stopping = False
         self._threads = [threading.Thread(target=self._work, name=f"{name}-{i}", daemon=True)
                          for i in range(io_workers)]
@@ -43,9 +52,19 @@ class IOEngine:
     def conflicts(self, kind: str, start: int, end: int) -> list[IOHandle]:
         """Pending requests a new ``kind`` request on [start, end) must wait for; also prunes done ones."""
         with self._lock:
-            self._pending = [h for h in self._pending if not h.done()]
-            return [h for h in self._pending
+            self._prune()
+            return [h for h in self._failed_writes + self._pending
                     if h.start < end and start < h.end and (kind == "write" or h.kind == "write")]
+
+    def _prune(self) -> None:
+        """Drop completed requests from the pending list, keeping failed writes (call with the lock held)."""
+        keep = []
+        for h in self._pending:
+            if not h.done():
+                keep.append(h)
+            elif h.error is not None and h.kind == "write":
+                self._failed_writes.append(h)
+        self._pending = keep
 
     def track(self, handle: IOHandle) -> None:
         with self._lock:
@@ -54,7 +73,7 @@ class IOEngine:
 
     def pending(self, start: int | None = None, end: int | None = None) -> list[IOHandle]:
         with self._lock:
-            self._pending = [h for h in self._pending if not h.done()]
+            self._prune()
             if start is None or end is None:
                 return list(self._pending)
             return [h for h in self._pending if h.start < end and start < h.end]
@@ -80,12 +99,17 @@ class IOEngine:
                 del handle
                 continue
             error: BaseException | None = None
+            observer = self.observer
             try:
+                if observer is not None:
+                    observer("deps", handle)
                 for dep in handle.deps:
                     dep.settle()
                     if dep.error is not None:
                         raise StoreError(f"{handle.kind} of region {handle.region!r} was not run: an earlier "
                                          f"{dep.kind} of region {dep.region!r} it depends on failed: {dep.error}")
+                if observer is not None:
+                    observer("run", handle)
                 job()
             except BaseException as e:  # noqa: BLE001 - every error goes to the waiter
                 error = e

@@ -22,6 +22,7 @@ weights from the store into a safetensors file beside it (``lightning_nvme.check
 from __future__ import annotations
 
 import os
+import time
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -37,8 +38,10 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import weights
+from lightning_nvme import reflink
+from lightning_nvme.checkpoint import snapshot, weights
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
+from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.models.hub_export import (
     MAX_SHARD_BYTES,
@@ -78,6 +81,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                          precision_plugin=precision_plugin)
         self._init_offload(config)
         self.param_offload: ParamOffload | None = None
+        self.checkpoint_saves: list[snapshot.SaveRecord] = []  # how each save copied the state (telemetry)
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices
@@ -234,18 +238,59 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
 
     @override
     def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
-        def write_parts(directory: str, save_id: str) -> list[dict[str, Any]]:
-            markers = [write_optimizer(off, directory, i, save_id) for i, off in enumerate(self.offloaded)] \
-                if "optimizer_states" in checkpoint else []
-            if weights.has_refs(checkpoint):
-                assert self.param_offload is not None
-                weights.write(os.path.join(directory, weights.WEIGHTS_FILE), checkpoint["state_dict"],
-                              self.param_offload.read_block, file_metadata(save_id))
-            return markers
-
+        t0 = time.perf_counter()
+        optimizers = self.offloaded if "optimizer_states" in checkpoint else []
+        params = self._offloaded_weights() if weights.has_refs(checkpoint) else None
         with self._open_store() as store:
+            if params is not None:
+                params.issue_writes()
             store.fence(durable=True)
+            clone, reason = self._clone_plan(store, path, optimizers, params)
+            record = snapshot.SaveRecord("reflink" if clone else "streamed", path, reason)
+            block = reflink.probe(os.path.dirname(path)).block_size if clone else 0
+
+            def write_parts(directory: str, save_id: str) -> list[dict[str, Any]]:
+                markers = []
+                for i, off in enumerate(optimizers):
+                    if clone:
+                        marker, cloned = snapshot.write_optimizer(off, directory, i, save_id, block)
+                        markers.append(marker)
+                        record.bytes_cloned += cloned
+                    else:
+                        markers.append(write_optimizer(off, directory, i, save_id))
+                if weights.has_refs(checkpoint):
+                    assert self.param_offload is not None
+                    target = os.path.join(directory, weights.WEIGHTS_FILE)
+                    if clone:
+                        record.bytes_cloned += snapshot.write_weights(
+                            target, checkpoint["state_dict"], store, self.param_offload.in_store,
+                            self.param_offload.read_block, file_metadata(save_id), block)
+                    else:
+                        weights.write(target, checkpoint["state_dict"], self.param_offload.read_block,
+                                      file_metadata(save_id))
+                record.files = sorted(os.listdir(directory))
+                size = sum(os.path.getsize(os.path.join(directory, f)) for f in record.files)
+                record.bytes_written = size - record.bytes_cloned
+                return markers
+
+            state = sum(off.state_bytes for off in optimizers) if not clone else 0
+            snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint), f"{record.path} save")
             ckpt.paired.save(checkpoint, path, write_parts)
+        self.checkpoint_saves.append(snapshot.timed(record, t0))
+
+    def _clone_plan(self, store: FlatStore, path: str, optimizers: list[Any], params: ParamOffload | None
+                    ) -> tuple[bool, str]:
+        """Whether this save clones the store (``checkpoint_copy``); ``"reflink"`` refuses where it cannot."""
+        if self.config.checkpoint_copy == "streamed":
+            return False, "checkpoint_copy='streamed'"
+        regions = [c.region for off in optimizers for c in off.chunks]
+        regions += [b.region for b in params.layout.blocks] if params is not None else []
+        clone, reason = snapshot.choose(store, path, regions)
+        if not clone and self.config.checkpoint_copy == "reflink":
+            raise ConfigError("checkpoint_copy", f"nvme_offload: 'reflink' is set but {path} cannot be a reflink "
+                              f"snapshot of the store: {reason}. Put the checkpoints on the store's XFS/btrfs "
+                              "filesystem, or set checkpoint_copy='auto' (streamed where clones are impossible).")
+        return clone, reason
 
     def export_weights(self, path: str, layout: str = "lightning", max_shard_bytes: int = MAX_SHARD_BYTES,
                        merge_adapters: bool = False) -> None:

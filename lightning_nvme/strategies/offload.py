@@ -23,7 +23,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.strategies import _StrategyRegistry
 from lightning.fabric.utilities.types import _PATH
-from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
@@ -43,6 +43,7 @@ from lightning_nvme.preflight import check_store_dirs
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import ALIGN, FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
+from lightning_nvme.strategies.checkpoint_space import check_run_space
 from lightning_nvme.strategies.store_claim import claim_store_name, owner_region
 
 
@@ -91,9 +92,14 @@ class OffloadStrategy(Strategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
-        if trainer.state.fn == TrainerFn.FITTING and self.optimizers:
+        if trainer.state.fn == TrainerFn.FITTING and self._has_state_to_offload():
             self._check_overlap_supported(trainer)
             self._offload_optimizers(trainer)
+
+    def _has_state_to_offload(self) -> bool:
+        """False when ``configure_optimizers`` returned None: Lightning then steps its ``_MockOptimizer`` (a no-op
+        step on a dummy tensor), so the run trains as under the default strategy with nothing to offload."""
+        return any(not isinstance(opt, _MockOptimizer) for opt in self.optimizers)
 
     def _check_overlap_supported(self, trainer: pl.Trainer) -> None:
         if self.config.overlap != "backward":
@@ -121,13 +127,18 @@ class OffloadStrategy(Strategy):
                                  "see no gradients (e.g. gradient-norm logging) and already-updated parameters. "
                                  "Use overlap='step', or remove that hook.")
 
-    def _open_new_store(self, trainer: pl.Trainer, planned: int) -> FlatStore:
+    def _open_new_store(self, trainer: pl.Trainer, planned: int, state_bytes: int | None = None) -> FlatStore:
         """This process's store, created once; ``planned`` bytes (beyond what it already holds) are
-        checked against the free space first: writable, enough free space (+ margin), warn on tmpfs/NFS."""
+        checked against the free space first: writable, enough free space (+ margin), warn on tmpfs/NFS;
+        with the optimizer's ``state_bytes`` known, also with the checkpoints the run keeps (on one store dir's disk
+        with the store's bytes; a striped store's stripes are checked above)."""
         store_dirs = self.config.resolve_store_dirs(trainer.default_root_dir)
         io_chunk_bytes, io_workers, stripe_bytes = io_request(self.config)
         check_store_dirs(store_dirs, planned, stripe_bytes, min_free_bytes=self.config.min_free_bytes,
                          roles=self._other_roles(trainer, store_dirs))
+        if state_bytes is not None:
+            check_run_space(trainer, store_dirs[0], planned if len(store_dirs) == 1 else 0, state_bytes,
+                            self.config.min_free_bytes, self.strategy_name)
         if self.nvme_store is not None:
             return self.nvme_store
         threshold = self.config.mmap_threshold()
@@ -159,7 +170,7 @@ class OffloadStrategy(Strategy):
         planned = sum(align_up(c.nbytes) for plan in plans for c in plan.chunks)
         if self.nvme_store is None:  # else header, owner region and parameter blocks are allocated already
             planned += HEADER_BYTES + ALIGN + self._extra_store_bytes()
-        self._open_new_store(trainer, planned)
+        self._open_new_store(trainer, planned, sum(align_up(c.nbytes) for plan in plans for c in plan.chunks))
         assert self.nvme_store is not None
         store_ref = StoreRef.of(self.nvme_store, owner_region(self._run_token))
         clip_value = None

@@ -56,7 +56,7 @@ def test_update_temporaries_reuse_heap_pages_instead_of_faulting_fresh_mmaps():
     # the heap no room to grow in place. The behaviour under test is the usual process; every attempt is shown.
     attempts = []
     for _ in range(3):
-        out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=120,
+        out = subprocess.run([sys.executable, "-c", _FAULTS_SCRIPT], capture_output=True, text=True, timeout=600,
                              env=dict(os.environ, OMP_NUM_THREADS="1"))
         assert out.returncode == 0, out.stderr
         outside, inside = map(int, out.stdout.split())

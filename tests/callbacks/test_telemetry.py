@@ -76,6 +76,7 @@ def test_counts_each_distinct_store_once_and_writes_summary_and_png(tmp_path: Pa
     assert summary["fence_wait_seconds"] == pytest.approx(moved.wait_seconds, abs=1e-6)
     assert summary["fence_wait_seconds"] > 0
     assert summary["peak_GBps"] >= summary["mean_GBps"] > 0
+    assert summary["checkpoint_bytes_written"] == 0 and summary["checkpoint_saves"] == {}
     per_day = summary["bytes_written"] / summary["train_seconds"] * 86400
     assert summary["bytes_written_per_day"] == pytest.approx(per_day, rel=1e-6)
     assert summary["days_to_tbw"] == pytest.approx(300e12 / per_day, rel=1e-6)

@@ -151,6 +151,15 @@ def test_user_checkpoint_io_carries_weights_only_and_refuses_streamed_state(tmp_
     assert not os.path.exists(tmp_path / "full.ckpt") and io.saved[-1] != "full.ckpt"
 
 
+def test_async_checkpoint_io_refusal_says_a_reflink_save_makes_it_unnecessary(tmp_path):
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+
+    t = trainer(tmp_path, offload(tmp_path, checkpoint_io=AsyncCheckpointIO()), 1, limit_train_batches=2)
+    t.fit(MLP())
+    with pytest.raises(ValueError, match="cannot carry it.*asynchronous plugin is unnecessary.*reflink snapshot"):
+        t.save_checkpoint(tmp_path / "full.ckpt")
+
+
 def test_storage_options_are_refused_for_streamed_state(saved, tmp_path):
     with pytest.raises(ValueError, match="storage_options were given"):
         saved["trainer"].save_checkpoint(tmp_path / "x.ckpt", storage_options={"k": 1})

@@ -27,7 +27,7 @@ def ranks(tmp_path_factory) -> dict:
     spec.write_text(json.dumps(runs))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
     env.update(OMP_NUM_THREADS="1", PYTHONPATH=os.pathsep.join([os.path.dirname(HERE), env.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(spec)], env=env, timeout=240,
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(spec)], env=env, timeout=900,
                           capture_output=True, text=True)
     assert proc.returncode == 0, proc.stderr[-5000:]
     return {r["name"]: [torch.load(os.path.join(r["root"], f"rank{k}.pt"), weights_only=False) for k in range(2)]

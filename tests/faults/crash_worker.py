@@ -11,7 +11,8 @@ of one phase (optionally after writing only part of that write: a torn write):
 - ``writeback``  every ``pwrite`` to the store file of regions of the offloaded optimizer (from the
   store's I/O threads, while the training loop runs on);
 - ``checkpoint`` every file-system call made while ``save_checkpoint``/``remove_checkpoint`` run:
-  ``open``, ``mkdir``, ``pwrite``, ``ftruncate``, ``fsync``, ``rename``, ``renameat2``, ``unlink``... —
+  ``open``, ``mkdir``, ``pwrite``, ``ftruncate``, ``fsync``, ``rename``, ``renameat2``, ``unlink``, the
+  ``ioctl`` of each reflink clone... —
   i.e. every step of the commit protocol of ``lightning_nvme.checkpoint.paired`` (optimizer files into a
   temp dir, its rename, the file's temp write and switch, the sweep of the replaced save's state);
 - ``activation`` every ``pwrite`` to an ``activations*`` region (``NVMeActivationOffload``);
@@ -188,7 +189,21 @@ class _Injector:
                 self.hit("checkpoint", what=f"fdatasync {_fd_name(fd)}")
             return real_fdatasync(fd)
 
-        os.pwrite, os.fsync, os.fdatasync = self.pwrite, fsync, fdatasync
+        import fcntl
+
+        real_ioctl = fcntl.ioctl
+
+        def ioctl(fd, request, *args):  # FICLONERANGE of a reflink checkpoint (lightning_nvme.reflink)
+            if self._counting():
+                try:
+                    target = os.readlink(f"/proc/self/fd/{fd}")
+                except OSError:
+                    target = "?"
+                self._targeted("fcntl.ioctl", (target,))
+                self.hit("checkpoint", what=f"ioctl {_norm(target)}")
+            return real_ioctl(fd, request, *args)
+
+        os.pwrite, os.fsync, os.fdatasync, fcntl.ioctl = self.pwrite, fsync, fdatasync, ioctl
         sys.addaudithook(self.audit)
 
 
@@ -387,11 +402,11 @@ class Jobs:
         return json.loads(line)
 
     def start(self, spec: dict) -> int:
-        pid = self._ask({"cmd": "run", "spec": spec}, timeout=120)["pid"]
+        pid = self._ask({"cmd": "run", "spec": spec}, timeout=600)["pid"]
         self.live.add(pid)
         return pid
 
-    def wait(self, pid: int, timeout: float = 120) -> int:
+    def wait(self, pid: int, timeout: float = 600) -> int:
         """Exit status of job ``pid`` (negative: killed by that signal). A job still running after
         ``timeout`` is killed, so a hang fails the test instead of blocking it."""
         deadline = time.monotonic() + timeout
@@ -399,14 +414,14 @@ class Jobs:
             time.sleep(0.02)
         if _alive(pid):
             os.kill(pid, signal.SIGKILL)
-            self._ask({"cmd": "wait", "pid": pid}, timeout=30)
+            self._ask({"cmd": "wait", "pid": pid}, timeout=120)
             self.live.discard(pid)
             raise TimeoutError(f"job {pid} still running after {timeout}s; killed")
-        rc = self._ask({"cmd": "wait", "pid": pid}, timeout=30)["returncode"]
+        rc = self._ask({"cmd": "wait", "pid": pid}, timeout=120)["returncode"]
         self.live.discard(pid)
         return rc
 
-    def run(self, spec: dict, timeout: float = 120) -> tuple[int, int]:
+    def run(self, spec: dict, timeout: float = 600) -> tuple[int, int]:
         pid = self.start(spec)
         return pid, self.wait(pid, timeout)
 
@@ -414,7 +429,7 @@ class Jobs:
         for pid in list(self.live):
             try:
                 os.kill(pid, signal.SIGKILL)
-                self._ask({"cmd": "wait", "pid": pid}, timeout=30)
+                self._ask({"cmd": "wait", "pid": pid}, timeout=120)
             except (OSError, TimeoutError, RuntimeError):
                 pass
         self.live.clear()

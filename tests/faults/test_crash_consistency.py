@@ -32,8 +32,10 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))  # crash_worker, whether or not faults/ is a package
 import crash_worker as cw  # noqa: E402
 
+from lightning_nvme.checkpoint import convert
 from lightning_nvme.checkpoint.load import open_checkpoint
-from lightning_nvme.checkpoint.streamed import open_readers
+from lightning_nvme.checkpoint.streamed import is_padding, open_readers
+from lightning_nvme.optim.state_format import StateFormat
 
 SEED = int(os.environ.get("CRASH_SEED", "20261129"))
 TRIALS = int(os.environ.get("CRASH_TRIALS", "8"))  # per phase
@@ -103,19 +105,26 @@ def _equal(a, b) -> bool:
     return a == b
 
 
-def _load_complete(path: str) -> tuple[dict, list[dict[str, torch.Tensor]]]:
+def _load_complete(path: str) -> tuple[dict, list[dict]]:
     """A checkpoint (file + optimizer state, or an old-format directory) loaded completely: its dict and, per
-    optimizer, every streamed tensor (read in full: a truncated file or another save's is refused)."""
+    optimizer, every streamed tensor (read in full: a truncated file or another save's is refused), assembled
+    per parameter and key (a reflink save's range entries and padding are layout, not state)."""
     ckpt, parts = open_checkpoint(path)
     assert parts is not None and parts.problem is None, f"{path}: {parts and parts.problem}"
     tensors = []
     for marker in parts.markers:
         readers = open_readers(parts.directory, marker, parts.save_id)
+        state: dict = {}
         try:
-            tensors.append({name: r.read(name) for r in readers for name in r.entries})
+            for r in readers:
+                for name in r.entries:
+                    if not is_padding(name):
+                        convert._gather(state, r, name, marker.get("shapes"),
+                                        StateFormat.from_dict(marker.get("state_format")))
         finally:
             for r in readers:
                 r.close()
+        tensors.append(state)
     return ckpt, tensors
 
 
@@ -362,24 +371,32 @@ def test_kill9_mid_removal_of_previous_checkpoint(jobs, reference, tmp_path):
     assert checkpoint_state(root, reference)[0] == EPOCHS * STEPS
 
 
-@pytest.mark.parametrize("kill,expected_last", [
+COMMIT_STEPS = pytest.mark.parametrize("kill,expected_last", [
     ({"event": "os.rename", "match": "/last.ckpt.optim/.", "nth": 2}, STEPS),  # publishing the new optimizer state
     ({"event": "os.rename", "match": "/last.ckpt', -1", "nth": 2}, STEPS),  # just before the file's switch
     ({"event": "shutil.rmtree", "match": "/last.ckpt.optim/.", "nth": 1}, 2 * STEPS),  # deleting the replaced save
 ], ids=["before-publish", "before-switch", "mid-sweep"])
+
+
+def kill_and_resume(jobs: cw.Jobs, ref: Reference, root: str, kill: dict, expected_last: int | None) -> None:
+    """Kill a run at ``kill`` (during ``save_checkpoint``): ``last.ckpt`` is then the one of ``expected_last``
+    (every visible checkpoint exact); the resumed run ends bitwise equal to ``ref`` with no leftovers."""
+    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, kill={**kill, "during": "save_checkpoint"}))
+    assert rc == KILLED, _log(root)
+    assert checkpoint_state(root, ref)[0] == expected_last
+    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True))
+    assert rc == 0, _log(root)
+    assert params_equal(torch.load(cw.paths(root)["final"]), ref.final)
+    assert checkpoint_state(root, ref) == (FINAL_STEP, 0)
+
+
+@COMMIT_STEPS
 def test_kill9_at_each_commit_step(jobs, reference, tmp_path, kill, expected_last):
     """Targeted kills at the steps of the commit protocol (``lightning_nvme.checkpoint.paired``) while epoch 1's
     save replaces ``last.ckpt``: before its optimizer state is renamed into place, just before the file's
     ``os.replace``, and while the previous save's state is deleted. ``last.ckpt`` is then the old checkpoint or
     the new one, complete with its own save's state, and the resumed run ends bitwise equal."""
-    root = str(tmp_path / "run")
-    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, kill={**kill, "during": "save_checkpoint"}))
-    assert rc == KILLED, _log(root)
-    assert checkpoint_state(root, reference)[0] == expected_last
-    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True))
-    assert rc == 0, _log(root)
-    assert params_equal(torch.load(cw.paths(root)["final"]), reference.final)
-    assert checkpoint_state(root, reference) == (FINAL_STEP, 0)
+    kill_and_resume(jobs, reference, str(tmp_path / "run"), kill, expected_last)
 
 
 def test_kill9_between_fallback_renames_is_recovered(jobs, reference, tmp_path):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import errno
 import os
-import threading
 
 import pytest
 import torch
@@ -17,6 +16,8 @@ import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.store import FlatStore, StoreError
 from lightning_nvme.store import flat_store as flat_store_mod
+
+from .conftest import io_threads
 
 
 def _trainer(tmp_path, strategy, steps, callbacks=()):
@@ -35,6 +36,7 @@ def test_background_write_error_stops_training_within_one_step(tmp_path, monkeyp
                     raise OSError(errno.EIO, "Input/output error")
                 monkeypatch.setattr(flat_store_mod.os, "pwrite", eio)
 
+    before = set(io_threads())
     store_dir = tmp_path / "store"
     strategy = NVMeOffloadStrategy(store_dir=str(store_dir), chunk_bytes=8 << 10)
     with pytest.raises(StoreError) as info:
@@ -42,7 +44,7 @@ def test_background_write_error_stops_training_within_one_step(tmp_path, monkeyp
     assert str(store_dir) in str(info.value)
     assert max(steps_done) <= 4  # the write of step 4 failed; step 5 never finished
     monkeypatch.undo()
-    assert not [t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io") and t.is_alive()]
+    assert set(io_threads()) <= before  # the strategy's store stopped its workers (others' are not ours)
     FlatStore(store_dir).close(delete=True)  # the lock was released
 
 

@@ -95,6 +95,6 @@ def test_bench_outside_a_checkout_says_where_the_benchmarks_are(tmp_path: Path, 
 
 def test_python_dash_m_is_the_same_command() -> None:
     proc = subprocess.run([sys.executable, "-m", "lightning_nvme", "train", "recipe=quickstart", "trainer.max_stepz=1"],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 2
     assert "did you mean 'trainer.max_steps'" in proc.stderr and "Traceback" not in proc.stderr

@@ -88,6 +88,7 @@ def test_io_error_in_write_back_reaches_the_next_step(tmp_path, monkeypatch):
 
     from lightning_nvme.store import StoreError
 
+    before = {t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io")}
     store = FlatStore(tmp_path, io_chunk_bytes=4096)
     model = _model()
     off = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store, chunk_bytes=8 << 10)
@@ -103,7 +104,8 @@ def test_io_error_in_write_back_reaches_the_next_step(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(StoreError):
         store.close()
-    assert not [t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io")]
+    assert store._engine.alive_threads == 0  # its own workers stopped (threads of other tests' stores are not ours)
+    assert not [t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io") and t not in before]
 
 
 def test_update_temporaries_stay_off_the_heap_during_backward(tmp_path, monkeypatch):

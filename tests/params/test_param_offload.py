@@ -222,6 +222,17 @@ def test_gradients_are_consumed_in_backward(tmp_path, offload_params):
     assert seen["max_chunks"] <= seen["in_flight"], seen
 
 
+def resumed_in_memory(tmp_path) -> TinyGPT:
+    """In-memory Lightning saving after the first epoch and resuming from that checkpoint to STEPS: what a resume of
+    an offloaded checkpoint of that instant must reproduce bit for bit."""
+    ref_trainer = trainer(tmp_path / "ref", "auto", steps=-1, max_epochs=1)
+    ref_trainer.fit(TinyGPT())
+    ref_trainer.save_checkpoint(tmp_path / "ref.ckpt")
+    ref = TinyGPT()
+    trainer(tmp_path / "ref2", "auto").fit(ref, ckpt_path=str(tmp_path / "ref.ckpt"))
+    return ref
+
+
 @pytest.mark.parametrize("beside", [False, True], ids=["inline", "beside"])
 def test_checkpoint_holds_true_weights_and_resumes_in_a_new_process(tmp_path, tmp_path_factory, beside):
     """save after the first epoch (16 steps; the weights gathered from the store, not placeholders — or, with
@@ -229,12 +240,7 @@ def test_checkpoint_holds_true_weights_and_resumes_in_a_new_process(tmp_path, tm
     weights still in the store), resume in a new process to step 32 (streaming them back into the store):
     bitwise equal to in-memory Lightning doing the same save and resume."""
     _, snapshots = reference(tmp_path_factory)
-    ref_trainer = trainer(tmp_path / "ref", "auto", steps=-1, max_epochs=1)
-    ref = TinyGPT()
-    ref_trainer.fit(ref)
-    ref_trainer.save_checkpoint(tmp_path / "ref.ckpt")
-    ref = TinyGPT()
-    trainer(tmp_path / "ref2", "auto").fit(ref, ckpt_path=str(tmp_path / "ref.ckpt"))
+    ref = resumed_in_memory(tmp_path)
 
     ckpt = tmp_path / "epoch1.ckpt"
     extra = {"restore_params": False, "inline_weights_bytes": 0} if beside else {}

@@ -33,8 +33,8 @@ ROOT = pathlib.Path(lightning_nvme.__file__).parent
 # Bottom to top. Units of one layer are independent of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("constants", "data"),  # units and shared names; the recipes' data
-    # the ConfigError and value checks; atomic file replacement; the allocator; file systems; offloaded params' stand-in
-    ("config", "atomic", "memory", "fsinfo", "placeholder"),
+    # the ConfigError and value checks; atomic file replacement; the allocator; file systems, reflinks; params' stand-in
+    ("config", "atomic", "memory", "fsinfo", "reflink", "placeholder"),
     ("store",),  # the flat store: files, regions, asynchronous I/O
     ("optim",),  # optimizer state in the store, state formats
     ("checkpoint",),  # checkpoint files and the streamed optimizer state / weights beside them

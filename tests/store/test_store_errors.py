@@ -282,5 +282,6 @@ def test_close_with_a_stuck_worker_keeps_fd_and_lock(tmp_path, monkeypatch, capl
     assert store._engine.alive_threads == 0
     out = aligned_empty(CHUNK)
     assert os.preadv(store.fd, [out.numpy()], store.region("r").offset) == CHUNK and bool((out == 1).all())
-    os.close(store.fd)
-    store._lock.release()
+    store.close()  # as its error says: close again once the disk answered; now fd and lock are released
+    assert store._closed
+    FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=CHUNK).close()

@@ -156,6 +156,32 @@ def test_manual_optimization_with_two_optimizers(tmp_path):
     assert_same_params(ref, off)
 
 
+@pytest.mark.parametrize("manual", [False, True], ids=["automatic", "manual"])
+def test_configure_optimizers_returning_none_trains_as_under_the_default_strategy(tmp_path, manual):
+    """Lightning steps its ``_MockOptimizer`` then: nothing to offload, no store is opened, and the run (manual
+    optimization updating the parameters by hand included) equals the default strategy's."""
+    from models import NoOptimizer
+
+    def run(strategy, root):
+        model = NoOptimizer(manual=manual)
+        # one short epoch: manual optimization without an optimizer never advances global_step (max_steps)
+        trainer = Trainer(default_root_dir=root, strategy=strategy, accelerator="cpu", max_epochs=1,
+                          limit_train_batches=6, logger=False, enable_checkpointing=False, enable_progress_bar=False)
+        trainer.fit(model)
+        return model, trainer
+
+    ref, ref_trainer = run("auto", tmp_path / "ref")
+    for overlap in ("step", "backward"):
+        strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / f"store-{overlap}"), chunk_bytes=8 << 10,
+                                       overlap=overlap)
+        off, trainer = run(strategy, tmp_path / f"off-{overlap}")
+        assert trainer.global_step == ref_trainer.global_step
+        assert strategy.offloaded == [] and strategy.nvme_store is None
+        assert_same_params(ref, off)
+    start = NoOptimizer(manual=manual)
+    assert any(not torch.equal(p, q) for p, q in zip(ref.parameters(), start.parameters())) == manual
+
+
 def test_preflight_refuses_a_disk_too_small_before_training(tmp_path, monkeypatch):
     """The strategy plans the store's size and refuses at setup, naming the path and the bytes."""
     import shutil

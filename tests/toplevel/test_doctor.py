@@ -124,7 +124,7 @@ def test_main_flags_ram_disk_and_swap(tmp_path, monkeypatch, capsys):
 
 def test_module_entry_point(tmp_path):
     proc = subprocess.run([sys.executable, "-m", "lightning_nvme.doctor", str(tmp_path), "--no-tune", *QUICK],
-                          capture_output=True, text=True, timeout=120)
+                          capture_output=True, text=True, timeout=600)
     assert proc.returncode == 0, proc.stderr
     assert "lightning-nvme doctor" in proc.stdout and "bandwidth" in proc.stdout
 

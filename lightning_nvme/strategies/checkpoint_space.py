@@ -1,0 +1,49 @@
+"""The disk space a run plans for before training: its store plus the checkpoints its ``ModelCheckpoint`` callbacks
+keep (``preflight.check_checkpoint_space``), so a full disk is found in the first second, not at the tenth save."""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+
+from lightning_nvme.preflight import CheckpointPlan, check_checkpoint_space
+
+
+def model_bytes(module: pl.LightningModule) -> int:
+    """Bytes of the model's parameters and buffers: the weights every checkpoint holds (in its file or beside it)."""
+    return sum(t.numel() * t.element_size() for t in (*module.parameters(), *module.buffers()))
+
+
+def checkpoint_plans(trainer: pl.Trainer, bytes_each: int) -> tuple[list[CheckpointPlan], list[str]]:
+    """What each ``ModelCheckpoint`` keeps: ``save_top_k`` files plus ``last`` (a copy unless a link), plus the
+    save in progress that replaces one; ``save_top_k=-1`` keeps every checkpoint, which no plan can bound."""
+    plans, unbounded = [], []
+    for cb in trainer.checkpoint_callbacks:
+        top_k, last, dirpath = getattr(cb, "save_top_k", 1), getattr(cb, "save_last", None), getattr(cb, "dirpath", None)
+        if dirpath is None:
+            continue
+        if top_k < 0:
+            unbounded.append(str(dirpath))
+            continue
+        kept = top_k + (1 if last and last != "link" else 0)
+        if kept:
+            plans.append(CheckpointPlan(str(dirpath), kept + 1, bytes_each))
+    return plans, unbounded
+
+
+def check_run_space(trainer: pl.Trainer, store_dir: str, store_bytes: int, state_bytes: int, min_free_bytes: int,
+                    name: str) -> None:
+    """Refuse (``ConfigError``) a run whose store and kept checkpoints cannot fit; rank 0 plans the checkpoints of
+    all ranks (their optimizer state shards add up to ``state_bytes`` x world size)."""
+    assert trainer.lightning_module is not None
+    plans: list[CheckpointPlan] = []
+    unbounded: list[str] = []
+    if trainer.is_global_zero:
+        plans, unbounded = checkpoint_plans(trainer, state_bytes * trainer.world_size + model_bytes(
+            trainer.lightning_module))
+    needed = check_checkpoint_space(store_dir, store_bytes, plans, min_free_bytes=min_free_bytes)
+    kept = "; ".join(f"{p.kept} x {p.bytes_each} bytes in {p.directory}" for p in plans)
+    rank_zero_info(f"{name}: disk space planned: " + ", ".join(f"{n} bytes on {m}" for m, n in needed.items()) +
+                   (f" (store + checkpoints kept at once: {kept})" if kept else "") +
+                   (f"; save_top_k=-1 keeps every checkpoint in {', '.join(unbounded)}: not bounded, not planned"
+                    if unbounded else ""))

@@ -173,7 +173,7 @@ def median_ratio(subject: list[float], baseline: list[float]) -> float:
 
 
 def spread(ratios: list[float], digits: int = 3) -> dict[str, float | list[float]]:
-    """Median, min and max of per-pair ratios, and the pairs themselves: what a README figure quotes
+    """Median, min and max of per-pair ratios, and the pairs themselves: what a figure in docs/performance.md quotes
     as "median (min-max)" so a reader sees how far one run can move it."""
     return {"median": round(statistics.median(ratios), digits), "min": round(min(ratios), digits),
             "max": round(max(ratios), digits), "pairs": [round(r, digits) for r in ratios]}

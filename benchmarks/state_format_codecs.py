@@ -46,7 +46,8 @@ def disk_bytes_per_elem(name: str) -> float | None:
 def cases(n: int) -> dict[str, Callable[[], object]]:
     import torch
 
-    from lightning_nvme.optim.state_format import StateFormat, stochastic_round_bf16
+    from lightning_nvme.optim.formats.masters import stochastic_round_bf16
+    from lightning_nvme.optim.state_format import StateFormat
 
     x = torch.randn(n) * 1e-3
     v = x.square()

@@ -78,7 +78,8 @@ def codec_throughput(n: int) -> dict:
     """Encode + decode of one chunk's worth of AdamW moments, GB/s of stored bytes (median of 5)."""
     import torch
 
-    from lightning_nvme.optim.state_format import StateFormat, stochastic_round_bf16
+    from lightning_nvme.optim.formats.masters import stochastic_round_bf16
+    from lightning_nvme.optim.state_format import StateFormat
 
     x = torch.randn(n) * 1e-3
     dec = torch.empty(n)  # decoded into a reused buffer, as the optimizer's decode arena does

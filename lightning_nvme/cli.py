@@ -129,12 +129,12 @@ def _recipes() -> int:
 
 
 def _bench(names: list[str]) -> int:
-    """``bench``: ./benchmarks/run_all.py (the README's table); ``bench NAME ...``: each script of
+    """``bench``: ./benchmarks/run_all.py (the figures table of docs/performance.md); ``bench NAME ...``: each script of
     ``./benchmarks`` in its own process, whose last printed line is a JSON object of figures."""
     bench_dir = Path.cwd() / "benchmarks"
     if not bench_dir.is_dir():
         return _config_error(f"no benchmarks/ directory in {Path.cwd()}: {BENCHMARKS_HELP}")
-    if not names and (bench_dir / "run_all.py").is_file():  # the README's figures table, with spreads
+    if not names and (bench_dir / "run_all.py").is_file():  # docs/performance.md's figures table, with spreads
         return subprocess.run([sys.executable, str(bench_dir / "run_all.py")]).returncode
     scripts = sorted(p for p in bench_dir.glob("*.py") if not p.name.startswith("_"))
     if names:

@@ -4,7 +4,7 @@ Each is one ``setting(default, doc, check)`` (``lightning_nvme.config``, with ``
 checks). Everything else derives from or is checked against these dataclasses: the strategies' signatures and
 docstrings (``with_settings``), validation (``__post_init__``: one ``ConfigError(key, message)`` per bad
 value), the Hydra configs ``conf/strategy/nvme_offload*.yaml`` and README's argument table (both checked by
-``tests/test_settings.py``). To add an argument, add one ``setting(...)`` line to ``OffloadSettings`` (both
+``tests/toplevel/test_settings.py``). To add an argument, add one ``setting(...)`` line to ``OffloadSettings`` (both
 strategies) or ``DDPOffloadSettings`` (data parallel only), read it as ``self.config.<name>``, and add the
 key to the YAML and README rows the test asks for.
 
@@ -247,7 +247,7 @@ def _shown(value: Any) -> str:
 
 
 def markdown_table() -> str:
-    """README's argument table; ``tests/test_settings.py`` checks that README holds exactly this (and prints it)."""
+    """README's argument table; ``tests/toplevel/test_settings.py`` checks that README holds exactly this (and prints it)."""
     rows = ["| argument | default | meaning |", "|---|---|---|"]
     for settings, where in ((OffloadSettings, ""), (DDPOffloadSettings, " (`nvme_offload_ddp` only)")):
         parent = settings.__mro__[1]

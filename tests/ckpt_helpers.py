@@ -8,7 +8,7 @@ import os
 import torch
 
 from lightning_nvme.checkpoint.convert import pop_state_tensors, write_tensors
-from lightning_nvme.checkpoint.legacy import FORMAT_VERSION, META_FILE
+from lightning_nvme.checkpoint.legacy import LEGACY_FORMAT_VERSION, META_FILE
 from lightning_nvme.checkpoint.streamed import MARKER, optimizer_file
 
 
@@ -25,6 +25,6 @@ def write_legacy(plain_file, dst_dir) -> None:
     os.makedirs(dst_dir)
     for i, state in enumerate(checkpoint.get("optimizer_states", [])):
         write_tensors(os.path.join(dst_dir, optimizer_file(i)), pop_state_tensors(state),
-                      {"format": MARKER, "format_version": str(FORMAT_VERSION)})
-        state[MARKER] = {"format_version": FORMAT_VERSION, "file": optimizer_file(i)}
+                      {"format": MARKER, "format_version": str(LEGACY_FORMAT_VERSION)})
+        state[MARKER] = {"format_version": LEGACY_FORMAT_VERSION, "file": optimizer_file(i)}
     torch.save(checkpoint, os.path.join(dst_dir, META_FILE))

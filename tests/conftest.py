@@ -7,7 +7,16 @@ import threading
 import pytest
 import torch
 
-sys.path.insert(0, os.path.dirname(__file__))
+TESTS = os.path.dirname(os.path.abspath(__file__))
+# The tests mirror the package in folders (tests/store/, tests/optim/, ...; see CONTRIBUTING.md). The shared
+# helpers here (models.py, ckpt_helpers.py, _*_model.py) and the test modules of every folder import by plain
+# name (`from test_ddp import launch`), whichever folder pytest collects first: every folder that is not a
+# package goes on the path, so a test module's name must be unique across folders (tests/project/test_layout.py).
+TEST_DIRS = [TESTS] + sorted(
+    os.path.join(TESTS, d) for d in os.listdir(TESTS)
+    if os.path.isdir(os.path.join(TESTS, d)) and not d.startswith((".", "_"))
+    and not os.path.exists(os.path.join(TESTS, d, "__init__.py")))
+sys.path[:0] = [d for d in TEST_DIRS if d not in sys.path]
 
 
 def pytest_addoption(parser: pytest.Parser) -> None:

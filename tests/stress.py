@@ -2,7 +2,7 @@
 while CPU burners and a concurrent fsync'ing writer compete for the cores and the disk; report per test how
 often it passed. A guarantee that holds only on a quiet machine is not one (issue #20).
 
-    python tests/stress.py --rounds 20 --burners 2 --writer-dir /tmp/x -- tests/faults tests/test_store.py
+    python tests/stress.py --rounds 20 --burners 2 --writer-dir /tmp/x -- tests/faults tests/store/test_store.py
 
 Everything after ``--`` goes to pytest (paths, node ids, ``-k``). Prints a table (test, passed, failed,
 error, skipped, rounds), then one JSON line with the same counts and the conditions (load average).

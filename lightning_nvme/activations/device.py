@@ -29,7 +29,7 @@ def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
     return torch.empty(align_up(max(nbytes, 1)), dtype=torch.uint8, pin_memory=True)[:nbytes]
 
 
-class CudaStaging:
+class CudaCopies:
     """Device <-> pinned host copies ordered with events; one side stream per device."""
 
     def __init__(self) -> None:

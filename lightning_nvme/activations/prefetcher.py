@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import torch
 
-from lightning_nvme.activations.device import CudaStaging, ReadBufferPool, host_buffer
+from lightning_nvme.activations.device import CudaCopies, ReadBufferPool, host_buffer
 from lightning_nvme.activations.meter import ResidencyMeter
 from lightning_nvme.activations.records import Record
 from lightning_nvme.store import FlatStore, IOHandle
@@ -99,7 +99,7 @@ class Prefetcher:
 
     def to_device(self, host: torch.Tensor, device: torch.device) -> torch.Tensor:
         """A CUDA record's bytes, read into pinned ``host``, copied to ``device`` on the current stream."""
-        buf, event = CudaStaging.to_device(host, device)
+        buf, event = CudaCopies.to_device(host, device)
         self._h2d.append((host, event))
         return buf
 

@@ -17,7 +17,7 @@ import time
 import torch
 
 from lightning_nvme.activations.arena import ActivationArena
-from lightning_nvme.activations.device import CudaStaging
+from lightning_nvme.activations.device import CudaCopies
 from lightning_nvme.activations.records import OffloadStats, Record
 from lightning_nvme.store import FlatStore, IOHandle
 
@@ -35,7 +35,7 @@ class WriteBehind:
         self.arena = arena
         self.max_inflight_bytes = max_inflight_bytes
         self.handles = handles
-        self._staging: CudaStaging | None = None
+        self._staging: CudaCopies | None = None
         self.pending: list[Record] = []  # copying or writing, oldest first
         self.inflight_bytes = 0
 
@@ -58,7 +58,7 @@ class WriteBehind:
         assert s.data is not None
         if s.device.type == "cuda":
             if self._staging is None:
-                self._staging = CudaStaging()
+                self._staging = CudaCopies()
             s.host, s.copy_event = self._staging.to_host(s.data)
             s.state = "copying"
         else:

@@ -10,7 +10,6 @@ format (``state_format``/``master_format``), which sets the bytes written per st
 
 from __future__ import annotations
 
-import json
 import math
 import os
 import resource
@@ -24,6 +23,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torchmetrics.aggregation import MaxMetric, MeanMetric, SumMetric
 from typing_extensions import override
 
+from lightning_nvme import atomic
 from lightning_nvme.store.stats import IOStats
 
 GB = 1e9
@@ -223,8 +223,7 @@ class IOTelemetry(Callback):
         if self.summary:
             s = self.summary_dict()
             self.summary_path = os.path.join(out_dir, self.filename + ".json")
-            with open(self.summary_path, "w") as f:
-                json.dump({**s, "plot": self.plot_path}, f, indent=2)
+            atomic.write_json(self.summary_path, {**s, "plot": self.plot_path}, durable=False, indent=2)
             print(format_summary(s, self.plot_path, self.summary_path), flush=True)
 
     def _save_plot(self, path: str) -> str | None:

@@ -20,7 +20,7 @@ import torch
 
 from lightning_nvme.checkpoint.streamed import MARKER, OptimizerParts
 
-FORMAT_VERSION = 1
+LEGACY_FORMAT_VERSION = 1  # of the old checkpoint directory format (read only)
 META_FILE = "checkpoint.pt"
 
 
@@ -35,9 +35,9 @@ def load_legacy(path: str) -> tuple[dict[str, Any], OptimizerParts | None]:
     checkpoint = torch.load(os.path.join(path, META_FILE), map_location="cpu", weights_only=False)
     markers = [state.pop(MARKER, None) for state in checkpoint.get("optimizer_states", [])]
     for marker in markers:
-        if marker is not None and marker.get("format_version") != FORMAT_VERSION:
+        if marker is not None and marker.get("format_version") != LEGACY_FORMAT_VERSION:
             raise ValueError(f"{path}: optimizer state has format version {marker.get('format_version')}, this "
-                             f"lightning_nvme reads version {FORMAT_VERSION} of the directory format")
+                             f"lightning_nvme reads version {LEGACY_FORMAT_VERSION} of the directory format")
     if not any(m is not None for m in markers):
         return checkpoint, None
     return checkpoint, OptimizerParts(path, None, markers, source=path)

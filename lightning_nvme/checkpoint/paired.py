@@ -44,7 +44,7 @@ from lightning_nvme import atomic
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.streamed import OptimizerParts
 
-FORMAT_VERSION = 2
+PAIRED_FORMAT_VERSION = 2  # of the paired checkpoint (file + streamed state beside it)
 REF_KEY = "lightning_nvme"
 PARTS_SUFFIX = ".optim"
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
@@ -102,9 +102,7 @@ def begin(path: str) -> Pending:
 
 def publish(pending: Pending) -> None:
     """Step 3: the fsynced optimizer files become ``<path>.optim/<id>/`` (not yet referenced)."""
-    atomic.fsync_path(pending.tmp)
-    os.rename(pending.tmp, pending.final)
-    atomic.fsync_path(parts_root(pending.path))
+    atomic.commit(pending.tmp, pending.final)  # fsyncs the directory, renames it, fsyncs parts_root
     atomic.fsync_path(os.path.dirname(pending.path))
 
 
@@ -112,7 +110,7 @@ def reference(pending: Pending, optimizer_states: list[dict[str, Any]] | None, m
     """The entry the main file carries instead of ``optimizer_states`` (``None``: a weights-only checkpoint)."""
     name = os.path.basename(pending.path)
     parts = os.path.join(name + PARTS_SUFFIX, pending.save_id)
-    return {"format_version": FORMAT_VERSION, "save_id": pending.save_id, "parts_dir": parts,
+    return {"format_version": PAIRED_FORMAT_VERSION, "save_id": pending.save_id, "parts_dir": parts,
             "optimizer_states": optimizer_states, "parts": markers, "note": NOTE.format(parts=parts, name=name)}
 
 
@@ -179,9 +177,9 @@ def read(checkpoint: dict[str, Any], path: str) -> tuple[dict[str, Any], Optimiz
         if ref is not None:
             checkpoint[REF_KEY] = ref  # not ours: leave the user's key alone
         return checkpoint, None
-    if ref.get("format_version") != FORMAT_VERSION:
+    if ref.get("format_version") != PAIRED_FORMAT_VERSION:
         raise ValueError(f"{path}: lightning_nvme checkpoint format version {ref.get('format_version')}; this "
-                         f"lightning_nvme reads version {FORMAT_VERSION} (and the old directory format)")
+                         f"lightning_nvme reads version {PAIRED_FORMAT_VERSION} (and the old directory format)")
     if ref["optimizer_states"] is not None:
         checkpoint["optimizer_states"] = ref["optimizer_states"]
     save_id = ref["save_id"]

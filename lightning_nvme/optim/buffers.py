@@ -14,6 +14,7 @@ from typing import Any
 
 import torch
 
+from lightning_nvme.constants import SLOT_ALIGN, align_up
 from lightning_nvme.store import FlatStore, IOHandle
 from lightning_nvme.store.pinned import unpin
 
@@ -76,9 +77,6 @@ class ChunkRing:
                 buf.uploaded = None
             unpin(buf.data)
 
-    def in_flight_writes(self) -> list[IOHandle]:
-        return [b.pending_write for b in self._free if b.pending_write is not None]
-
 
 class DecodeArena:
     """Where a chunk's compressed state is decoded for its update: one buffer, reused for every chunk
@@ -86,8 +84,6 @@ class DecodeArena:
 
     Why: a fresh tensor per key and chunk is returned to the OS when freed (it is above glibc's mmap
     threshold) and page-faulted in again at the next chunk; that cost more than the decoding itself."""
-
-    ALIGN = 64
 
     def __init__(self) -> None:
         self._buf = torch.empty(0, dtype=torch.uint8)
@@ -99,8 +95,8 @@ class DecodeArena:
 
     @classmethod
     def _span(cls, numel: int, dtype: torch.dtype) -> int:
-        """Bytes one ``take`` uses: its tensor, rounded up to ``ALIGN``."""
-        return -(-numel * dtype.itemsize // cls.ALIGN) * cls.ALIGN
+        """Bytes one ``take`` uses: its tensor, rounded up to ``SLOT_ALIGN``."""
+        return align_up(numel * dtype.itemsize, SLOT_ALIGN)
 
     @classmethod
     def need(cls, sizes: list[tuple[int, torch.dtype]]) -> int:

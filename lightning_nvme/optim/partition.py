@@ -34,12 +34,6 @@ class Partition:
         """Per rank, its ``(param index, start, stop)`` ranges in param order (what it broadcasts)."""
         return [sorted((i, lo, hi) for i, rs in r.items() for lo, hi in rs) for r in self.ranges]
 
-    @property
-    def balance(self) -> float:
-        """max / mean of the per-rank state bytes (1.0 is perfect)."""
-        mean = sum(self.state_bytes) / self.world_size
-        return max(self.state_bytes) / mean if mean else 1.0
-
     def to_dict(self) -> dict:
         return {"world_size": self.world_size, "state_bytes": list(self.state_bytes),
                 "ranges": [{i: [list(x) for x in rs] for i, rs in r.items()} for r in self.ranges]}

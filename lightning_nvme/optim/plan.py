@@ -19,15 +19,10 @@ from dataclasses import dataclass, field
 import torch
 from torch.optim import Optimizer
 
+from lightning_nvme.constants import ALIGN, SLOT_ALIGN, align_up
 from lightning_nvme.optim.probe import StateSpec, UnsupportedOptimizerError, check_supported, probe_state_spec, shape_class
 from lightning_nvme.optim.state_format import EXACT, HALF_DTYPES, MASTER_KEY, Component, StateFormat
 from lightning_nvme.placeholder import is_placeholder
-
-SLOT_ALIGN = 64  # bytes; keeps every state view SIMD-aligned inside a chunk buffer
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
 
 
 @dataclass
@@ -57,7 +52,7 @@ class Piece:
         return [c for k, _ in self.keys for c in self.components.get(k, ())]
 
     def state_bytes(self) -> int:
-        return sum(_align(c.count(self.numel) * c.dtype.itemsize, SLOT_ALIGN) for c in self.stored())
+        return sum(align_up(c.count(self.numel) * c.dtype.itemsize, SLOT_ALIGN) for c in self.stored())
 
 
 @dataclass
@@ -132,8 +127,8 @@ def bytes_per_element(keys: tuple[tuple[str, torch.dtype], ...], fmt: StateForma
 
 def _refuse_split(optimizer: Optimizer, info: ParamInfo, chunk_bytes: int, why: str, fmt: StateFormat) -> None:
     p = info.param
-    needed = _align(sum(_align(c.count(p.numel()) * c.dtype.itemsize, SLOT_ALIGN)
-                        for k, d in info.keys for c in fmt.components(k, d)), 4096)
+    needed = align_up(sum(align_up(c.count(p.numel()) * c.dtype.itemsize, SLOT_ALIGN)
+                        for k, d in info.keys for c in fmt.components(k, d)), ALIGN)
     raise UnsupportedOptimizerError(
         f"nvme_offload: {type(optimizer).__name__}'s update of parameter {info.index} ({tuple(p.shape)}) is not "
         f"element-wise (e.g. it uses the whole parameter's norm or factored state), so it cannot be cut into "
@@ -208,7 +203,7 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
                 offset = used
                 for c in piece.stored():
                     piece.slots[c.name] = offset
-                    offset += _align(c.count(piece.numel) * c.dtype.itemsize, SLOT_ALIGN)
+                    offset += align_up(c.count(piece.numel) * c.dtype.itemsize, SLOT_ALIGN)
                 current.append(piece)
                 used = offset
                 start = stop

@@ -31,7 +31,7 @@ from torch.optim import Optimizer
 
 from lightning_nvme.optim.step_hooks import hooks_silenced
 
-MASTER_KEY = "master_param"
+MASTER_KEY = "master_param"  # the stored fp32 master weights of a half-precision parameter: one definition
 # Class attribute a custom optimizer sets to say "my step only updates each parameter from its own
 # gradient and state", so running it chunk by chunk is exact.
 ELEMENTWISE_OPT_IN = "nvme_offload_elementwise_step"

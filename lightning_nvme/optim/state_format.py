@@ -24,19 +24,17 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_nvme.constants import INT8_BLOCK as BLOCK
 from lightning_nvme.optim.formats import Component, StateFormatError, master_policy, state_codec
 from lightning_nvme.optim.formats.codec import MasterPolicy, StateCodec
-from lightning_nvme.optim.formats.masters import HALF_DTYPES, stochastic_round_bf16
-from lightning_nvme.optim.formats.masters import sr_key as _sr_key
+from lightning_nvme.optim.formats.masters import HALF_DTYPES
+from lightning_nvme.optim.probe import MASTER_KEY  # defined where the probe adds it to the stored keys
 
 # Entry of a torch-format optimizer state dict (plain checkpoints) recording the format it came from and
 # the step count that seeds bf16_sr rounding; torch's own load_state_dict ignores it.
 STATE_DICT_KEY = "lightning_nvme_state_format"
-MASTER_KEY = "master_param"
 
-__all__ = ["BLOCK", "EXACT", "HALF_DTYPES", "MASTER_KEY", "STATE_DICT_KEY", "Component", "RoundTripOptimizer",
-           "StateFormat", "StateFormatError", "_sr_key", "decode_entries", "stochastic_round_bf16"]
+__all__ = ["EXACT", "HALF_DTYPES", "MASTER_KEY", "STATE_DICT_KEY", "Component", "RoundTripOptimizer",
+           "StateFormat", "StateFormatError", "decode_entries"]
 
 
 @dataclass(frozen=True)

@@ -16,13 +16,11 @@ from dataclasses import dataclass, field
 import torch
 from torch import nn
 
-from lightning_nvme.store import ALIGN
+from lightning_nvme.constants import ALIGN, align_up
 
-SLOT_ALIGN = 256  # bytes: as the CUDA caching allocator aligns (cuBLASLt picks kernels by pointer alignment)
-
-
-def _align(n: int, a: int) -> int:
-    return (n + a - 1) // a * a
+# bytes: a parameter view inside a block buffer starts where the CUDA caching allocator would put it
+# (cuBLASLt picks kernels by pointer alignment); coarser than constants.SLOT_ALIGN, the SIMD alignment
+PARAM_SLOT_ALIGN = 256
 
 
 @dataclass
@@ -97,13 +95,13 @@ def plan_layout(model: nn.Module, blocks: list[tuple[str, nn.Module]], region_pr
         trainable = [(n, p) for n, p in named if p.requires_grad]
         for group in (frozen, trainable):
             if group is trainable and frozen:
-                block.nbytes = _align(block.nbytes, ALIGN)  # write-backs start on a page: frozen bytes stay put
+                block.nbytes = align_up(block.nbytes, ALIGN)  # write-backs start on a page: frozen bytes stay put
             if group is trainable:
                 block.writable_offset = block.nbytes
             for name, p in group:
                 nbytes = p.numel() * p.element_size()
                 block.slots.append(ParamSlot(name, p, p.shape, p.dtype, block.nbytes, nbytes))
-                block.nbytes = _align(block.nbytes + nbytes, SLOT_ALIGN)
+                block.nbytes = align_up(block.nbytes + nbytes, PARAM_SLOT_ALIGN)
         if not trainable:
             block.writable_offset = block.nbytes  # read-only block: never written back
     kept = [b for b in layouts if b.slots]

@@ -82,17 +82,6 @@ class BlockResidency:
     def placed(self, block: BlockLayout) -> bool:
         return self._state[block.index].placed
 
-    def write_values(self, block: BlockLayout, values: dict[str, torch.Tensor]) -> None:
-        """Replace a non-resident block's stored values (checkpoint restore, initialization)."""
-        st = self._state[block.index]
-        if st.buffer is not None:
-            raise RuntimeError(f"block {block.name} is resident; its values cannot be replaced in the store")
-        self._issue_writes(of=block)  # an older write-back must not land after this one
-        buf = self._new_buffer(block)
-        for slot in block.slots:
-            self._view(buf, slot).copy_(values[slot.name].reshape(slot.shape))
-        self._write(block, buf)
-
     def read_values(self, block: BlockLayout, copy: bool = True) -> dict[str, torch.Tensor]:
         """A block's true values (from memory if resident, else read from the store): copies, or with
         ``copy=False`` views of one buffer (the block's, or a fresh one read for the caller; one block of memory)."""

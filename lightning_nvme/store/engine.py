@@ -104,7 +104,7 @@ class IOEngine:
                 if observer is not None:
                     observer("deps", handle)
                 for dep in handle.deps:
-                    dep._event.wait()
+                    dep.settle()
                     if dep.error is not None:
                         raise StoreError(f"{handle.kind} of region {handle.region!r} was not run: an earlier "
                                          f"{dep.kind} of region {dep.region!r} it depends on failed: {dep.error}")

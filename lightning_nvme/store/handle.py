@@ -42,6 +42,11 @@ class IOHandle:
     def done(self) -> bool:
         return self._event.is_set()
 
+    def settle(self, timeout: float | None = None) -> bool:
+        """Block until done (``None``: no limit) without raising its error (read ``error``); False on timeout.
+        For the engine, which runs a request only after the ones it depends on, whatever their outcome."""
+        return self._event.wait(timeout)
+
     def chunk_finished(self, error: BaseException | None = None) -> None:
         with self._lock:
             if error is not None and self.error is None:
@@ -89,7 +94,7 @@ def wait_all(handles: list[IOHandle], timeout: float | None = None) -> None:
     deadline = None if timeout is None else time.monotonic() + timeout
     for h in reversed(handles):
         left = h.default_timeout if deadline is None else max(0.0, deadline - time.monotonic())
-        if not h._event.wait(left):
+        if not h.settle(left):
             h.wait(0)  # raises StoreTimeoutError describing it
     for h in handles:
         if h.error is not None:

@@ -11,14 +11,10 @@ import hashlib
 import json
 from dataclasses import asdict, dataclass, field
 
-from lightning_nvme.constants import ALIGN
+from lightning_nvme.constants import ALIGN, align_up
 
 HEADER_BYTES = ALIGN  # the first block of the file holds the header
-FORMAT_VERSION = 1
-
-
-def align_up(n: int, align: int = ALIGN) -> int:
-    return (n + align - 1) // align * align
+STORE_FORMAT_VERSION = 1  # of the store file (header + manifest); the checkpoint formats have their own
 
 
 @dataclass(frozen=True)

@@ -19,14 +19,14 @@ from lightning_nvme import atomic
 from lightning_nvme.store.buffers import aligned_empty, memview
 from lightning_nvme.store.errors import StoreFormatError, StoreIOError
 from lightning_nvme.store.file_io import StoreFile
-from lightning_nvme.store.layout import FORMAT_VERSION, HEADER_BYTES, Layout
+from lightning_nvme.store.layout import HEADER_BYTES, STORE_FORMAT_VERSION, Layout
 from lightning_nvme.store.stripes import StripeMap, check_header_stripe, header_stripe
 
 MAGIC = "lightning-nvme-store"
 
 
 def _header(layout: Layout, stripe: dict | None = None) -> bytes:
-    fields = {"magic": MAGIC, "version": FORMAT_VERSION, "layout": layout.digest(), "end": layout.end}
+    fields = {"magic": MAGIC, "version": STORE_FORMAT_VERSION, "layout": layout.digest(), "end": layout.end}
     header = json.dumps(fields if stripe is None else {**fields, "stripe": stripe}).encode()
     return header.ljust(HEADER_BYTES, b"\0")
 
@@ -46,7 +46,7 @@ def write_layout(files: Sequence[StoreFile], layout: Layout, manifest_path: str,
                 file.pwrite_full(memview(buf.data_ptr(), HEADER_BYTES), 0, "<header>")
             else:
                 raise
-    manifest: dict = {"magic": MAGIC, "version": FORMAT_VERSION, "digest": layout.digest(), "layout": layout.to_json()}
+    manifest: dict = {"magic": MAGIC, "version": STORE_FORMAT_VERSION, "digest": layout.digest(), "layout": layout.to_json()}
     if stripes is not None:
         manifest["stripes"] = stripes
     atomic.write_json(manifest_path, manifest, durable=sync)
@@ -59,10 +59,10 @@ def read_manifest(manifest_path: str) -> dict:
             manifest = json.load(f)
     except (OSError, ValueError) as e:
         raise StoreFormatError(f"store manifest {manifest_path} is missing or unreadable: {e}") from e
-    if not isinstance(manifest, dict) or manifest.get("magic") != MAGIC or manifest.get("version") != FORMAT_VERSION:
+    if not isinstance(manifest, dict) or manifest.get("magic") != MAGIC or manifest.get("version") != STORE_FORMAT_VERSION:
         found = manifest if not isinstance(manifest, dict) else f"{manifest.get('magic')!r} v{manifest.get('version')}"
         raise StoreFormatError(f"{manifest_path}: not a lightning-nvme store of format version "
-                               f"{FORMAT_VERSION} (found {found})")
+                               f"{STORE_FORMAT_VERSION} (found {found})")
     return manifest
 
 
@@ -89,7 +89,7 @@ def read_layout(files: Sequence[StoreFile], manifest: dict, manifest_path: str, 
         if not isinstance(header, dict):
             header = {}
         check_header_stripe(header.get("stripe"), manifest.get("stripes"), i, file.path)
-        if (header.get("magic") != MAGIC or header.get("version") != FORMAT_VERSION
+        if (header.get("magic") != MAGIC or header.get("version") != STORE_FORMAT_VERSION
                 or header.get("layout") != layout.digest() or header.get("end") != layout.end):
             raise StoreFormatError(f"{file.path}: header does not match manifest {manifest_path} "
                                    f"(layout hash {header.get('layout')} vs {layout.digest()})")

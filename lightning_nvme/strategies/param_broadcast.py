@@ -26,10 +26,11 @@ from dataclasses import dataclass
 import torch
 import torch.distributed as dist
 
+from lightning_nvme.constants import SLOT_ALIGN, align_up
+
 # Ranges below this many bytes are packed (a copy of a few KiB costs less than a broadcast of its own);
 # larger ones go in place (their transfer dominates the per-broadcast latency; a copy would double it).
 PACK_BELOW = 256 << 10
-_ALIGN = 64  # byte alignment of each packed item in the staging buffer
 
 
 @dataclass(frozen=True)
@@ -59,7 +60,7 @@ def plan_items(owner_pieces: list[list[tuple[int, int, int]]], params: Sequence[
         for index, lo, hi in pieces:
             size = params[index].element_size()
             nbytes = (hi - lo) * size
-            padded = -(-nbytes // _ALIGN) * _ALIGN
+            padded = align_up(nbytes, SLOT_ALIGN)
             if nbytes < PACK_BELOW and padded <= left:
                 packed.setdefault(params[index].dtype, []).append((index, lo, hi))
                 left -= padded
@@ -72,7 +73,7 @@ def plan_items(owner_pieces: list[list[tuple[int, int, int]]], params: Sequence[
         for dtype, ranges in packed.items():
             nbytes = sum((hi - lo) for _, lo, hi in ranges) * torch.empty((), dtype=dtype).element_size()
             items.append(Item(src, tuple(ranges), (offset, nbytes)))
-            offset += -(-nbytes // _ALIGN) * _ALIGN
+            offset += align_up(nbytes, SLOT_ALIGN)
         plan.append(items)
     return plan
 

@@ -161,7 +161,7 @@ def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_facto
         return made[-1]
 
     monkeypatch.setattr(staging, "staging_for", fake_cuda)
-    ref, _ = reference(tmp_path_factory, checkpointing=True)  # required on CUDA (tests/test_cuda_path.py)
+    ref, _ = reference(tmp_path_factory, checkpointing=True)  # required on CUDA (tests/params/test_cuda_path.py)
     strategy = offload(tmp_path)
     off, t = fit(tmp_path / "off", strategy, {"checkpointing": True})
     assert_same_params(ref, off)

@@ -149,6 +149,7 @@ def test_resume_in_a_new_process_with_another_budget(tmp_path):
     script = f"""
 import sys, json, torch
 sys.path.insert(0, {tests!r})
+sys.path.insert(0, {os.path.dirname(tests)!r})
 from test_host_memory_budget import offload, trainer
 from _param_offload_model import TinyGPT
 from pathlib import Path

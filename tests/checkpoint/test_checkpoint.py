@@ -19,7 +19,7 @@ import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.checkpoint import convert
 
-HERE = os.path.dirname(__file__)
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # models.py, ckpt_helpers.py
 
 
 def trainer(root, strategy, epochs, precision="32-true", **kw):
@@ -35,7 +35,7 @@ def offload(tmp_path, name="store", **kw):
 def resume_in_new_process(tmp_path, ckpt, out, strategy_expr, precision="32-true"):
     code = textwrap.dedent(f"""
         import sys, torch
-        sys.path.insert(0, {HERE!r})
+        sys.path.insert(0, {TESTS!r})
         import lightning_nvme
         from lightning_nvme import NVMeOffloadStrategy
         from lightning.pytorch import Trainer

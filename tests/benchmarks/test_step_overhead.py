@@ -1,5 +1,5 @@
 """Step-overhead tooling (#14): chunk temporaries reuse heap pages, the profiling counters attribute
-CPU to the right threads, and run_all prints the README table from the benchmarks' results."""
+CPU to the right threads, and run_all prints docs/performance.md's figures table from the benchmarks' results."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))  # tests/benchmarks/ -> the repository
 sys.path.insert(0, os.path.join(ROOT, "benchmarks"))
 
 

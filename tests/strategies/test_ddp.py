@@ -3,7 +3,7 @@ which is global because every rank holds the all-reduced gradient), identical re
 store holding only its share of the state.
 
 Lightning's own launcher starts the processes: each test runs this file as a script in a subprocess
-(``python tests/test_ddp.py SPEC.json``), which runs ``Trainer(devices=N)`` for each run of the spec and
+(``python tests/strategies/test_ddp.py SPEC.json``), which runs ``Trainer(devices=N)`` for each run of the spec and
 saves every rank's parameters; pytest itself is never forked.
 """
 
@@ -19,6 +19,7 @@ import pytest
 import torch
 
 HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)  # models.py
 
 
 # ---- the launcher side (pytest) ---------------------------------------------------------------------------
@@ -223,7 +224,8 @@ def test_partition_balances_bytes_and_cuts_large_params():
     opt = torch.optim.AdamW([big, *small, half])
     for world in (1, 2, 3, 4):
         part = partition_by_bytes(opt, world)
-        assert part.balance <= 1.01, (world, part.state_bytes)
+        balance = max(part.state_bytes) / (sum(part.state_bytes) / world)  # max / mean; 1.0 is perfect
+        assert balance <= 1.01, (world, part.state_bytes)
         covered: dict[int, list] = {}
         for r in range(world):
             for i, rs in part.owned(r).items():
@@ -258,7 +260,7 @@ def test_broadcast_plan_sends_large_ranges_in_place_and_packs_small_ones_within_
 
 # ---- the worker side (run by Lightning in every rank) -----------------------------------------------------------
 def _worker(spec_path: str) -> None:
-    sys.path.insert(0, HERE)
+    sys.path.insert(0, TESTS)
     spec = json.loads(open(spec_path).read())
     for run in spec["runs"]:
         _train(run, spec["world"])

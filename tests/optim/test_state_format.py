@@ -14,7 +14,9 @@ from test_strategy import assert_same_params, fit
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.optim import plan_chunks
-from lightning_nvme.optim.state_format import BLOCK, StateFormat, StateFormatError, _sr_key, stochastic_round_bf16
+from lightning_nvme.optim.formats.int8 import BLOCK
+from lightning_nvme.optim.formats.masters import sr_key, stochastic_round_bf16
+from lightning_nvme.optim.state_format import StateFormat, StateFormatError
 
 
 def offload(tmp_path, **kw):
@@ -194,7 +196,7 @@ def test_int8_unsigned_code_refuses_negative_values():
 
 def test_stochastic_rounding_is_unbiased_deterministic_and_independent_of_cuts():
     x = torch.full((100_000,), 1.0 + 2 ** -9)          # a quarter of the way from 1 to the next bf16 (1 + 2^-7)
-    key, next_step = _sr_key(step=0, index=3), _sr_key(step=1, index=3)
+    key, next_step = sr_key(step=0, index=3), sr_key(step=1, index=3)
     a = stochastic_round_bf16(x, key)
     assert torch.equal(a, stochastic_round_bf16(x, key))
     assert set(a.float().unique().tolist()) == {1.0, 1.0 + 2 ** -7}
@@ -252,7 +254,7 @@ def test_hydra_strategy_config_takes_the_formats():
     import hydra
     from omegaconf import OmegaConf
 
-    conf = Path(__file__).resolve().parents[1] / "conf" / "strategy" / "nvme_offload.yaml"  # conf/ at the top level
+    conf = Path(__file__).resolve().parents[2] / "conf" / "strategy" / "nvme_offload.yaml"  # conf/ at the top level
     cfg = OmegaConf.load(conf)
     cfg.store_dir, cfg.state_format, cfg.master_format = None, "int8", "bf16_sr"
     strategy = hydra.utils.instantiate(cfg)

@@ -256,7 +256,7 @@ def test_checkpoint_holds_true_weights_and_resumes_in_a_new_process(tmp_path, tm
         assert torch.equal(saved[name], p), name
     script = f"""
 import sys, json, torch
-sys.path.insert(0, {os.path.dirname(__file__)!r})
+sys.path[:0] = [{os.path.dirname(os.path.abspath(__file__))!r}, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r}]
 from test_param_offload import offload, trainer
 from _param_offload_model import TinyGPT
 from pathlib import Path

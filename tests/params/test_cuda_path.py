@@ -269,13 +269,13 @@ def test_checkpoint_saved_with_64_byte_slots_loads_into_256_byte_slots(tmp_path,
 
     from lightning_nvme.params import layout
 
-    monkeypatch.setattr(layout, "SLOT_ALIGN", 64)
+    monkeypatch.setattr(layout, "PARAM_SLOT_ALIGN", 64)
     old = trainer(tmp_path / "old", offload(tmp_path / "old", restore_params=False, inline_weights_bytes=0), steps=2)
     old.fit(TinyGPT())
     assert any(s.offset % 256 for b in old.strategy.param_offload.blocks for s in b.slots)  # the old layout
     old.save_checkpoint(tmp_path / "old.ckpt")
     saved = torch.load(tmp_path / "old.ckpt", weights_only=True)["state_dict"]
-    monkeypatch.setattr(layout, "SLOT_ALIGN", 256)
+    monkeypatch.setattr(layout, "PARAM_SLOT_ALIGN", 256)
     model = TinyGPT()
     new = trainer(tmp_path / "new", offload(tmp_path / "new"), steps=2)
     new.fit(model, ckpt_path=str(tmp_path / "old.ckpt"))  # at max_steps already: loads, restores the weights

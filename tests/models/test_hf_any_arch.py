@@ -161,7 +161,7 @@ def test_resume_in_a_new_process_is_bitwise(checkpoints, tmp_path):
     t.save_checkpoint(ckpt)
     script = f"""
 import sys, json, torch
-sys.path.insert(0, {os.path.dirname(__file__)!r})
+sys.path[:0] = [{os.path.dirname(os.path.abspath(__file__))!r}, {os.path.dirname(os.path.dirname(os.path.abspath(__file__)))!r}]
 from pathlib import Path
 from test_hf_any_arch import data, offload, trainer
 from lightning_nvme.models import HFCausalLM

@@ -21,6 +21,8 @@ from lightning_nvme.checkpoint import convert
 from lightning_nvme.config import ConfigError
 from lightning_nvme.store.layout import align_up
 
+TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # helpers; test_param_offload in params/
+
 
 def _write_bytes() -> int:
     with open("/proc/self/io") as f:
@@ -194,7 +196,7 @@ def test_offload_params_weights_are_cloned_too_and_resume_bitwise(xfs_dir, tmp_p
     ref = resumed_in_memory(tmp_path)
     script = f"""
 import sys, json, torch
-sys.path.insert(0, {os.path.dirname(__file__)!r})
+sys.path[:0] = [{os.path.join(TESTS, 'params')!r}, {TESTS!r}]
 from test_param_offload import offload, trainer
 from _param_offload_model import TinyGPT
 from pathlib import Path

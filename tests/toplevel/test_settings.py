@@ -57,7 +57,7 @@ def test_yaml_configs_name_their_strategy() -> None:
 
 
 def test_readme_argument_table_is_the_generated_one() -> None:
-    readme = Path(__file__).resolve().parents[1] / "README.md"
+    readme = Path(__file__).resolve().parents[2] / "README.md"
     table = markdown_table()
     assert table in readme.read_text(), f"README.md must contain this argument table:\n{table}"
 

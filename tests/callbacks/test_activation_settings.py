@@ -17,7 +17,7 @@ from lightning_nvme.callbacks.activation_offload import ActivationOffloadSetting
 from lightning_nvme.config import ConfigError, default_store_dir, resolve_store_dir
 from lightning_nvme.settings import defaults
 
-CALLBACK_CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[1] / "conf" / "callbacks").glob("*.yaml"))
+CALLBACK_CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "callbacks").glob("*.yaml"))
 # As for the strategies: the store directory follows the run's paths group (itself default_store_dir).
 YAML_INTERPOLATED = {"store_dir": "${paths.store_dir}"}
 

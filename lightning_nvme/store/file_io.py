@@ -10,8 +10,13 @@ from __future__ import annotations
 import errno as errno_mod
 import os
 import shutil
+from collections.abc import Callable
 
+import torch
+
+from lightning_nvme.store.buffers import StagingPool, copy_bytes, memview
 from lightning_nvme.store.errors import StoreFormatError, StoreIOError, StoreSpaceError
+from lightning_nvme.store.layout import align_up
 
 
 class StoreFile:
@@ -109,3 +114,27 @@ class StoreFile:
 
     def close(self) -> None:
         os.close(self.fd)
+
+
+def chunk_job(pool: StagingPool, tensor: torch.Tensor, a: int, n: int, file: StoreFile, file_off: int, region: str,
+              *, zero_copy: bool, write: bool) -> Callable[[], None]:
+    """One disk request for bytes ``[a, a + n)`` of ``tensor`` at ``file_off`` of ``file``: in place when
+    the tensor is page-aligned (zero copy), else through a buffer of the bounded staging ``pool``."""
+    transfer = file.pwrite_full if write else file.pread_full
+
+    def job() -> None:
+        length = align_up(n) if file.direct else n
+        if zero_copy:
+            transfer(memview(tensor.data_ptr() + a, length), file_off, region)
+        else:
+            buf = pool.acquire()
+            try:
+                if write:
+                    copy_bytes(buf, 0, tensor, a, n)
+                transfer(memview(buf.data_ptr(), length), file_off, region)
+                if not write:
+                    copy_bytes(tensor, a, buf, 0, n)
+            finally:
+                pool.release(buf)
+        file.drop_cache(file_off, n)
+    return job

@@ -12,7 +12,6 @@ with ``posix_fadvise(DONTNEED)`` after each chunk. ``store.mode`` says which is 
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
 import threading
@@ -24,16 +23,18 @@ import torch
 from lightning_nvme import atomic
 from lightning_nvme.constants import MiB
 from lightning_nvme.store import manifest
-from lightning_nvme.store.buffers import StagingPool, aligned_empty, copy_bytes, is_direct_capable, memview
+from lightning_nvme.store.buffers import StagingPool, aligned_empty, is_direct_capable
+from lightning_nvme.store.digest import region_digests
 from lightning_nvme.store.engine import IOEngine
-from lightning_nvme.store.errors import StoreError, StoreFormatError, StoreIOError, StoreTimeoutError
-from lightning_nvme.store.file_io import StoreFile
+from lightning_nvme.store.errors import StoreError, StoreIOError, StoreTimeoutError
+from lightning_nvme.store.file_io import StoreFile, chunk_job
 from lightning_nvme.store.handle import IOHandle, wait_all
 from lightning_nvme.store.layout import ALIGN, HEADER_BYTES, Layout, Region, align_up
 from lightning_nvme.store.lock import StoreLock
+from lightning_nvme.store.opening import open_files
 from lightning_nvme.store.shelf import Shelf
 from lightning_nvme.store.stats import IOStats, StatsRecorder
-from lightning_nvme.store.stripes import STRIPE_BYTES, StripeMap, check_stripe_set, find_manifest, new_stripe_set
+from lightning_nvme.store.stripes import STRIPE_BYTES
 
 log = logging.getLogger(__name__)
 
@@ -87,7 +88,6 @@ class FlatStore:
         base = name or f"store-rank{rank}"
         self.paths = [os.path.join(d, base + ".bin") for d in self.directories]
         self.path = self.paths[0]
-        self.manifest_path = os.path.join(self.directory, base + ".json")
         self.io_chunk_bytes = io_chunk_bytes
         self.io_timeout_s = io_timeout_s
         self.min_free_bytes = min_free_bytes
@@ -98,25 +98,11 @@ class FlatStore:
         self._layout_unsynced = False
         self._stats = StatsRecorder()
         self.shelf = Shelf()  # regions kept in memory (host_memory_budget); see shelve()
-        self._locks: list[StoreLock] = []
-        self._files: list[StoreFile] = []
+        opened = open_files(self.directories, base, reopen=reopen, direct=direct, stripe_bytes=stripe_bytes)
+        self._locks, self._files, self._stripes = opened.locks, opened.files, opened.stripes
+        self.stripe_map, self.manifest_path, recorded = opened.stripe_map, opened.manifest_path, opened.recorded
         try:
-            self._stripes = new_stripe_set(self.directories, stripe_bytes)
-            missing = [p for p in self.paths if reopen and not os.path.exists(p)]
-            if missing:
-                raise StoreFormatError(f"cannot reopen store {missing[0]}: the file does not exist (directory "
-                                       f"{os.path.dirname(missing[0])})")
-            if reopen:
-                self.manifest_path = find_manifest(self.directories, base)
-                recorded = manifest.read_manifest(self.manifest_path)
-                self._stripes = recorded.get("stripes")
-                check_stripe_set(self._stripes, self.directories, self.manifest_path)
-            self.stripe_map = StripeMap(len(self.paths), self._stripes["bytes"] if self._stripes else stripe_bytes)
-            for path in self.paths:  # each file locked before it is opened (and truncated, unless reopen)
-                self._locks.append(StoreLock(path + ".lock"))
-                self._locks[-1].acquire()
-                self._files.append(StoreFile(path, reopen=reopen, direct=direct))
-            if reopen:
+            if recorded is not None:
                 self.layout = manifest.read_layout(self._files, recorded, self.manifest_path, self.stripe_map)
             else:
                 self.layout = Layout()
@@ -128,10 +114,7 @@ class FlatStore:
             self._engines = [IOEngine(io_workers, name=f"lightning-nvme-io-s{i}" if multi else "lightning-nvme-io")
                              for i in range(len(self._files))]
         except BaseException:
-            for file in self._files:
-                file.close()  # a refused reopen must not leak descriptors
-            for lock in self._locks:
-                lock.release()
+            opened.release()
             raise
         self._engine = self._engines[0]
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d x %d file(s) pool=%d MiB", self.path, self.mode,
@@ -157,11 +140,9 @@ class FlatStore:
         return self._locks[0]
 
     def _persist_layout(self, *, sync: bool = True) -> None:
-        """Write the header block and the manifest (fsync'ed when ``sync``).
-
-        ``add_regions`` writes without fsync (an fsync'ed rewrite per call made 1000 ``add_region``
-        calls take 48 s on this disk) so the table is on disk at once, before a disk that fills up later
-        could refuse it; ``fence(durable=True)`` and ``close`` make it durable."""
+        """Write the header block and the manifest (fsync'ed when ``sync``). ``add_regions`` writes without
+        fsync (one per call made many small regions slow, docs/store.md) but at once, before a disk that fills
+        up later could refuse it; ``fence(durable=True)`` and ``close`` make it durable."""
         manifest.write_layout(self._files, self.layout, self.manifest_path, sync=sync, stripes=self._stripes)
         self._layout_unsynced = not sync
 
@@ -223,26 +204,7 @@ class FlatStore:
     # ---- chunk jobs ---------------------------------------------------------------------------
     def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file: StoreFile, file_off: int, region: str,
                    zero_copy: bool, write: bool) -> Callable[[], None]:
-        """One disk request for bytes ``[a, a + n)`` of ``tensor`` at ``file_off`` of ``file``: in place when
-        the tensor is page-aligned (zero copy), else through a buffer of the bounded staging pool."""
-        transfer = file.pwrite_full if write else file.pread_full
-
-        def job() -> None:
-            length = align_up(n) if file.direct else n
-            if zero_copy:
-                transfer(memview(tensor.data_ptr() + a, length), file_off, region)
-            else:
-                buf = self._pool.acquire()
-                try:
-                    if write:
-                        copy_bytes(buf, 0, tensor, a, n)
-                    transfer(memview(buf.data_ptr(), length), file_off, region)
-                    if not write:
-                        copy_bytes(tensor, a, buf, 0, n)
-                finally:
-                    self._pool.release(buf)
-            file.drop_cache(file_off, n)
-        return job
+        return chunk_job(self._pool, tensor, a, n, file, file_off, region, zero_copy=zero_copy, write=write)
 
     # ---- public async API ---------------------------------------------------------------------
     def _check_usable(self) -> None:
@@ -371,22 +333,8 @@ class FlatStore:
             self._stats.add(wait_seconds=time.perf_counter() - t0)
 
     def digest(self, regions: list[str] | None = None) -> dict[str, str]:
-        """BLAKE2b of each region's bytes as they are on disk, read through one chunk-sized buffer.
-
-        Why: reopen checks version, layout hash, header and size, but cannot see changed data bytes
-        (a torn write-back from a killed run, bit rot, tampering). Record digests when committing a
-        checkpoint and compare them before trusting a reused store. Costs one full read."""
-        self.fence()
-        buf = self.aligned_empty(self.io_chunk_bytes)
-        out = {}
-        for name in (list(self.layout.regions) if regions is None else regions):
-            region, h = self.layout[name], hashlib.blake2b(digest_size=16)
-            for off in range(0, region.nbytes, self.io_chunk_bytes):
-                view = buf[:min(self.io_chunk_bytes, region.nbytes - off)]
-                self.wait(self.read(name, view, off))
-                h.update(memview(view.data_ptr(), view.numel()))
-            out[name] = h.hexdigest()
-        return out
+        """BLAKE2b of each region's bytes as they are on disk (``store/digest.py`` says why)."""
+        return region_digests(self, regions)
 
     def aligned_empty(self, shape: tuple[int, ...] | int, dtype: torch.dtype = torch.uint8, *,
                       pin: bool = False) -> torch.Tensor:

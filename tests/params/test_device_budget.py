@@ -192,6 +192,22 @@ def test_checkpoint_from_kept_blocks_resumes_with_any_budget(tmp_path, fake_cuda
         assert_same_params(ref, model)
 
 
+def test_kept_blocks_are_written_back_when_the_weights_stay_in_the_store(tmp_path, tmp_path_factory, fake_cuda):
+    """restore_params=False: at the end of fit each kept block's device copy goes back to the store (its only
+    write-back of the run), so the weights exported from the reopened store are the trained ones."""
+    from safetensors.torch import load_file
+
+    ref, _ = reference(tmp_path_factory, checkpointing=True)
+    strategy = offload(tmp_path, device_memory_budget=EVERYTHING, restore_params=False)
+    model, _ = fit(tmp_path, strategy, {"checkpointing": True})
+    assert strategy.device_placement.count("block", False) == 0
+    assert all(is_placeholder(s.param) for b in strategy.param_offload.blocks for s in b.slots)
+    strategy.export_weights(str(tmp_path / "w.safetensors"))
+    exported = load_file(str(tmp_path / "w.safetensors"))
+    for name, p in ref.state_dict().items():
+        assert torch.equal(exported[name], p), name
+
+
 # ---- the residency on its own ------------------------------------------------------------------------------
 def test_keep_copies_once_then_reads_the_device_copy_and_writes_it_back_at_unkeep(tmp_path, monkeypatch):
     install(monkeypatch)

@@ -18,6 +18,11 @@ Cases (``--only NAME,...`` runs a subset):
   seam): a missing wait on an event then reads or overwrites a buffer too early and shows as a difference.
 - ``sanitizer``: ``params_backward`` again in a subprocess under ``TORCH_CUDA_SANITIZER=1`` (PyTorch's
   stream sanitizer raises on an unsynchronized access between streams), 2 steps.
+- ``params_desk`` / ``params_desk_half``: ``params_backward`` with ``device_memory_budget`` holding every block
+  (half the free device memory) / half the blocks' bytes: the kept blocks are copied up once at setup and
+  never read, copied or written back during training. Reports the plan (``device_placement``), the blocks
+  kept, the block reads and write-backs during training (0 with every block kept; the streamed ones with half),
+  the step time beside the plain run's and ``peak_device_MiB``.
 
 Per case: ``bitwise_equal``, ``max_abs_diff``, ``peak_device_MiB`` (``torch.cuda.max_memory_allocated`` of the
 offloaded run) beside ``baseline_peak_device_MiB``, ``peak_device_blocks``, staging copy speeds, step times.
@@ -59,7 +64,7 @@ from lightning_nvme.params import staging  # noqa: E402
 from lightning_nvme.store import pinned  # noqa: E402
 
 CASES = ("activation_offload", "params_backward", "params_step", "params_bf16", "params_resume", "params_keep",
-         "params_delayed", "sanitizer")
+         "params_delayed", "sanitizer", "params_desk", "params_desk_half")
 
 
 class AdamGPT(GPT):
@@ -158,6 +163,34 @@ def offload(args: argparse.Namespace, store_dir: str, **kwargs: Any) -> NVMeOffl
                                chunk_bytes=args.chunk_mib * MiB, **kwargs)
 
 
+class TrainingMoves(pl.Callback):
+    """Block reads and write-backs of the parameter offload while training ran (not setup, not teardown)."""
+
+    def __init__(self) -> None:
+        self.start: tuple[int, int] = (0, 0)
+        self.moved: dict[str, int] = {}
+
+    def _now(self, trainer: pl.Trainer) -> tuple[int, int]:
+        stats = trainer.strategy.param_offload.stats
+        return stats.loads, stats.writebacks
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        self.start = self._now(trainer)
+        self.moved["kept_blocks"] = trainer.strategy.param_offload.stats.kept_blocks
+
+    def on_train_end(self, trainer, pl_module) -> None:
+        loads, writebacks = self._now(trainer)
+        self.moved.update(block_loads_in_training=loads - self.start[0],
+                          writebacks_in_training=writebacks - self.start[1])
+
+
+def block_bytes(model: torch.nn.Module) -> int:
+    """Bytes of the parameters in the model's blocks (what ``device_memory_budget`` would keep)."""
+    from lightning_nvme.params import find_blocks
+
+    return sum(p.numel() * p.element_size() for _, block in find_blocks(model) for p in block.parameters())
+
+
 def staging_figures(strategy: NVMeOffloadStrategy, timer: StepTimer, args: argparse.Namespace) -> dict[str, Any]:
     assert strategy.param_offload is not None
     stats = strategy.param_offload.stats
@@ -210,6 +243,23 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         model = copy.deepcopy(base)
         train(model, args, data, store_dir, strategy=offload(args, store_dir), ckpt_path=first)
         extra = staging_figures(strategy, timer, args)
+        got = params_of(model)
+    elif name in ("params_desk", "params_desk_half"):
+        every = name == "params_desk"
+        budget = torch.cuda.mem_get_info()[0] // 2 if every else block_bytes(base) // 2
+        strategy = offload(args, store_dir, device_memory_budget=budget)
+        moves = TrainingMoves()
+        model = copy.deepcopy(base)
+        train(model, args, data, store_dir, [timer, moves], strategy=strategy)
+        extra = staging_figures(strategy, timer, args)
+        assert strategy.device_placement is not None
+        plan = strategy.device_placement.as_dict()
+        extra.update(device_placement=plan, **moves.moved)
+        blocks = plan["blocks_on_device"] + plan["blocks_streamed"]
+        still = moves.moved["block_loads_in_training"] == 0 and moves.moved["writebacks_in_training"] == 0
+        extra["copies_ok"] = bool(moves.moved["kept_blocks"] == plan["blocks_on_device"]
+                                  and (plan["blocks_streamed"] == 0 and still if every
+                                       else 0 < plan["blocks_on_device"] < blocks and not still))
         got = params_of(model)
     elif name == "sanitizer":
         cmd = [sys.executable, os.path.abspath(__file__), "--only", "params_backward", "--steps", "2",

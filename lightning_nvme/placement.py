@@ -49,6 +49,12 @@ def block_item(region: str, nbytes: int, writable_offset: int, trainable: bool) 
     return Item(region, nbytes, 2, nbytes - writable_offset if trainable else 0, "block")
 
 
+def device_block_item(region: str, nbytes: int, trainable: bool) -> Item:
+    """A parameter block as the GPU sees it (``device_memory_budget``): copied up for its forward and its
+    backward, and after an update the whole device copy comes back down before the write-back."""
+    return Item(region, nbytes, 2, nbytes if trainable else 0, "block")
+
+
 def chunk_item(region: str, nbytes: int) -> Item:
     """An optimizer chunk (stored bytes): read and written once per step."""
     return Item(region, nbytes, 1, nbytes, "chunk")
@@ -111,6 +117,36 @@ class Placement:
                 f"blocks, {d['chunks_in_ram']} chunks), {_shown(d['ssd_bytes'])} on the SSD ({d['blocks_on_ssd']} "
                 f"blocks, {d['chunks_on_ssd']} chunks); disk I/O per step {_shown(self.io_before)} -> "
                 f"{_shown(self.io_after)}")
+
+
+class DevicePlacement(Placement):
+    """``device_memory_budget``'s plan: the parameter blocks kept on the GPU (``in_ram`` holds the near tier's
+    regions, here the device's) by the same rule, host <-> device copy bytes saved per byte of device memory.
+    A block kept there is copied up once and never again until the end of fit: when every block fits, the
+    parameters never leave the device and only the optimizer state streams."""
+
+    @property
+    def on_device(self) -> set[str]:
+        return self.in_ram
+
+    def as_dict(self) -> dict[str, Any]:
+        return {"budget_bytes": self.budget, "device_bytes": self.ram_bytes, "streamed_bytes": self.ssd_bytes,
+                "blocks_on_device": self.count("block", True), "blocks_streamed": self.count("block", False),
+                "copy_bytes_per_step_before": self.io_before, "copy_bytes_per_step_after": self.io_after}
+
+    def summary(self) -> str:
+        d = self.as_dict()
+        return (f"device_memory_budget={_shown(self.budget)}: {_shown(d['device_bytes'])} of parameter blocks kept on "
+                f"the device ({d['blocks_on_device']} blocks), {_shown(d['streamed_bytes'])} streamed "
+                f"({d['blocks_streamed']} blocks); host <-> device copies per step {_shown(self.io_before)} -> "
+                f"{_shown(self.io_after)}")
+
+
+def plan_device(items: Iterable[Item], budget: int) -> DevicePlacement:
+    """``plan_placement`` for the GPU: blocks only (the optimizer state stays on the host and streams)."""
+    placement = DevicePlacement(budget)
+    placement.extend(i for i in items if i.kind == "block")
+    return placement
 
 
 def _shown(n: int) -> str:

@@ -20,6 +20,8 @@ import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 
+import torch
+
 from lightning_nvme import fsinfo
 from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import ALIGN, GiB
@@ -261,6 +263,22 @@ def check_host_memory_budget(budget: int, setting: int | str, available: int | N
         raise ConfigError("host_memory_budget", f"{budget} bytes ({_gib(budget)}) asked, but only {free} bytes "
                                                 f"({_gib(free)}) of memory are available now (MemAvailable). Fix: "
                                                 f"set host_memory_budget <= {free}, or \"auto\", or 0.")
+
+
+def device_free_bytes(device: torch.device) -> int:
+    """Memory free on a CUDA device now (``torch.cuda.mem_get_info``)."""
+    return int(torch.cuda.mem_get_info(device)[0])
+
+
+def check_device_memory_budget(budget: int, device: torch.device, free: int | None = None) -> None:
+    """Refuse a ``device_memory_budget`` above the device memory free now (after the model's other parameters
+    went there): the blocks kept would leave no room for activations and gradients, or not fit at all."""
+    free = device_free_bytes(device) if free is None else free
+    if budget > free:
+        raise ConfigError("device_memory_budget", f"{budget} bytes ({_gib(budget)}) asked, but only {free} bytes "
+                                                  f"({_gib(free)}) of {device} are free now (torch.cuda.mem_get_info), "
+                                                  "and activations and gradients need room too. Fix: set "
+                                                  f"device_memory_budget well below {free}, or 0.")
 
 
 def device_of(path: str | os.PathLike) -> str:

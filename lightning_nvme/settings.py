@@ -150,8 +150,14 @@ class OffloadSettings:
                 "see docs/checkpoints.md.", one_of("auto", "reflink", "streamed"))
     host_memory_budget: int | str = setting(
         0, "Bytes of host RAM that parameter blocks and optimizer chunks may occupy instead of the SSD, chosen to "
-           "save the most I/O per byte (docs/shelf.md); ``\"auto\"``: 60% of the memory available at setup less "
-           "2 GiB; 0: everything streams.", _budget)
+           "save the most I/O per byte (docs/shelf.md); for the whole host (``nvme_offload_ddp`` splits it evenly "
+           "among the host's ranks); ``\"auto\"``: 60% of the memory available at setup less 2 GiB; 0: everything "
+           "streams.", _budget)
+    device_memory_budget: int = setting(
+        0, "With ``offload_params`` on CUDA: bytes of GPU memory that parameter blocks may keep occupying between "
+           "uses, chosen by the same rule (host <-> device copies saved per byte); a block kept there is copied up "
+           "once and stays, so with the whole model fitting only the optimizer state streams (docs/shelf.md); "
+           "0: every block streams.", nbytes(0, typical="0, or bytes of GPU memory the model's blocks may keep"))
 
     def __post_init__(self) -> None:
         check_fields(self)
@@ -160,6 +166,11 @@ class OffloadSettings:
         if self.staging_bytes < self.io_chunk_bytes:
             raise ConfigError("staging_bytes", f"staging_bytes={self.staging_bytes} cannot hold one io_chunk_bytes="
                                                f"{self.io_chunk_bytes}. Fix: set staging_bytes >= io_chunk_bytes.")
+        if self.device_memory_budget and not self.offload_params:
+            raise ConfigError("device_memory_budget", f"device_memory_budget={self.device_memory_budget} keeps "
+                              "offloaded parameter blocks on the GPU, but offload_params=False: the parameters are "
+                              "on the device already and the budget would be ignored. Fix: set offload_params=True, "
+                              "or device_memory_budget=0.")
 
     @property
     def state_format_spec(self) -> StateFormat:

@@ -88,6 +88,7 @@ class IOTelemetry(Callback):
         self.stores: list[tuple[str, Any]] = []
         self.state_format: str | None = None
         self.placement: dict[str, Any] | None = None
+        self.device_placement: dict[str, Any] | None = None
         self._prev: dict[int, IOStats] = {}
         self._t_prev = 0.0
         self._t_val = 0.0
@@ -130,6 +131,8 @@ class IOTelemetry(Callback):
         self.state_format = fmt.describe() if fmt is not None else None
         placement = getattr(trainer.strategy, "placement", None)  # host_memory_budget's plan, made at setup
         self.placement = placement.as_dict() if placement is not None else None
+        desk = getattr(trainer.strategy, "device_placement", None)  # device_memory_budget's plan
+        self.device_placement = desk.as_dict() if desk is not None else None
         if not self.stores and not self._said_none:
             rank_zero_info("IOTelemetry: no nvme_store on the strategy or the callbacks (plain Lightning strategy?); "
                            "I/O figures will be zero.")
@@ -195,6 +198,7 @@ class IOTelemetry(Callback):
             "stores": [f"{owner}:{getattr(s, 'path', '?')}" for owner, s in self.stores],
             "state_format": self.state_format,
             "placement": self.placement,
+            "device_placement": self.device_placement,
             "steps": self._steps, "train_seconds": seconds,
             "bytes_read": float(self.read_bytes.compute()) if self._steps else 0.0,
             "bytes_written": float(self.written_bytes.compute()) if self._steps else 0.0,
@@ -261,6 +265,7 @@ def format_summary(s: dict[str, Any], plot_path: str | None, summary_path: str |
         ("stores", ", ".join(s["stores"]) or "none (figures are zero)"),
         ("optimizer state format", s.get("state_format") or "-"),
         ("in RAM (host_memory_budget)", _placement(s.get("placement"))),
+        ("on the GPU (device_memory_budget)", _device_placement(s.get("device_placement"))),
         ("steps / train time", f"{s['steps']} steps, {s['train_seconds']:.1f} s"),
         ("read", f"{s['bytes_read'] / GB:.3f} GB ({s['bytes_read'] / steps / 1e6:.1f} MB/step)"),
         ("written", f"{s['bytes_written'] / GB:.3f} GB ({s['bytes_written'] / steps / 1e6:.1f} MB/step)"),
@@ -286,3 +291,11 @@ def _placement(p: dict[str, Any] | None) -> str:
     return (f"{p['ram_bytes'] / GB:.3f} GB of {p['budget_bytes'] / GB:.3f} GB budget ({p['blocks_in_ram']} blocks, "
             f"{p['chunks_in_ram']} chunks), {p['ssd_bytes'] / GB:.3f} GB on the SSD; planned disk I/O "
             f"{p['io_bytes_per_step_before'] / 1e6:.1f} -> {p['io_bytes_per_step_after'] / 1e6:.1f} MB/step")
+
+
+def _device_placement(p: dict[str, Any] | None) -> str:
+    if not p:
+        return "-"
+    return (f"{p['device_bytes'] / GB:.3f} GB of {p['budget_bytes'] / GB:.3f} GB budget ({p['blocks_on_device']} blocks "
+            f"kept), {p['streamed_bytes'] / GB:.3f} GB streamed; planned host <-> device copies "
+            f"{p['copy_bytes_per_step_before'] / 1e6:.1f} -> {p['copy_bytes_per_step_after'] / 1e6:.1f} MB/step")

@@ -129,6 +129,14 @@ class ParamOffload:
                 self._load_pre_hook(block), with_module=True))
             self._state_hooks.append(block.module.register_load_state_dict_post_hook(self._load_post_hook(block)))
 
+    def keep_on_device(self, regions: set[str]) -> None:
+        """Keep the blocks of these regions on the device from now on (``device_memory_budget``): each is
+        copied up once now and stays bound; the others stream as before."""
+        assert self.residency is not None
+        for block in self.blocks:
+            if block.region in regions:
+                self.residency.keep(block)
+
     def finish_step(self) -> None:
         if self.scheduler is not None:
             self.scheduler.finish_step()
@@ -152,14 +160,20 @@ class ParamOffload:
         for block in self.blocks:
             if restore:
                 values = self.residency.read_values(block)
+                self.residency.unkeep(block, write=False)  # the module holds the values now, not the store
                 for slot in block.slots:
                     slot.param.data = values[slot.name]
-            elif not self.residency.is_resident(block):  # resident only if setup failed midway: left as it is
-                self.residency.unbind(block, host)
+            else:
+                self.residency.unkeep(block)  # a block kept on the device: its changes go to the store
+                if not self.residency.is_resident(block):  # resident only if setup failed midway: left as it is
+                    self.residency.unbind(block, host)
         if restore:
             for h in self._state_hooks:
                 h.remove()
             self._state_hooks = []
+            # The blocks' store regions are never read again (the weights are the module's; a checkpoint after
+            # fit gathers them from it, a new run makes its own store): the RAM copies need no write-back.
+            self.residency.store.discard_shelved([b.region for b in self.blocks])
         self.residency.drain()
         self.residency.staging.close()
         if restore:

@@ -7,6 +7,11 @@ buffers; memory is bounded by the hold/prefetch rules of ``BlockScheduler`` plus
 buffers whose write-back is still in flight. What the parameters point at while a block is bound is the
 ``Staging``'s business (``lightning_nvme.params.staging``): the host buffer itself on CPU, a device copy
 on CUDA, written back through the host buffer once its copy has completed.
+
+A block *kept* on the device (``keep``, ``device_memory_budget``) is loaded like any other the first time;
+at its first eviction its device copy stays, its parameters stay bound to it and its host buffer is
+recycled: from then on it is neither read, copied nor written back until ``unkeep`` (the end of fit).
+Its device copy is then the truth (``read_values`` and ``in_store`` say so).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class ResidencyStats:
     bound_blocks: int = 0  # blocks whose parameters point at their values (on an accelerator: device copies)
     peak_bound_blocks: int = 0
     early_uploads: int = 0  # device copies started once a read ahead completed, before the block was needed
+    kept_blocks: int = 0  # blocks whose device copy stays bound between uses (``keep``)
+    kept_bytes: int = 0
     staging: StagingStats = field(default_factory=StagingStats)
 
 
@@ -51,6 +58,8 @@ class _State:
     shelved: bool = False  # ``buffer`` is the store's in-memory copy of the region (``FlatStore.shelved``)
     retained: bool = False  # at its last eviction, something (autograd) still held its device copy
     uploaded: Any = None  # a device copy started before the block is bound (``upload_ready``)
+    desk: bool = False  # keep its device copy after use (``keep``)
+    kept: torch.Tensor | None = None  # that copy once made: the parameters stay bound to it, ``buffer`` is None
     refs: Counter = field(default_factory=Counter)
 
 
@@ -86,7 +95,11 @@ class BlockResidency:
         """A block's true values (from memory if resident, else read from the store): copies, or with
         ``copy=False`` views of one buffer (the block's, or a fresh one read for the caller; one block of memory)."""
         st = self._state[block.index]
-        if st.buffer is not None:
+        if st.kept is not None:  # its device copy is the truth
+            buf = self.staging.caller_buffer(self._capacity(block))
+            self.staging.to_host(st.kept, buf).synchronize()
+            copy = False
+        elif st.buffer is not None:
             self._wait_read(block)
             buf = st.buffer
             if st.device is not None and st.device is not st.buffer:  # a device copy is the truth: fetch it
@@ -115,6 +128,8 @@ class BlockResidency:
 
     def prefetch(self, block: BlockLayout) -> None:
         st = self._state[block.index]
+        if st.kept is not None:
+            return
         self._issue_writes()
         if st.buffer is None:
             self._issue_writes(of=block)  # the read must see this block's last write-back
@@ -130,6 +145,9 @@ class BlockResidency:
 
     def acquire(self, block: BlockLayout, why: str) -> None:
         st = self._state[block.index]
+        if st.kept is not None:  # bound already, nothing moves
+            st.refs[why] += 1
+            return
         if st.buffer is None:
             self.stats.sync_loads += 1
             self.prefetch(block)
@@ -175,6 +193,9 @@ class BlockResidency:
         if st.buffer is None:
             return
         self._wait_read(block)
+        if st.desk and st.bound:
+            self._keep_bound(block)
+            return
         if st.shelved:  # the shelf is the block's storage: a device copy comes back into it, nothing else moves
             if st.dirty and st.device is not None:
                 self.staging.to_host(st.device, st.buffer).synchronize()
@@ -208,7 +229,49 @@ class BlockResidency:
         """Whether the store holds the block's current values once the writes issued so far complete: not resident
         (its write-back is issued, see ``issue_writes``) or resident and unchanged. A checkpoint clones those."""
         st = self._state[block.index]
-        return st.buffer is None or not st.dirty
+        return (st.buffer is None and st.kept is None) or not st.dirty
+
+    # ---- blocks kept on the device (device_memory_budget) -------------------------------------------
+    def keep(self, block: BlockLayout) -> None:
+        """From now on, keep this block's device copy bound after use (made at once: loaded, bound, kept)."""
+        st = self._state[block.index]
+        st.desk = True
+        if st.kept is None and not +st.refs:
+            self.acquire(block, "keep")
+            self.release(block, "keep")
+
+    def kept(self, block: BlockLayout) -> bool:
+        return self._state[block.index].kept is not None
+
+    def unkeep(self, block: BlockLayout, write: bool = True) -> None:
+        """Let go of the block's device copy (the end of fit), written back to the store first if it changed and
+        ``write``; the parameters get placeholders."""
+        st = self._state[block.index]
+        st.desk = False
+        if st.kept is None:
+            return
+        if +st.refs:
+            raise RuntimeError(f"block {block.name} is held ({dict(st.refs)}); its device copy cannot go (a bug)")
+        if write and st.dirty:
+            buf = self._new_buffer(block)
+            self._write(block, buf, 0 if st.dirty_whole else block.writable_offset, self.staging.to_host(st.kept, buf))
+        self.stats.kept_blocks -= 1
+        self.stats.kept_bytes -= block.nbytes
+        self._count_bound(-1)
+        st.kept, st.device, st.bound, st.dirty, st.dirty_whole = None, None, False, False, False
+        self._unbind(block)
+
+    def _keep_bound(self, block: BlockLayout) -> None:
+        """The block's last holder let go: its device copy stays (parameters bound), its host buffer goes."""
+        st = self._state[block.index]
+        assert st.buffer is not None  # evicting a block in memory
+        if not st.shelved and st.device is not st.buffer:
+            self.staging.recycle(st.buffer)
+        st.kept, st.buffer, st.read, st.uploaded, st.shelved = st.device, None, None, None, False
+        st.refs.clear()
+        self._count(block, -1)
+        self.stats.kept_blocks += 1
+        self.stats.kept_bytes += block.nbytes
 
     def drain(self) -> None:
         """Wait for every write-back in flight (their buffers are then freed)."""

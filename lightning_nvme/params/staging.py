@@ -68,6 +68,7 @@ class StagingStats:
 class Staging(Protocol):
     stats: StagingStats
     reuses_buffers: bool  # host buffers return to a pool (values handed out must be copies)
+    device_copies: bool  # bound parameters are copies in device memory (not the host buffer itself)
 
     def host_buffer(self, nbytes: int) -> torch.Tensor: ...
 
@@ -92,6 +93,7 @@ class HostStaging:
     """CPU: the host buffer is the parameters' storage; every call but the allocation is a no-op."""
 
     reuses_buffers = False
+    device_copies = False
 
     def __init__(self) -> None:
         self.stats = StagingStats()
@@ -112,6 +114,8 @@ class HostStaging:
         return host
 
     def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready:
+        if device.data_ptr() != host.data_ptr():  # a block kept bound (``device_memory_budget``) read for a caller
+            host.copy_(device)
         return DONE
 
     def retained(self, device: torch.Tensor) -> bool:
@@ -155,6 +159,7 @@ class CudaStaging:
     """
 
     reuses_buffers = True
+    device_copies = True
 
     def __init__(self, device: torch.device, buffer_bytes: int, pool_size: int, ops: Any = None) -> None:
         self.device = device

@@ -287,6 +287,11 @@ class FlatStore:
                 self.wait(self.read(name, data))
             self.shelf.hold(name, data)
 
+    def discard_shelved(self, names: list[str]) -> None:
+        """Stop holding these regions without writing them back: for a caller that never reads them again (their
+        disk copy stays stale)."""
+        self.shelf.drop(names)
+
     def shelved(self, name: str) -> torch.Tensor | None:
         """The memory holding region ``name`` if it is shelved (uint8, its capacity): callers may work in it in
         place; a write of that same tensor is then free."""

@@ -6,7 +6,8 @@ the same bytes the disk would have held, and results stay bitwise equal. A reque
 memory copy done at submit time (a completed handle comes back), skipped when the caller hands the shelf's
 own tensor (``FlatStore.shelved``: the optimizer and the parameter blocks work in it in place, zero copy).
 The disk copy of a shelved region is stale until ``FlatStore.close`` writes the shelf back, so a store
-reopened after ``fit`` reads the true bytes.
+reopened after ``fit`` reads the true bytes (unless its owner discarded it, ``FlatStore.discard_shelved``:
+parameter blocks restored into the module are never read from the store again).
 """
 
 from __future__ import annotations
@@ -33,6 +34,10 @@ class Shelf:
 
     def names(self) -> list[str]:
         return list(self._held)
+
+    def drop(self, names: list[str]) -> None:
+        for name in names:
+            self._held.pop(name, None)
 
     def take_all(self) -> dict[str, torch.Tensor]:
         """Empty the shelf, returning what it held (to write it back to the disk)."""

@@ -54,7 +54,8 @@ from lightning_nvme.models.hub_export import (
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
-from lightning_nvme.placement import Item, block_item
+from lightning_nvme.placement import DevicePlacement, Item, block_item, device_block_item, plan_device
+from lightning_nvme.preflight import check_device_memory_budget
 from lightning_nvme.settings import OffloadSettings, from_arguments, with_settings
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
@@ -82,6 +83,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                          precision_plugin=precision_plugin)
         self._init_offload(config)
         self.param_offload: ParamOffload | None = None
+        self.device_placement: DevicePlacement | None = None  # blocks kept on the GPU (device_memory_budget)
         self.checkpoint_saves: list[snapshot.SaveRecord] = []  # how each save copied the state (telemetry)
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
@@ -98,6 +100,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.param_offload = None
+        self.device_placement = None
         if self.config.offload_params and trainer.state.fn == TrainerFn.FITTING:
             self._check_param_offload_supported()
             s = self.config
@@ -125,14 +128,35 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
                            f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
                            f"resident ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
+            self._plan_desk()
+
+    def _plan_desk(self) -> None:
+        """``device_memory_budget``: the blocks worth most host <-> device copies per byte stay on the GPU (copied
+        up once, here); planned before the shelf, which then holds none of them (they no longer move)."""
+        if not self.config.device_memory_budget or self.param_offload is None:
+            return
+        assert self.nvme_store is not None and self.param_offload.residency is not None
+        budget = self.config.device_memory_budget
+        if not self.param_offload.residency.staging.device_copies:
+            raise ConfigError("device_memory_budget", f"{self.strategy_name}: device_memory_budget={budget} keeps "
+                              "blocks in GPU memory, but the parameters are used in host memory (device "
+                              f"{self.root_device}): it would be ignored. Fix: host_memory_budget keeps blocks in "
+                              "host RAM; set device_memory_budget=0 off CUDA.")
+        check_device_memory_budget(budget, self.root_device)
+        self.device_placement = plan_device(
+            [device_block_item(b.region, self.nvme_store.region(b.region).capacity, b.trainable)
+             for b in self.param_offload.blocks], budget)
+        self.param_offload.keep_on_device(self.device_placement.on_device)
+        rank_zero_info(f"{self.strategy_name}: {self.device_placement.summary()}")
 
     @override
     def _shelf_items(self) -> list[Item]:
         items = super()._shelf_items()
         if self.param_offload is not None:
             assert self.nvme_store is not None
+            on_device = self.device_placement.on_device if self.device_placement is not None else set()
             items += [block_item(b.region, self.nvme_store.region(b.region).capacity, b.writable_offset, b.trainable)
-                      for b in self.param_offload.blocks]
+                      for b in self.param_offload.blocks if b.region not in on_device]  # kept: never move
         return items
 
     def _check_param_offload_supported(self) -> None:

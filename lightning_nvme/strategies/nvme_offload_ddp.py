@@ -37,6 +37,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -46,6 +47,8 @@ from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import sharded
 from lightning_nvme.config import ConfigError, reject_unknown
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
+from lightning_nvme.placement import available_host_memory, resolve_budget
+from lightning_nvme.preflight import check_host_memory_budget
 from lightning_nvme.settings import DDPOffloadSettings, from_arguments, with_settings
 from lightning_nvme.strategies.offload import OffloadStrategy
 from lightning_nvme.strategies.param_broadcast import ParamBroadcast, plan_items
@@ -106,6 +109,21 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
     @override
     def _store_rank(self) -> int:
         return self.global_rank
+
+    # ---- the host's memory budget ------------------------------------------------------------------------
+    @override
+    def _host_budget(self) -> int:
+        """``host_memory_budget`` bounds the host, not each process: its ranks share it evenly. Every rank
+        decides from the same numbers (the least memory any rank saw available), so all accept or all refuse
+        together, before any shelves anything; a rank deciding alone could refuse while the others wait."""
+        available = min(self._all_gather(available_host_memory()))
+        host = resolve_budget(self.config.host_memory_budget, available)
+        check_host_memory_budget(host, self.config.host_memory_budget, available)
+        ranks = max(1, self.num_processes)
+        if host:
+            rank_zero_info(f"{self.strategy_name}: host_memory_budget {host} bytes for the host, {host // ranks} "
+                           f"bytes for each of its {ranks} ranks")
+        return host // ranks
 
     # ---- ownership ----------------------------------------------------------------------------------------
     @override

@@ -96,9 +96,17 @@ class OffloadStrategy(Strategy):
     def _shelf_items(self) -> list[Item]:
         """The regions a step moves, for the placement plan (``host_memory_budget``): optimizer chunks here,
         parameter blocks in the strategy that offloads them."""
-        return [chunk_item(c.region, c.nbytes) for off in self.offloaded for c in off.chunks]
+        # a chunk's whole region (page-aligned): what the optimizer reads and writes, and what the shelf holds
+        return [chunk_item(c.region, off.capacity[c.index]) for off in self.offloaded for c in off.chunks]
 
     # ---- the shelf: what stays in host memory (host_memory_budget, lightning_nvme.placement) --------------
+    def _host_budget(self) -> int:
+        """This process's share of ``host_memory_budget`` in bytes, checked against the memory available now
+        (one process: all of it; data parallel splits the host's among its ranks)."""
+        budget = resolve_budget(self.config.host_memory_budget)
+        check_host_memory_budget(budget, self.config.host_memory_budget)
+        return budget
+
     def _plan_shelf(self) -> None:
         """Place the store's regions in RAM or on the SSD (at setup, after every region exists), and shelve
         those in RAM; later calls place regions added since (parameters added mid-run)."""
@@ -106,9 +114,7 @@ class OffloadStrategy(Strategy):
             return
         items = self._shelf_items()
         if self.placement is None:
-            budget = resolve_budget(self.config.host_memory_budget)
-            check_host_memory_budget(budget, self.config.host_memory_budget)
-            self.placement = plan_placement([], budget)
+            self.placement = plan_placement([], self._host_budget())
         if len(items) == len(self.placement.items):
             return
         placed = set(self.placement.extend(items))

@@ -21,7 +21,7 @@ def test_without_cuda_it_says_so_and_exits_cleanly(tmp_path):
     result = json.loads(out.stdout.strip().splitlines()[-1])
     assert result["skipped"] == "no CUDA device" and result["ok"] is False
     assert result["cases"] == ["activation_offload", "params_backward", "params_step", "params_bf16", "params_resume",
-                               "params_keep", "params_delayed", "sanitizer"]
+                               "params_keep", "params_delayed", "sanitizer", "params_desk", "params_desk_half"]
     assert os.listdir(tmp_path) == []
 
 

@@ -44,6 +44,33 @@ def test_shelved_region_is_served_from_memory_and_written_back_at_close(tmp_path
         reopened.close()
 
 
+def test_a_discarded_shelved_region_is_not_written_back(tmp_path):
+    """``discard_shelved``: for an owner that never reads the region again (parameter blocks restored into the
+    module): close writes nothing for it, and its disk copy keeps the bytes it had before it was shelved."""
+    store = FlatStore(tmp_path, io_chunk_bytes=1 << 20)
+    store.add_regions([("a", 8192), ("b", 8192)])
+    old = torch.full((8192,), 1, dtype=torch.uint8)
+    store.wait(store.write("a", old))
+    store.wait(store.write("b", old))
+    store.shelve(["a", "b"])
+    store.wait(store.write("a", torch.full((8192,), 2, dtype=torch.uint8)))
+    store.wait(store.write("b", torch.full((8192,), 3, dtype=torch.uint8)))
+    store.discard_shelved(["a"])
+    written = store.stats.bytes_written
+    assert store.shelved("a") is None and store.shelf.nbytes == 8192
+    store.close()
+    assert store.stats.bytes_written == written + 8192  # "b" only
+    reopened = FlatStore(tmp_path, reopen=True, io_chunk_bytes=1 << 20)
+    out = torch.empty(8192, dtype=torch.uint8)
+    try:
+        reopened.wait(reopened.read("a", out))
+        assert torch.equal(out, old)
+        reopened.wait(reopened.read("b", out))
+        assert bool((out == 3).all())
+    finally:
+        reopened.close()
+
+
 def test_work_in_the_shelf_itself_costs_no_copy(store):
     store.add_regions([("a", 4096)])
     store.shelve(["a"], load=False)

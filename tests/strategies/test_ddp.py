@@ -308,7 +308,18 @@ def _train(run: dict, world: int) -> None:
                     trainer.strategy.barrier()
                     os.kill(os.getpid(), signal.SIGKILL)
 
-    callbacks = [Record()] + ([SaveAndKill()] if run.get("save") else [])
+    shelf: dict = {}
+
+    class Shelf(Callback):
+        """What this rank kept in RAM while training ran (host_memory_budget; the store's close empties the shelf)."""
+
+        def on_train_end(self, trainer, pl_module):
+            s = trainer.strategy
+            if getattr(s, "nvme_store", None) is not None and s.placement is not None:
+                shelf.update(shelf_bytes=s.nvme_store.shelf.nbytes, placement=s.placement.as_dict(),
+                             local_ranks=s.num_processes)
+
+    callbacks = [Record(), Shelf()] + ([SaveAndKill()] if run.get("save") else [])
     if run.get("model_checkpoint"):
         from lightning.pytorch.callbacks import ModelCheckpoint
 
@@ -331,9 +342,16 @@ def _train(run: dict, world: int) -> None:
             return original(self, c)
 
         OffloadedOptimizer._update_chunk = counting
-    trainer.fit(model, ckpt_path=run.get("resume"))
+    try:
+        trainer.fit(model, ckpt_path=run.get("resume"))
+    except Exception as e:  # noqa: BLE001  (a run that must be refused on every rank records its error)
+        if not run.get("expect_error"):
+            raise
+        os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
+        torch.save({"error": f"{type(e).__name__}: {e}"}, f"{run['out']}.rank{trainer.global_rank}.pt")
+        return
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "global_step": trainer.global_step,
-           "grad_norms": norms, "updated_in_backward": updated_in_backward}
+           "grad_norms": norms, "updated_in_backward": updated_in_backward, **shelf}
     if run["strategy"] != "ddp":
         out["offloaded"] = len(trainer.strategy.offloaded)
     if run["strategy"] != "ddp" and trainer.strategy.offloaded:

@@ -183,6 +183,44 @@ def test_weights_after_fit_come_from_ram_copies(tmp_path):
             assert torch.equal(exported[name], p), name
 
 
+class WritesAfterTraining(Callback):
+    """The regions written to the store after training ended (teardown: the store's close writes the shelf back)."""
+
+    def __init__(self, monkeypatch) -> None:
+        self.regions: list[str] = []
+        self.after = False
+        original = FlatStore.write
+
+        def write(store, name, tensor, offset=0):
+            if self.after:
+                self.regions.append(name)
+            return original(store, name, tensor, offset)
+
+        monkeypatch.setattr(FlatStore, "write", write)
+
+    def on_train_end(self, trainer, pl_module):
+        self.after = True
+
+
+@pytest.mark.parametrize("restore", [True, False], ids=["restore", "keep-in-store"])
+def test_close_writes_back_only_what_is_read_again(tmp_path, monkeypatch, restore):
+    """restore_params=True: the blocks' values go back into the module and their store regions are never read
+    again (a checkpoint after fit gathers the weights from the module), so the RAM copies of the blocks are not
+    written back at close; the optimizer chunks are (a checkpoint after fit streams them from the store).
+    restore_params=False: the store is where the weights stay, so the blocks are written back too."""
+    ref = fit(tmp_path / "ref", "auto", "adamw")
+    writes = WritesAfterTraining(monkeypatch)
+    strategy = offload(tmp_path / "off", EVERYTHING, restore_params=restore)
+    model = fit(tmp_path / "off", strategy, "adamw", [writes])
+    blocks = {b.region for b in strategy.param_offload.blocks}
+    chunks = {c.region for off in strategy.offloaded for c in off.chunks}
+    assert blocks <= strategy.placement.in_ram and chunks <= strategy.placement.in_ram
+    assert chunks <= set(writes.regions)
+    assert not blocks & set(writes.regions) if restore else blocks <= set(writes.regions)
+    if restore:
+        assert_same(ref, model, "restored from the shelf")
+
+
 def test_budget_above_available_memory_is_refused(tmp_path):
     too_much = available_host_memory() + 64 * GiB
     with pytest.raises(ConfigError, match="host_memory_budget.*available"):

@@ -195,11 +195,12 @@ class FlatStore:
         return self.layout.end
 
     def extents(self, name: str) -> list[tuple[str, int, int, int]]:
-        """Where region ``name``'s bytes are on disk: ``(file path, file offset, offset in region, length)``
-        pieces, one for an unstriped store. For whoever addresses the files directly (e.g. cloning them)."""
+        """Where region ``name``'s bytes (its whole capacity) are on disk: ``(file path, file offset, offset in
+        region, length)`` pieces, one per stripe unit (one unstriped). For whoever addresses the files directly
+        (a reflink snapshot clones them)."""
         r = self.layout[name]
         return [(self.paths[i], file_off, a, n) for i, a, file_off, n in
-                self.stripe_map.pieces(r.offset, r.nbytes, max(r.nbytes, 1))]
+                self.stripe_map.pieces(r.offset, r.capacity, max(r.capacity, 1))]
 
     # ---- chunk jobs ---------------------------------------------------------------------------
     def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file: StoreFile, file_off: int, region: str,

@@ -35,6 +35,7 @@ from lightning_nvme import fsinfo, reflink
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.safetensors_stream import DTYPES
 from lightning_nvme.checkpoint.streamed import PAD_PREFIX, file_metadata, format_entry, optimizer_file, tensor_name
+from lightning_nvme.config import ConfigError
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.buffers import memview
@@ -84,6 +85,19 @@ def choose(store: FlatStore, checkpoint_path: str, regions: list[str]) -> tuple[
         return False, (f"store regions ({bad[0]}, ...) are not aligned to the filesystem block size {bs}: "
                        "clones need block-aligned ranges")
     return True, ""
+
+
+def plan(store: FlatStore, path: str, regions: list[str], checkpoint_copy: str, strategy: str) -> tuple[bool, str]:
+    """Whether a save to ``path`` clones ``regions`` of ``store`` (the setting ``checkpoint_copy``), and if not why;
+    ``"reflink"`` refuses (``ConfigError``) where clones are impossible instead of streaming."""
+    if checkpoint_copy == "streamed":
+        return False, "checkpoint_copy='streamed'"
+    clone, reason = choose(store, path, regions)
+    if not clone and checkpoint_copy == "reflink":
+        raise ConfigError("checkpoint_copy", f"{strategy}: 'reflink' is set but {path} cannot be a reflink "
+                          f"snapshot of the store: {reason}. Put the checkpoints on the store's XFS/btrfs "
+                          "filesystem, or set checkpoint_copy='auto' (streamed where clones are impossible).")
+    return clone, reason
 
 
 # One clone: (source file, offset in it, offset in the state file's data, bytes).
@@ -145,12 +159,17 @@ def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: st
     """Optimizer ``i``'s state file in ``directory`` as clones of its store regions (fsynced); returns its marker
     (as ``streamed.write_optimizer``'s, plus the param shapes its range entries need) and the bytes cloned.
     The caller has fenced and fdatasynced the store: a clone copies what is on disk."""
-    entries, clones = _layout(off)
-    head = _header(entries, file_metadata(save_id), block)
-    assert off.store is not None
-    _write_file(os.path.join(directory, optimizer_file(i)), head, clones, entries[-1].end if entries else 0, block)
+    cloned = write_state(off, os.path.join(directory, optimizer_file(i)), file_metadata(save_id), block)
     marker = {"file": optimizer_file(i), **format_entry(off), "shapes": [list(p.shape) for p in off.params]}
-    return marker, sum(n for *_, n in clones)
+    return marker, cloned
+
+
+def write_state(off: OffloadedOptimizer, path: str, metadata: dict[str, str], block: int) -> int:
+    """The state file ``path`` of ``off``'s (initialized) state as clones of its store regions, fsynced; returns the
+    bytes cloned. A data-parallel rank's shard is this file of its own store (its pieces are ranges, named so)."""
+    entries, clones = _layout(off)
+    _write_file(path, _header(entries, metadata, block), clones, entries[-1].end if entries else 0, block)
+    return sum(n for *_, n in clones)
 
 
 def _write_file(path: str, head: bytes, clones: list[Clone], end: int, block: int,

@@ -129,3 +129,39 @@ def test_stripe_unit_not_a_multiple_of_the_block_is_not_cloned(xfs_dir, monkeypa
         assert reason == ("the store's stripe_bytes (12288) is not a multiple of the filesystem block size 8192: "
                           "clones need block-aligned ranges")
         store.close(delete=True)
+
+
+def test_striped_offload_params_weights_are_cloned_unit_by_unit(xfs_dir, tmp_path, monkeypatch):
+    """``offload_params`` over two stripe directories: ``weights.safetensors`` is the block regions cloned stripe unit
+    by stripe unit; a save mid-fit holds the same weights and optimizer state as a streamed save of that instant."""
+    from _param_offload_model import TinyGPT
+    from test_checkpoint_reflink import _SaveAtEpochEnd
+    from test_param_offload import trainer as param_trainer
+
+    weights_cloned: list[int] = []  # bytes of the weights file cloned, per reflink save
+    write_weights = snapshot.write_weights
+
+    def counting(*args, **kwargs) -> int:
+        weights_cloned.append(write_weights(*args, **kwargs))
+        return weights_cloned[-1]
+
+    monkeypatch.setattr(snapshot, "write_weights", counting)
+    a, b = str(xfs_dir / "s-params" / "a.ckpt"), str(tmp_path / "b.ckpt")
+    strategy = NVMeOffloadStrategy(store_dir=_dirs(xfs_dir / "s-params"), chunk_bytes=64 << 10, offload_params=True,
+                                   overlap="backward", inline_weights_bytes=0, stripe_bytes=4096)
+    t = param_trainer(tmp_path / "run", strategy, steps=-1, max_epochs=1, callbacks=[_SaveAtEpochEnd(a, b)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", PreflightWarning)
+        t.fit(TinyGPT())
+    assert [r.path for r in strategy.checkpoint_saves] == ["reflink", "streamed"]
+    record = strategy.checkpoint_saves[0]
+    assert "weights.safetensors" in record.files and len(weights_cloned) == 1 and weights_cloned[0] > 0
+    saved_a, saved_b = (torch.load(p, weights_only=True)["state_dict"] for p in (a, b))
+    assert saved_a.keys() == saved_b.keys()
+    for name, p in saved_b.items():
+        assert torch.equal(saved_a[name], p), name
+    cloned, copied = _optimizer_tensors(a, tmp_path), _optimizer_tensors(b, tmp_path)
+    for s, r in zip(cloned, copied):
+        for index, entries in r["state"].items():
+            for key, v in entries.items():
+                assert torch.equal(s["state"][index][key], v) if torch.is_tensor(v) else s["state"][index][key] == v

@@ -165,3 +165,21 @@ def test_striped_offload_params_weights_are_cloned_unit_by_unit(xfs_dir, tmp_pat
         for index, entries in r["state"].items():
             for key, v in entries.items():
                 assert torch.equal(s["state"][index][key], v) if torch.is_tensor(v) else s["state"][index][key] == v
+
+
+def test_checkpoint_copy_decides_for_a_striped_store_as_for_one(tmp_path):
+    """``snapshot.plan``, which both strategies (and each data-parallel rank) ask: ``"streamed"`` never clones,
+    ``"auto"`` streams where clones are impossible saying why, ``"reflink"`` refuses there naming the strategy."""
+    from lightning_nvme.config import ConfigError
+
+    if reflink.probe(str(tmp_path)).supported:
+        pytest.skip(f"{tmp_path} supports reflinks: this test needs a filesystem without them")
+    with FlatStore(_dirs(tmp_path), stripe_bytes=4096) as store:
+        store.add_regions([("a", 64 << 10)])
+        path = str(tmp_path / "c.ckpt")
+        assert snapshot.plan(store, path, ["a"], "streamed", "nvme_offload_ddp") == (False, "checkpoint_copy='streamed'")
+        clone, reason = snapshot.plan(store, path, ["a"], "auto", "nvme_offload_ddp")
+        assert not clone and "FICLONE" in reason
+        with pytest.raises(ConfigError, match="checkpoint_copy: nvme_offload_ddp: 'reflink' is set but .*FICLONE"):
+            snapshot.plan(store, path, ["a"], "reflink", "nvme_offload_ddp")
+        store.close(delete=True)

@@ -144,7 +144,7 @@ class OffloadSettings:
                  "``<file>.optim/<save id>/weights.safetensors``, one block in memory at a time.",
         nbytes(0, typical="0 to always stream the weights beside the file"))
     checkpoint_copy: str = setting(
-        "auto", "How a checkpoint copies the optimizer state out of the store (``nvme_offload``): ``\"reflink\"`` "
+        "auto", "How a checkpoint copies the optimizer state out of the store (each rank its shard): ``\"reflink\"`` "
                 "clones the store's extents (XFS/btrfs, checkpoint on the store's filesystem; refused elsewhere), "
                 "``\"streamed\"`` reads and writes every byte, ``\"auto\"`` reflinks where the filesystem allows; "
                 "see docs/checkpoints.md.", one_of("auto", "reflink", "streamed"))

@@ -20,6 +20,7 @@ from typing import Any
 
 import torch
 
+from lightning_nvme.checkpoint import snapshot
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsWriter
 from lightning_nvme.checkpoint.streamed import file_metadata, tensor_name
 from lightning_nvme.optim import OffloadedOptimizer, Partition, Piece
@@ -74,3 +75,12 @@ def write_shard(off: OffloadedOptimizer, directory: str, i: int, rank: int, save
     finally:
         writer.close()
     return name
+
+
+def clone_shard(off: OffloadedOptimizer, directory: str, i: int, rank: int, save_id: str, block: int) -> tuple[str, int]:
+    """``write_shard`` as clones of this rank's own store regions (``snapshot.write_state``; the store fenced and
+    fdatasynced): the same values, one entry per chunk piece instead of per owned range, which every reader (resume
+    at any world size, ``convert``) assembles alike. Returns the file name and the bytes cloned."""
+    name = shard_file(i, rank)
+    return name, snapshot.write_state(off, os.path.join(directory, name), file_metadata(save_id, rank=str(rank)),
+                                      block)

@@ -10,7 +10,9 @@ format (resume, ``convert``) reads it unchanged. Training's next writes to the s
 write), so the file keeps the state of the instant it was cloned: after the store's fence and fdatasync.
 
 Why whole regions: chunk regions start and end on 4 KiB boundaries, the pieces inside them do not; cloning the
-region keeps every clone block-aligned and the written bytes independent of how pieces are packed.
+region keeps every clone block-aligned and the written bytes independent of how pieces are packed. A striped
+store's region is cloned one stripe unit at a time, each from the file that holds it (``FlatStore.extents``), into
+one state file: the same file as from one directory; ``stripe_bytes`` must then be a multiple of the block.
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ from lightning_nvme import fsinfo, reflink
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.safetensors_stream import DTYPES
 from lightning_nvme.checkpoint.streamed import PAD_PREFIX, file_metadata, format_entry, optimizer_file, tensor_name
+from lightning_nvme.config import ConfigError
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.buffers import memview
@@ -58,23 +61,52 @@ class SaveRecord:
 
 
 def choose(store: FlatStore, checkpoint_path: str, regions: list[str]) -> tuple[bool, str]:
-    """Whether this save can clone ``regions`` of ``store`` into ``checkpoint_path``'s directory, and if not why."""
+    """Whether this save can clone ``regions`` of ``store`` into ``checkpoint_path``'s directory, and if not why.
+    A striped store clones each stripe unit from its own file, so every stripe file must be on the checkpoint's
+    filesystem and every unit block-aligned."""
     directory = os.path.dirname(os.path.abspath(checkpoint_path))
     os.makedirs(directory, exist_ok=True)
-    if len(getattr(store, "paths", [store.path])) > 1:
-        return False, "the store is striped over several files (store_dir lists several directories)"
-    if not reflink.same_filesystem(store.path, directory):
-        return False, (f"the checkpoint directory {directory} is not on the store's filesystem ({store.directory}); "
-                       "a reflink cannot cross filesystems")
+    for path in store.paths:
+        if not reflink.same_filesystem(path, directory):
+            what = ("the store's filesystem" if len(store.paths) == 1 else
+                    f"the filesystem of the store's stripe file {path}")
+            return False, (f"the checkpoint directory {directory} is not on {what} ({os.path.dirname(path)}); "
+                           "a reflink cannot cross filesystems")
     support = reflink.probe(directory)
     if not support.supported:
         return False, support.reason
     bs = support.block_size
-    bad = [r for r in regions if store.region(r).offset % bs or store.region(r).capacity % bs]
+    if len(store.paths) > 1 and store.stripe_map.stripe_bytes % bs:
+        return False, (f"the store's stripe_bytes ({store.stripe_map.stripe_bytes}) is not a multiple of the "
+                       f"filesystem block size {bs}: clones need block-aligned ranges")
+    bad = [r for r in regions if store.region(r).capacity % bs
+           or any(file_off % bs or n % bs for _, file_off, _, n in store.extents(r))]
     if bad:
         return False, (f"store regions ({bad[0]}, ...) are not aligned to the filesystem block size {bs}: "
                        "clones need block-aligned ranges")
     return True, ""
+
+
+def plan(store: FlatStore, path: str, regions: list[str], checkpoint_copy: str, strategy: str) -> tuple[bool, str]:
+    """Whether a save to ``path`` clones ``regions`` of ``store`` (the setting ``checkpoint_copy``), and if not why;
+    ``"reflink"`` refuses (``ConfigError``) where clones are impossible instead of streaming."""
+    if checkpoint_copy == "streamed":
+        return False, "checkpoint_copy='streamed'"
+    clone, reason = choose(store, path, regions)
+    if not clone and checkpoint_copy == "reflink":
+        raise ConfigError("checkpoint_copy", f"{strategy}: 'reflink' is set but {path} cannot be a reflink "
+                          f"snapshot of the store: {reason}. Put the checkpoints on the store's XFS/btrfs "
+                          "filesystem, or set checkpoint_copy='auto' (streamed where clones are impossible).")
+    return clone, reason
+
+
+# One clone: (source file, offset in it, offset in the state file's data, bytes).
+Clone = tuple[str, int, int, int]
+
+
+def _region_clones(store: FlatStore, name: str, pos: int) -> list[Clone]:
+    """The clones that place region ``name`` whole at data offset ``pos``: one per stripe unit (one piece unstriped)."""
+    return [(path, file_off, pos + a, n) for path, file_off, a, n in store.extents(name)]
 
 
 @dataclass
@@ -86,10 +118,10 @@ class _Entry:
     end: int
 
 
-def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[int, int, int]]]:
-    """The file's entries, and the (store offset, file data offset, bytes) of each chunk to clone."""
+def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[Clone]]:
+    """The file's entries, and the clones that place each chunk region with state in it."""
     entries: list[_Entry] = []
-    clones: list[tuple[int, int, int]] = []
+    clones: list[Clone] = []
     pos = 0
     store = off.store
     assert store is not None, "the optimizer's store is closed"
@@ -108,7 +140,7 @@ def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[int, int,
                 begin = pos + piece.slots[comp.name]
                 items.append(_Entry(name, DTYPES[comp.dtype], shape, begin, begin + count * comp.dtype.itemsize))
         _padded(items, pos, pos + region.capacity, entries)
-        clones.append((region.offset, pos, region.capacity))
+        clones += _region_clones(store, chunk.region, pos)
         pos += region.capacity
     return entries, clones
 
@@ -127,32 +159,39 @@ def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: st
     """Optimizer ``i``'s state file in ``directory`` as clones of its store regions (fsynced); returns its marker
     (as ``streamed.write_optimizer``'s, plus the param shapes its range entries need) and the bytes cloned.
     The caller has fenced and fdatasynced the store: a clone copies what is on disk."""
-    entries, clones = _layout(off)
-    head = _header(entries, file_metadata(save_id), block)
-    assert off.store is not None
-    _write_file(os.path.join(directory, optimizer_file(i)), off.store.path, head, clones,
-                entries[-1].end if entries else 0, block)
+    cloned = write_state(off, os.path.join(directory, optimizer_file(i)), file_metadata(save_id), block)
     marker = {"file": optimizer_file(i), **format_entry(off), "shapes": [list(p.shape) for p in off.params]}
-    return marker, sum(n for _, _, n in clones)
+    return marker, cloned
 
 
-def _write_file(path: str, store_path: str, head: bytes, clones: list[tuple[int, int, int]], end: int, block: int,
+def write_state(off: OffloadedOptimizer, path: str, metadata: dict[str, str], block: int) -> int:
+    """The state file ``path`` of ``off``'s (initialized) state as clones of its store regions, fsynced; returns the
+    bytes cloned. A data-parallel rank's shard is this file of its own store (its pieces are ranges, named so)."""
+    entries, clones = _layout(off)
+    _write_file(path, _header(entries, metadata, block), clones, entries[-1].end if entries else 0, block)
+    return sum(n for *_, n in clones)
+
+
+def _write_file(path: str, head: bytes, clones: list[Clone], end: int, block: int,
                 writes: Callable[[int], None] = lambda fd: None) -> None:
-    """Header, clones ``(store offset, data offset, bytes)``, then ``writes(fd)``; sized and fsynced."""
-    src = os.open(store_path, os.O_RDONLY)
+    """Header, the clones (each from its store file), then ``writes(fd)``; sized and fsynced."""
+    sources: dict[str, int] = {}
     try:
+        for source in dict.fromkeys(c[0] for c in clones):
+            sources[source] = os.open(source, os.O_RDONLY)
         fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
         try:
             os.pwrite(fd, head, 0)
-            for offset, data_offset, nbytes in clones:
-                reflink.clone_range(src, offset, fd, len(head) + data_offset, nbytes, block)
+            for source, offset, data_offset, nbytes in clones:
+                reflink.clone_range(sources[source], offset, fd, len(head) + data_offset, nbytes, block)
             writes(fd)
             os.ftruncate(fd, len(head) + end)
             os.fsync(fd)
         finally:
             os.close(fd)
     finally:
-        os.close(src)
+        for src in sources.values():
+            os.close(src)
 
 
 def _padded(items: list[_Entry], start: int, end: int, entries: list[_Entry]) -> None:
@@ -173,7 +212,7 @@ def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_st
     (``in_store(block)``) are entries inside their block region, cloned whole; the others (a block resident and
     changed, a second name of one parameter) are written after them. Returns the bytes cloned."""
     entries: list[_Entry] = []
-    clones: list[tuple[int, int, int]] = []
+    clones: list[Clone] = []
     written: list[tuple[weights.BesideWeight, str]] = []
     by_block: dict[int, list[weights.BesideWeight]] = {}
     for ref in weights.refs(state_dict).values():
@@ -195,7 +234,7 @@ def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_st
             items.append(_Entry(ref.key, ref.dtype, list(ref.shape), pos + slot.offset, pos + slot.offset + slot.nbytes))
         if items:
             _padded(items, pos, pos + region.capacity, entries)
-            clones.append((region.offset, pos, region.capacity))
+            clones += _region_clones(store, source.region, pos)
             pos += region.capacity
     tail = []
     for ref, _ in written:
@@ -220,8 +259,8 @@ def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_st
                     done += os.pwrite(fd, view[done:], len(head) + at[ref.key] + done)
             del values
 
-    _write_file(path, store.path, head, clones, pos, block, write_rest)
-    return sum(n for _, _, n in clones)
+    _write_file(path, head, clones, pos, block, write_rest)
+    return sum(n for *_, n in clones)
 
 
 class CheckpointSpaceError(OSError):

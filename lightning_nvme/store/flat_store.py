@@ -20,18 +20,17 @@ from collections.abc import Callable, Sequence
 
 import torch
 
-from lightning_nvme import atomic
 from lightning_nvme.constants import MiB
-from lightning_nvme.store import manifest
 from lightning_nvme.store.buffers import StagingPool, aligned_empty, is_direct_capable
 from lightning_nvme.store.digest import region_digests
 from lightning_nvme.store.engine import IOEngine
 from lightning_nvme.store.errors import StoreError, StoreIOError, StoreTimeoutError
 from lightning_nvme.store.file_io import StoreFile, chunk_job
 from lightning_nvme.store.handle import IOHandle, wait_all
-from lightning_nvme.store.layout import ALIGN, HEADER_BYTES, Layout, Region, align_up
+from lightning_nvme.store.layout import ALIGN, Region, align_up
 from lightning_nvme.store.lock import StoreLock
 from lightning_nvme.store.opening import open_files
+from lightning_nvme.store.regions import RegionTable
 from lightning_nvme.store.shelf import Shelf
 from lightning_nvme.store.stats import IOStats, StatsRecorder
 from lightning_nvme.store.stripes import STRIPE_BYTES
@@ -90,24 +89,19 @@ class FlatStore:
         self.path = self.paths[0]
         self.io_chunk_bytes = io_chunk_bytes
         self.io_timeout_s = io_timeout_s
-        self.min_free_bytes = min_free_bytes
         self._closing = False  # set by close(): no new requests while it drains
         self._closed = False
         self._first_error: BaseException | None = None
         self._submit_lock = threading.Lock()
-        self._layout_unsynced = False
         self._stats = StatsRecorder()
         self.shelf = Shelf()  # regions kept in memory (host_memory_budget); see shelve()
         opened = open_files(self.directories, base, reopen=reopen, direct=direct, stripe_bytes=stripe_bytes)
-        self._locks, self._files, self._stripes = opened.locks, opened.files, opened.stripes
-        self.stripe_map, self.manifest_path, recorded = opened.stripe_map, opened.manifest_path, opened.recorded
+        self._locks, self._files = opened.locks, opened.files
+        self.stripe_map, self.manifest_path = opened.stripe_map, opened.manifest_path
         try:
-            if recorded is not None:
-                self.layout = manifest.read_layout(self._files, recorded, self.manifest_path, self.stripe_map)
-            else:
-                self.layout = Layout()
-                self._allocate(0, HEADER_BYTES)
-                self._persist_layout()
+            self._regions = RegionTable(self._files, self.stripe_map, self.manifest_path, opened.stripes,
+                                        opened.recorded, min_free_bytes)
+            self.layout = self._regions.layout  # the regions, for lookups; changed only through add_regions
             self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes)
             multi = len(self._files) > 1
             # one queue and worker pool per file (disk); the first also orders all requests (logical byte ranges)
@@ -120,7 +114,7 @@ class FlatStore:
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d x %d file(s) pool=%d MiB", self.path, self.mode,
                  io_chunk_bytes // 1024, io_workers, len(self._files), self._pool.total_bytes // MiB)
 
-    # ---- file and manifest (store/file_io.py, store/manifest.py) ------------------------------------
+    # ---- files (store/file_io.py) ------------------------------------------------------------------
     @property
     def fd(self) -> int:
         return self._files[0].fd
@@ -139,47 +133,12 @@ class FlatStore:
     def _lock(self) -> StoreLock:
         return self._locks[0]
 
-    def _persist_layout(self, *, sync: bool = True) -> None:
-        """Write the header block and the manifest (fsync'ed when ``sync``). ``add_regions`` writes without
-        fsync (one per call made many small regions slow, docs/store.md) but at once, before a disk that fills
-        up later could refuse it; ``fence(durable=True)`` and ``close`` make it durable."""
-        manifest.write_layout(self._files, self.layout, self.manifest_path, sync=sync, stripes=self._stripes)
-        self._layout_unsynced = not sync
-
-    def _sync_layout(self) -> None:
-        """Make the last written manifest durable (no new blocks needed: works on a full disk)."""
-        if self._layout_unsynced:
-            atomic.fsync_path(self.manifest_path)
-            self._layout_unsynced = False
-
-    def _allocate(self, start: int, nbytes: int) -> None:
-        """Reserve disk blocks for logical [start, start+nbytes) in every file it maps to."""
-        for i, file in enumerate(self._files):
-            old = self.stripe_map.file_size(i, start) if start else 0
-            new = self.stripe_map.file_size(i, start + nbytes)
-            if new > old:
-                file.allocate(old, new - old, self.min_free_bytes)
-
-    # ---- regions ------------------------------------------------------------------------------
+    # ---- regions (store/regions.py) ----------------------------------------------------------------
     def add_regions(self, specs: list[tuple[str, int]]) -> list[Region]:
-        """Append regions ``(name, nbytes)`` to the layout and allocate their blocks in one go.
-
-        All or nothing: if any spec is invalid or the disk is short, the layout is left as it was."""
+        """Append regions ``(name, nbytes)`` to the layout and allocate their blocks in one go; all or nothing.
+        The manifest is written at once and made durable by the next ``fence(durable=True)`` or ``close()``."""
         self._check_usable()
-        start = self.layout.end
-        regions: list[Region] = []
-        try:
-            for n, b in specs:
-                regions.append(self.layout.add(n, b))
-            if self.layout.end > start:
-                self._allocate(start, self.layout.end - start)
-        except BaseException:
-            for r in regions:
-                del self.layout.regions[r.name]
-            self.layout.end = start
-            raise
-        self._persist_layout(sync=False)  # made durable by the next fence(durable=True) or close()
-        return regions
+        return self._regions.add(specs)
 
     def add_region(self, name: str, nbytes: int) -> Region:
         return self.add_regions([(name, nbytes)])[0]
@@ -195,11 +154,10 @@ class FlatStore:
         return self.layout.end
 
     def extents(self, name: str) -> list[tuple[str, int, int, int]]:
-        """Where region ``name``'s bytes are on disk: ``(file path, file offset, offset in region, length)``
-        pieces, one for an unstriped store. For whoever addresses the files directly (e.g. cloning them)."""
-        r = self.layout[name]
-        return [(self.paths[i], file_off, a, n) for i, a, file_off, n in
-                self.stripe_map.pieces(r.offset, r.nbytes, max(r.nbytes, 1))]
+        """Where region ``name``'s bytes (its whole capacity) are on disk: ``(file path, file offset, offset in
+        region, length)`` pieces, one per stripe unit (one unstriped). For whoever addresses the files directly
+        (a reflink snapshot clones them)."""
+        return self._regions.extents(name)
 
     # ---- chunk jobs ---------------------------------------------------------------------------
     def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file: StoreFile, file_off: int, region: str,
@@ -322,7 +280,7 @@ class FlatStore:
         if self._first_error is not None:
             raise self._first_error
         if durable:
-            self._sync_layout()
+            self._regions.sync()
             for file in self._files:
                 file.fdatasync()
             self._stats.add(fsyncs=1)
@@ -377,7 +335,7 @@ class FlatStore:
         self._closing = True
         try:
             if not delete:
-                self._sync_layout()
+                self._regions.sync()
             self.fence(timeout=self.io_timeout_s)
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             error = error or e

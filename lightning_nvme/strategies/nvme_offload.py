@@ -41,7 +41,6 @@ from lightning_nvme import checkpoint as ckpt
 from lightning_nvme import reflink
 from lightning_nvme.checkpoint import snapshot, weights
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
-from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.models.hub_export import (
     MAX_SHARD_BYTES,
@@ -84,7 +83,6 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         self._init_offload(config)
         self.param_offload: ParamOffload | None = None
         self.device_placement: DevicePlacement | None = None  # blocks kept on the GPU (device_memory_budget)
-        self.checkpoint_saves: list[snapshot.SaveRecord] = []  # how each save copied the state (telemetry)
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices
@@ -319,16 +317,9 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     def _clone_plan(self, store: FlatStore, path: str, optimizers: list[Any], params: ParamOffload | None
                     ) -> tuple[bool, str]:
         """Whether this save clones the store (``checkpoint_copy``); ``"reflink"`` refuses where it cannot."""
-        if self.config.checkpoint_copy == "streamed":
-            return False, "checkpoint_copy='streamed'"
         regions = [c.region for off in optimizers for c in off.chunks]
         regions += [b.region for b in params.layout.blocks] if params is not None else []
-        clone, reason = snapshot.choose(store, path, regions)
-        if not clone and self.config.checkpoint_copy == "reflink":
-            raise ConfigError("checkpoint_copy", f"nvme_offload: 'reflink' is set but {path} cannot be a reflink "
-                              f"snapshot of the store: {reason}. Put the checkpoints on the store's XFS/btrfs "
-                              "filesystem, or set checkpoint_copy='auto' (streamed where clones are impossible).")
-        return clone, reason
+        return snapshot.plan(store, path, regions, self.config.checkpoint_copy, self.strategy_name)
 
     def export_weights(self, path: str, layout: str = "lightning", max_shard_bytes: int = MAX_SHARD_BYTES,
                        merge_adapters: bool = False) -> None:

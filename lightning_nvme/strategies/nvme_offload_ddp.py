@@ -26,6 +26,8 @@ k's all-reduce and the rest of backward proceed. The last bucket's chunks are up
 from __future__ import annotations
 
 import inspect
+import os
+import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -42,14 +44,15 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nvme import atomic
+from lightning_nvme import atomic, reflink
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import sharded
+from lightning_nvme.checkpoint import sharded, snapshot
 from lightning_nvme.config import ConfigError, reject_unknown
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
 from lightning_nvme.placement import available_host_memory, resolve_budget
 from lightning_nvme.preflight import check_host_memory_budget
 from lightning_nvme.settings import DDPOffloadSettings, from_arguments, with_settings
+from lightning_nvme.store import FlatStore
 from lightning_nvme.strategies.offload import OffloadStrategy
 from lightning_nvme.strategies.param_broadcast import ParamBroadcast, plan_items
 
@@ -252,12 +255,11 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
         if begin_error is not None or pending is None:
             raise error or RuntimeError(f"nvme_offload_ddp: rank 0 could not create {path}: {begin_error}")
         scalars: list[dict[int, dict[str, Any]]] = []
+        t0, record = time.perf_counter(), None
         try:
             with self._open_store() as store:
                 store.fence(durable=True)
-                for i, off in enumerate(self.offloaded):
-                    sharded.write_shard(off, pending.tmp, i, self.global_rank, pending.save_id)
-                    scalars.append(off.scalar_state())
+                record = self._write_shards(store, path, pending.tmp, pending.save_id, scalars)
         except BaseException as e:  # reported to every rank below, then re-raised
             error = e
         gathered = self._all_gather((repr(error) if error else None, scalars))
@@ -276,11 +278,32 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
         if self.is_global_zero:
             ckpt.paired.abort(pending) if failed else ckpt.paired.finish(pending)
         failed = self.broadcast(failed)  # after the abort: no rank returns while the temp dir still exists
+        if not failed and record is not None:
+            self.checkpoint_saves.append(snapshot.timed(record, t0))
         if failed:
             if error is not None:
                 raise error
             raise RuntimeError(f"nvme_offload_ddp: checkpoint {path} was not written: " +
                                "; ".join(f"rank {r}: {msg}" for r, msg in failed))
+
+    def _write_shards(self, store: FlatStore, path: str, directory: str, save_id: str,
+                      scalars: list[dict[int, dict[str, Any]]]) -> snapshot.SaveRecord:
+        """This rank's shards in ``directory``: clones of its own store where the checkpoint's filesystem allows
+        (``checkpoint_copy``, as ``nvme_offload``), else streamed; the record says which and why."""
+        regions = [c.region for off in self.offloaded for c in off.chunks]
+        clone, reason = snapshot.plan(store, path, regions, self.config.checkpoint_copy, self.strategy_name)
+        record = snapshot.SaveRecord("reflink" if clone else "streamed", path, reason)
+        block = reflink.probe(os.path.dirname(os.path.abspath(path))).block_size if clone else 0
+        for i, off in enumerate(self.offloaded):
+            if clone:
+                name, cloned = sharded.clone_shard(off, directory, i, self.global_rank, save_id, block)
+                record.bytes_cloned += cloned
+            else:
+                name = sharded.write_shard(off, directory, i, self.global_rank, save_id)
+            record.files.append(name)
+            scalars.append(off.scalar_state())
+        record.bytes_written = sum(os.path.getsize(os.path.join(directory, f)) for f in record.files) - record.bytes_cloned
+        return record
 
     def _merged_optimizer_states(self, checkpoint: dict[str, Any],
                                  scalars_by_rank: list[list[dict]]) -> list[dict[str, Any]]:

@@ -32,7 +32,7 @@ from typing_extensions import override
 
 from lightning_nvme import atomic
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import plugin_io, weights
+from lightning_nvme.checkpoint import plugin_io, snapshot, weights
 from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.io_profile import IOProfile, io_request, slowest_disk_note
@@ -68,6 +68,7 @@ class OffloadStrategy(Strategy):
         self.offloaded = []
         self.placement: Placement | None = None  # what host_memory_budget keeps in RAM (made at setup)
         self._run_token = uuid.uuid4().hex[:12]  # names this instance's store (see store_claim)
+        self.checkpoint_saves: list[snapshot.SaveRecord] = []  # how each save copied the state (telemetry)
 
     @property
     def _store_rank(self) -> int:

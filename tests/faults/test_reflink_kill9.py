@@ -51,19 +51,21 @@ def test_kill9_mid_reflink_checkpoint_resumes_bitwise(jobs, xfs_reference, xfs_d
     assert tally.killed == TRIALS
 
 
+@pytest.mark.parametrize("stripes", [1, 2])
 @pytest.mark.parametrize("nth", [1, 2])
-def test_kill9_mid_clone_leaves_the_previous_checkpoint(jobs, xfs_reference, xfs_dir, nth):  # noqa: F811
+def test_kill9_mid_clone_leaves_the_previous_checkpoint(jobs, xfs_reference, xfs_dir, nth, stripes):  # noqa: F811
     """Killed at the ``nth`` clone (``ioctl(FICLONERANGE)``) of the first ``last.ckpt`` save: its optimizer file is a
-    hidden temp, the top-k checkpoint committed just before stays complete and exact, and the rerun ends bitwise."""
+    hidden temp, the top-k checkpoint committed just before stays complete and exact, and the rerun ends bitwise.
+    ``stripes=2``: the store over two directories of the XFS, so one chunk is several clones, from both files."""
     assert any(sum(by.values()) for by in xfs_reference.counts.values())
-    root = str(xfs_dir / f"kill9-clone-{nth}")
+    root = str(xfs_dir / f"kill9-clone-{nth}-stripes{stripes}")
     kill = {"event": "fcntl.ioctl", "match": "/last.ckpt.optim/.", "nth": nth, "during": "save_checkpoint"}
-    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, kill=kill))
+    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, kill=kill, stripes=stripes))
     assert rc == KILLED, _log(root)
     last, hidden = checkpoint_state(root, xfs_reference)
     assert last is None and hidden >= 1
     assert "epoch=0-step=3.ckpt" in os.listdir(cw.paths(root)["ckpts"])
-    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True))
+    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True, stripes=stripes))
     assert rc == 0, _log(root)
     assert params_equal(torch.load(cw.paths(root)["final"]), xfs_reference.final)
     assert checkpoint_state(root, xfs_reference) == (FINAL_STEP, 0)

@@ -303,7 +303,8 @@ def _train(run: dict, world: int) -> None:
     class SaveAndKill(Callback):
         def on_train_epoch_end(self, trainer, pl_module):
             if trainer.current_epoch == run["save_epoch"]:
-                trainer.save_checkpoint(run["save"])
+                for path in [run["save"], *run.get("save_also", [])]:
+                    trainer.save_checkpoint(path)
                 if run.get("kill"):
                     trainer.strategy.barrier()
                     os.kill(os.getpid(), signal.SIGKILL)
@@ -354,6 +355,8 @@ def _train(run: dict, world: int) -> None:
            "grad_norms": norms, "updated_in_backward": updated_in_backward, **shelf}
     if run["strategy"] != "ddp":
         out["offloaded"] = len(trainer.strategy.offloaded)
+        out["saves"] = [{"path": r.path, "reason": r.reason, "bytes_written": r.bytes_written,
+                         "bytes_cloned": r.bytes_cloned, "files": r.files} for r in trainer.strategy.checkpoint_saves]
     if run["strategy"] != "ddp" and trainer.strategy.offloaded:
         off = trainer.strategy.offloaded[0]
         store = off.store

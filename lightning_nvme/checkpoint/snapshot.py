@@ -86,10 +86,11 @@ class _Entry:
     end: int
 
 
-def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[int, int, int]]]:
-    """The file's entries, and the (store offset, file data offset, bytes) of each chunk to clone."""
+def layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[str, int, int]]]:
+    """The file's entries, and the (region name, file data offset, bytes) of each chunk region to clone or copy
+    (the background path, ``checkpoint.background``, copies the same layout byte for byte)."""
     entries: list[_Entry] = []
-    clones: list[tuple[int, int, int]] = []
+    clones: list[tuple[str, int, int]] = []
     pos = 0
     store = off.store
     assert store is not None, "the optimizer's store is closed"
@@ -108,12 +109,12 @@ def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[int, int,
                 begin = pos + piece.slots[comp.name]
                 items.append(_Entry(name, DTYPES[comp.dtype], shape, begin, begin + count * comp.dtype.itemsize))
         _padded(items, pos, pos + region.capacity, entries)
-        clones.append((region.offset, pos, region.capacity))
+        clones.append((chunk.region, pos, region.capacity))
         pos += region.capacity
     return entries, clones
 
 
-def _header(entries: list[_Entry], metadata: dict[str, str], block: int) -> bytes:
+def header(entries: list[_Entry], metadata: dict[str, str], block: int) -> bytes:
     """``<u64 length><json>`` padded with spaces so the data starts on a filesystem block."""
     header: dict[str, Any] = {"__metadata__": metadata}
     for e in entries:
@@ -127,10 +128,12 @@ def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: st
     """Optimizer ``i``'s state file in ``directory`` as clones of its store regions (fsynced); returns its marker
     (as ``streamed.write_optimizer``'s, plus the param shapes its range entries need) and the bytes cloned.
     The caller has fenced and fdatasynced the store: a clone copies what is on disk."""
-    entries, clones = _layout(off)
-    head = _header(entries, file_metadata(save_id), block)
-    assert off.store is not None
-    _write_file(os.path.join(directory, optimizer_file(i)), off.store.path, head, clones,
+    entries, regions = layout(off)
+    head = header(entries, file_metadata(save_id), block)
+    store = off.store
+    assert store is not None
+    clones = [(store.region(name).offset, pos, n) for name, pos, n in regions]
+    _write_file(os.path.join(directory, optimizer_file(i)), store.path, head, clones,
                 entries[-1].end if entries else 0, block)
     marker = {"file": optimizer_file(i), **format_entry(off), "shapes": [list(p.shape) for p in off.params]}
     return marker, sum(n for _, _, n in clones)
@@ -203,7 +206,7 @@ def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_st
         tail.append(_Entry(ref.key, ref.dtype, list(ref.shape), pos, pos + nbytes))
         pos += nbytes
     entries += tail
-    head = _header(entries, dict(metadata), block)
+    head = header(entries, dict(metadata), block)
     at = {e.name: e.begin for e in tail}
 
     def write_rest(fd: int) -> None:

@@ -1,0 +1,102 @@
+"""A background save: the paired checkpoint laid out at the save, its state copied afterwards (``background``).
+
+At the save (the store fenced and fdatasynced by the caller): ``paired.begin``, each optimizer's state file created
+with its header and its final size (the reflink snapshot's layout, ``snapshot.layout``: every reader of the streamed
+format reads it), and the file Lightning opens written under its hidden temp name, with the weights of the saved
+instant. Then the copy runs (``BackgroundCopy``) and its ``commit`` does the rest of the protocol: publish the state
+directory, switch the file in, drop the state of the save it replaced. A kill before the switch leaves the previous
+checkpoint and hidden temps that the next save (or load) sweeps, as for a streamed save.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any
+
+from lightning_nvme import atomic
+from lightning_nvme.checkpoint import paired, snapshot, weights
+from lightning_nvme.checkpoint.background import BackgroundCopy, Target
+from lightning_nvme.checkpoint.streamed import file_metadata, format_entry, optimizer_file
+from lightning_nvme.constants import ALIGN
+from lightning_nvme.optim import OffloadedOptimizer
+from lightning_nvme.store import FlatStore
+
+log = logging.getLogger(__name__)
+
+
+def unsupported(store: FlatStore | None, checkpoint: dict[str, Any]) -> str:
+    """Why this save cannot copy in the background ('' if it can): it then streams, saying so."""
+    if store is None:
+        return ("background copy: the store is reopened for this save only (no training runs now to overlap the "
+                "copy with)")
+    if len(store.paths) > 1:
+        return "background copy: the store is striped over several files (store_dir lists several directories)"
+    if weights.has_refs(checkpoint):
+        return ("background copy: offload_params weights streamed beside the file (above inline_weights_bytes) "
+                "are not copied in the background yet")
+    if "optimizer_states" not in checkpoint:
+        return "background copy: the checkpoint holds no offloaded optimizer state"
+    return ""
+
+
+def _state_file(off: OffloadedOptimizer, directory: str, i: int, save_id: str) -> tuple[dict, list[Target]]:
+    """Optimizer ``i``'s state file with its header and final size (the data to come); its marker and copy targets."""
+    entries, regions = snapshot.layout(off)
+    head = snapshot.header(entries, file_metadata(save_id), ALIGN)  # data page-aligned: the copy may use O_DIRECT
+    path = os.path.join(directory, optimizer_file(i))
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, head, 0)
+        os.ftruncate(fd, len(head) + (entries[-1].end if entries else 0))
+    finally:
+        os.close(fd)
+    marker = {"file": optimizer_file(i), **format_entry(off), "shapes": [list(p.shape) for p in off.params]}
+    return marker, [Target(name, path, len(head) + pos, n) for name, pos, n in regions]
+
+
+def start(store: FlatStore, checkpoint: dict[str, Any], path: str, optimizers: list[OffloadedOptimizer],
+          buffer_bytes: int, record: snapshot.SaveRecord) -> BackgroundCopy:
+    """Lay the checkpoint out and start its copy; the caller has fenced the store durably. Raises (and leaves
+    nothing behind) if the layout fails."""
+    checkpoint = dict(checkpoint)
+    optimizer_states = checkpoint.pop("optimizer_states", None)
+    pending = paired.begin(path)
+    staged: list[str] = []
+    switched: list[bool] = []
+
+    def abort() -> None:
+        if switched:  # committed: only the sweep of the replaced save failed, the checkpoint stands
+            return
+        paired.abort(pending)
+        for tmp in staged:
+            if os.path.lexists(tmp):
+                atomic.delete(tmp)
+
+    try:
+        markers, targets = [], []
+        for i, off in enumerate(optimizers):
+            marker, file_targets = _state_file(off, pending.tmp, i, pending.save_id)
+            markers.append(marker)
+            targets += file_targets
+        ref = paired.reference(pending, optimizer_states, markers)
+        staged.append(paired.stage_main({**checkpoint, paired.REF_KEY: ref}, pending.path))
+        record.files = sorted(os.listdir(pending.tmp))
+        record.bytes_written = sum(os.path.getsize(os.path.join(pending.tmp, f)) for f in record.files)
+        record.reason = f"{len(targets)} regions copied after the save returns, through a {buffer_bytes}-byte buffer"
+        copy: BackgroundCopy
+
+        def commit() -> None:
+            paired.publish(pending)
+            paired.switch_main(staged[0], pending.path)
+            switched.append(True)
+            paired.finish(pending)
+            log.info("checkpoint %s: background copy committed: %d bytes, %d of %d regions copied before a training "
+                     "write", pending.path, copy.bytes_copied, len(copy.copied_by_barrier), len(targets))
+
+        copy = BackgroundCopy(store, targets, buffer_bytes, pending.path, commit, abort)
+        copy.start()
+    except BaseException:
+        abort()
+        raise
+    return copy

@@ -17,7 +17,10 @@ of one phase (optionally after writing only part of that write: a torn write):
   temp dir, its rename, the file's temp write and switch, the sweep of the replaced save's state);
 - ``activation`` every ``pwrite`` to an ``activations*`` region (``NVMeActivationOffload``);
 - ``params``     every ``pwrite`` to a ``params/*`` region: a block's parameters written back with
-  ``offload_params=True`` (``param_kill_worker.py`` arms it mid-step).
+  ``offload_params=True`` (``param_kill_worker.py`` arms it mid-step);
+- ``copy``       every ``pwrite`` of a background checkpoint's copy (``copy="background"``): into a hidden
+  ``.optim/.<id>.tmp-PID/`` file after the save returned, from the copy thread or from a training write that had
+  to copy its region first.
 
 The test can also kill a job from outside at a random delay. The job writes JSON lines to
 ``<root>/events.jsonl``: ``started`` (pid, step and checkpoint it resumed from, whether it took over
@@ -47,7 +50,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 STORE_FILE = "store-rank0.bin"
-PHASES = ("writeback", "checkpoint", "activation", "params")
+PHASES = ("writeback", "checkpoint", "activation", "params", "copy")
 # File-system audit events counted as checkpoint events (pwrite/fsync have no audit event: wrapped).
 CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree",
                            "os.truncate", "ctypes.dlsym"}
@@ -56,14 +59,15 @@ CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmd
 def job_spec(root: str, *, epochs: int, steps_per_epoch: int = 3, resume: bool = False,
              kill: dict[str, Any] | None = None, exchange: bool = True, snapshots: bool = False,
              hold: dict[str, Any] | None = None, activations: bool = False, recover_last: bool = False,
-             loader_workers: int = 0, stripes: int = 1, kill_stripe: int = 0) -> dict:
+             loader_workers: int = 0, stripes: int = 1, kill_stripe: int = 0, copy: str = "auto") -> dict:
     """``kill``: ``{"phase": ..., "at": n, "torn": fraction or None}``; ``hold``: ``{"step": n, "file": path}``
     pauses the job after step ``n`` (I/O fenced) until ``file`` exists. ``stripes`` > 1 stripes the store over that
     many directories (``store``, ``store-s1``...) with a 4 KiB unit; ``writeback`` events then count the writes to
-    stripe ``kill_stripe``'s file only."""
+    stripe ``kill_stripe``'s file only. ``copy``: the strategy's ``checkpoint_copy``."""
     return dict(root=root, epochs=epochs, steps_per_epoch=steps_per_epoch, resume=resume, kill=kill,
                 exchange=exchange, snapshots=snapshots, hold=hold, activations=activations,
-                recover_last=recover_last, loader_workers=loader_workers, stripes=stripes, kill_stripe=kill_stripe)
+                recover_last=recover_last, loader_workers=loader_workers, stripes=stripes, kill_stripe=kill_stripe,
+                copy=copy)
 
 
 def paths(root: str) -> dict[str, str]:
@@ -149,6 +153,8 @@ class _Injector:
             self.hit(self._store_phase(offset), (fd, data, offset), "pwrite store")
         elif self._counting():
             self.hit("checkpoint", (fd, data, offset), f"pwrite {_norm(target)}")
+        elif ".optim/." in target:  # a background copy, after its save returned
+            self.hit("copy", (fd, data, offset), f"copy {_norm(target)}")
         return self.real_pwrite(fd, data, offset)
 
     def _counting(self) -> bool:
@@ -283,6 +289,9 @@ def run_job(spec: dict) -> None:
                 self._snapshot(trainer)
 
         def _snapshot(self, trainer):  # last.ckpt and its optimizer state, as <snapshots>/step-N/last.ckpt(.optim)
+            copy = getattr(trainer.strategy, "_background", None)
+            if copy is not None:  # a background save of last.ckpt commits once its copy is done
+                copy.wait()
             dst = os.path.join(p["snapshots"], f"step-{trainer.global_step}")
             os.makedirs(dst)
             shutil.copy2(p["last"], os.path.join(dst, "last.ckpt"))
@@ -308,7 +317,7 @@ def run_job(spec: dict) -> None:
                                                write_inflight_bytes=1 << 20, prefetch_bytes=1 << 20))
     strategy = NVMeOffloadStrategy(store_dir=store_dirs if len(store_dirs) > 1 else p["store"], chunk_bytes=16 << 10,
                                    io_chunk_bytes=8 << 10, staging_bytes=64 << 10, io_workers=2, min_free_bytes=0,
-                                   stripe_bytes=4 << 10)
+                                   stripe_bytes=4 << 10, checkpoint_copy=spec.get("copy", "auto"))
     class Model(MLP):
         def train_dataloader(self):
             loader = super().train_dataloader()

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Callable
 from typing import Any
 
 from lightning_nvme import atomic
@@ -32,11 +33,6 @@ def unsupported(store: FlatStore | None, checkpoint: dict[str, Any]) -> str:
                 "copy with)")
     if len(store.paths) > 1:
         return "background copy: the store is striped over several files (store_dir lists several directories)"
-    if weights.has_refs(checkpoint):
-        return ("background copy: offload_params weights streamed beside the file (above inline_weights_bytes) "
-                "are not copied in the background yet")
-    if "optimizer_states" not in checkpoint:
-        return "background copy: the checkpoint holds no offloaded optimizer state"
     return ""
 
 
@@ -55,10 +51,29 @@ def _state_file(off: OffloadedOptimizer, directory: str, i: int, save_id: str) -
     return marker, [Target(name, path, len(head) + pos, n) for name, pos, n in regions]
 
 
+def _weights_file(checkpoint: dict[str, Any], store: FlatStore, directory: str, save_id: str,
+                  in_store: Callable[[Any], bool], read_source: weights.ReadSource) -> list[Target]:
+    """The beside weights file (``offload_params``): block regions in the store are copy targets; blocks resident and
+    changed since their last write-back are written now, from memory (they are the saved instant's values)."""
+    entries, regions, written, end = snapshot.weights_layout(checkpoint["state_dict"], store, in_store)
+    head = snapshot.header(entries, file_metadata(save_id), ALIGN)
+    path = os.path.join(directory, weights.WEIGHTS_FILE)
+    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+    try:
+        os.pwrite(fd, head, 0)
+        os.ftruncate(fd, len(head) + end)
+        snapshot.write_values(fd, len(head), entries, written, read_source)
+    finally:
+        os.close(fd)
+    return [Target(name, path, len(head) + pos, n) for name, pos, n in regions]
+
+
 def start(store: FlatStore, checkpoint: dict[str, Any], path: str, optimizers: list[OffloadedOptimizer],
-          buffer_bytes: int, record: snapshot.SaveRecord) -> BackgroundCopy:
-    """Lay the checkpoint out and start its copy; the caller has fenced the store durably. Raises (and leaves
-    nothing behind) if the layout fails."""
+          buffer_bytes: int, record: snapshot.SaveRecord, in_store: Callable[[Any], bool] | None = None,
+          read_source: weights.ReadSource | None = None) -> BackgroundCopy:
+    """Lay the checkpoint out and start its copy; the caller has fenced the store durably (and issued the blocks'
+    write-backs). ``in_store``/``read_source``: with beside weights, whether a block's values are in the store, and
+    its values. Raises (and leaves nothing behind) if the layout fails."""
     checkpoint = dict(checkpoint)
     optimizer_states = checkpoint.pop("optimizer_states", None)
     pending = paired.begin(path)
@@ -74,11 +89,15 @@ def start(store: FlatStore, checkpoint: dict[str, Any], path: str, optimizers: l
                 atomic.delete(tmp)
 
     try:
+        weights.bind(checkpoint.get("state_dict") or {}, pending.path, pending.save_id)
         markers, targets = [], []
-        for i, off in enumerate(optimizers):
+        for i, off in enumerate(optimizers if optimizer_states is not None else []):
             marker, file_targets = _state_file(off, pending.tmp, i, pending.save_id)
             markers.append(marker)
             targets += file_targets
+        if weights.has_refs(checkpoint):
+            assert in_store is not None and read_source is not None, "beside weights need their blocks' residency"
+            targets += _weights_file(checkpoint, store, pending.tmp, pending.save_id, in_store, read_source)
         ref = paired.reference(pending, optimizer_states, markers)
         staged.append(paired.stage_main({**checkpoint, paired.REF_KEY: ref}, pending.path))
         record.files = sorted(os.listdir(pending.tmp))

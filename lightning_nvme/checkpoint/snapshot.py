@@ -170,14 +170,18 @@ def _padded(items: list[_Entry], start: int, end: int, entries: list[_Entry]) ->
         entries.append(_Entry(f"{PAD_PREFIX}{len(entries)}", "U8", [end - pos], pos, end))
 
 
-def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_store: Callable[[Any], bool],
-                  read_source: weights.ReadSource, metadata: dict[str, str], block: int) -> int:
-    """``weights.write`` as clones: the beside weights of blocks whose current values are in the store
-    (``in_store(block)``) are entries inside their block region, cloned whole; the others (a block resident and
-    changed, a second name of one parameter) are written after them. Returns the bytes cloned."""
+Written = list[tuple[weights.BesideWeight, str]]  # beside weights written from memory: (reference, slot)
+
+
+def weights_layout(state_dict: dict[str, Any], store: FlatStore, in_store: Callable[[Any], bool]
+                   ) -> tuple[list[_Entry], list[tuple[str, int, int]], Written, int]:
+    """The beside weights file's entries: those of blocks whose current values are in the store (``in_store(block)``)
+    inside their block region, taken whole ((region name, data offset, bytes) each, as ``layout``); the others (a
+    block resident and changed, a second name of one parameter) after them, written from memory. Also the data's
+    end."""
     entries: list[_Entry] = []
-    clones: list[tuple[int, int, int]] = []
-    written: list[tuple[weights.BesideWeight, str]] = []
+    regions: list[tuple[str, int, int]] = []
+    written: Written = []
     by_block: dict[int, list[weights.BesideWeight]] = {}
     for ref in weights.refs(state_dict).values():
         by_block.setdefault(id(ref.source[0]), []).append(ref)
@@ -198,33 +202,42 @@ def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_st
             items.append(_Entry(ref.key, ref.dtype, list(ref.shape), pos + slot.offset, pos + slot.offset + slot.nbytes))
         if items:
             _padded(items, pos, pos + region.capacity, entries)
-            clones.append((region.offset, pos, region.capacity))
+            regions.append((source.region, pos, region.capacity))
             pos += region.capacity
-    tail = []
     for ref, _ in written:
         nbytes = math.prod(ref.shape) * ref.torch_dtype.itemsize
-        tail.append(_Entry(ref.key, ref.dtype, list(ref.shape), pos, pos + nbytes))
+        entries.append(_Entry(ref.key, ref.dtype, list(ref.shape), pos, pos + nbytes))
         pos += nbytes
-    entries += tail
+    return entries, regions, written, pos
+
+
+def write_values(fd: int, data_start: int, entries: list[_Entry], written: Written,
+                 read_source: weights.ReadSource) -> None:
+    """Write the ``written`` weights at their entries' offsets, one block's values in memory at a time."""
+    at = {e.name: e.begin for e in entries}
+    groups: dict[int, Written] = {}
+    for ref, slot in written:
+        groups.setdefault(id(ref.source[0]), []).append((ref, slot))
+    for group in groups.values():
+        values = read_source(group[0][0].source[0])
+        for ref, slot in group:
+            data = values[slot].contiguous()
+            view = memview(data.data_ptr(), data.numel() * data.element_size())
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], data_start + at[ref.key] + done)
+        del values
+
+
+def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_store: Callable[[Any], bool],
+                  read_source: weights.ReadSource, metadata: dict[str, str], block: int) -> int:
+    """``weights.write`` as clones of the block regions (``weights_layout``); returns the bytes cloned."""
+    entries, regions, written, end = weights_layout(state_dict, store, in_store)
     head = header(entries, dict(metadata), block)
-    at = {e.name: e.begin for e in tail}
-
-    def write_rest(fd: int) -> None:
-        groups: dict[int, list[tuple[weights.BesideWeight, str]]] = {}
-        for ref, slot in written:
-            groups.setdefault(id(ref.source[0]), []).append((ref, slot))
-        for group in groups.values():
-            values = read_source(group[0][0].source[0])
-            for ref, slot in group:
-                data = values[slot].contiguous()
-                view = memview(data.data_ptr(), data.numel() * data.element_size())
-                done = 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done:], len(head) + at[ref.key] + done)
-            del values
-
-    _write_file(path, store.path, head, clones, pos, block, write_rest)
-    return sum(n for _, _, n in clones)
+    clones = [(store.region(name).offset, pos, n) for name, pos, n in regions]
+    _write_file(path, store.path, head, clones, end, block,
+                lambda fd: write_values(fd, len(head), entries, written, read_source))
+    return sum(n for _, _, n in regions)
 
 
 class CheckpointSpaceError(OSError):

@@ -261,10 +261,12 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             params.issue_writes()
         store.fence(durable=True)
         record = snapshot.SaveRecord("background", path)
-        state = sum(off.state_bytes for off in self.offloaded)
+        optimizers = self.offloaded if "optimizer_states" in checkpoint else []
+        state = sum(off.state_bytes for off in optimizers)
         snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint), "background save")
-        self._background = background_save.start(store, checkpoint, path, self.offloaded,
-                                                 self.config.checkpoint_copy_buffer_bytes, record)
+        self._background = background_save.start(
+            store, checkpoint, path, optimizers, self.config.checkpoint_copy_buffer_bytes, record,
+            params.in_store if params is not None else None, params.read_block if params is not None else None)
         self.checkpoint_saves.append(snapshot.timed(record, t0))
 
     # ---- checkpoints and export of offloaded weights ---------------------------------------------------

@@ -301,3 +301,56 @@ def test_cases_the_background_copy_does_not_cover_stream_and_say_why(tmp_path):
     assert "reopened for this save only" in strategy.checkpoint_saves[-1].reason
     with pytest.raises(ConfigError, match="checkpoint_copy.*single-device only"):
         NVMeOffloadDDPStrategy(checkpoint_copy="background")
+
+
+def test_offload_params_weights_beside_the_file_are_copied_too_and_resume_bitwise(tmp_path, tmp_path_factory, gate):
+    """``offload_params`` with the weights beside the file (``inline_weights_bytes=0``), saved at the end of epoch 0
+    while epoch 1 rewrites the block regions: the weights file and the optimizer state equal a streamed save of that
+    instant and in-memory Lightning's weights at that step; a resume in a new process is bitwise in-memory
+    Lightning's resume of that instant."""
+    import json
+    import subprocess
+    import sys
+
+    from _param_offload_model import TinyGPT
+    from test_param_offload import offload, resumed_in_memory
+    from test_param_offload import reference as param_reference
+    from test_param_offload import trainer as param_trainer
+
+    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    _, snapshots = param_reference(tmp_path_factory)
+    a, b = tmp_path / "a.ckpt", tmp_path / "b.ckpt"
+    strategy = offload(tmp_path, inline_weights_bytes=0, checkpoint_copy="background")
+    hold = _SaveThenHold(gate, a, b, steps=3)
+    param_trainer(tmp_path / "run", strategy, callbacks=[hold]).fit(TinyGPT())
+    assert [r.path for r in strategy.checkpoint_saves] == ["streamed", "background"]
+    copy = hold.copy
+    assert hold.uncommitted_while_held and copy is not None and copy.committed
+    assert any(name.startswith("params/") for name in copy.copied_by_barrier)  # block regions raced too
+    assert "weights.safetensors" in strategy.checkpoint_saves[-1].files
+    saved_a, saved_b = (torch.load(p, weights_only=True)["state_dict"] for p in (a, b))
+    for name, p in snapshots[16].items():
+        assert torch.equal(saved_a[name], p) and torch.equal(saved_b[name], p), name
+    for s, r in zip(_optimizer_tensors(a, tmp_path), _optimizer_tensors(b, tmp_path)):
+        for index, entries in r["state"].items():
+            for key, v in entries.items():
+                assert torch.equal(s["state"][index][key], v) if torch.is_tensor(v) else s["state"][index][key] == v
+    ref = resumed_in_memory(tmp_path)
+    script = f"""
+import sys, json, torch
+sys.path[:0] = [{os.path.join(tests, 'params')!r}, {tests!r}]
+from test_param_offload import offload, trainer
+from _param_offload_model import TinyGPT
+from pathlib import Path
+model = TinyGPT()
+t = trainer({str(tmp_path / 'c')!r}, offload(Path({str(tmp_path / 'resume')!r})))
+t.fit(model, ckpt_path={str(a)!r})
+torch.save(dict(model.named_parameters()), {str(tmp_path / 'resumed.pt')!r})
+print(json.dumps({{"step": t.global_step}}))
+"""
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
+    assert out.returncode == 0, out.stderr[-3000:]
+    resumed = torch.load(tmp_path / "resumed.pt")
+    assert json.loads(out.stdout.strip().splitlines()[-1])["step"] > 16
+    for name, p in ref.named_parameters():
+        assert torch.equal(resumed[name], p), name

@@ -33,8 +33,11 @@ class Gate:
     def __init__(self) -> None:
         self.open = threading.Event()
         self.calls = 0
+        self.armed = True  # False: copies pass
 
     def __call__(self, region: str) -> None:
+        if not self.armed:
+            return
         self.calls += 1
         assert self.open.wait(600), "the test never released the background copy"
 
@@ -208,13 +211,17 @@ def test_second_save_is_skipped_with_a_message(tmp_path, gate):
 
 
 class _FailSecondCopy(Callback):
-    """The copies of saves after the first fail (ENOSPC); the first batch after a failing save waits for its copy,
-    so the failure is known before the next optimizer step, which must report it."""
+    """The copies of saves after the first fail (ENOSPC). ``where="thread"``: the first batch after the failing save
+    waits for its copy, so the failure is known before the next optimizer step, which must report it.
+    ``"barrier"``: the copy thread is held at the gate, so the first training write after the save copies its region
+    itself and fails there; that step completes (the failure is the checkpoint's, not the step's) and the next one
+    reports it."""
 
-    def __init__(self, monkeypatch) -> None:
-        self.monkeypatch = monkeypatch
-        self.failed_at: int | None = None
+    def __init__(self, monkeypatch, gate: Gate, where: str) -> None:
+        self.monkeypatch, self.gate, self.where = monkeypatch, gate, where
+        self.saved_at: int | None = None
         self.raised_at: int | None = None
+        self.failed_in: set[str] = set()
 
     def on_train_epoch_start(self, trainer, pl_module) -> None:
         copy = trainer.strategy._background
@@ -223,29 +230,40 @@ class _FailSecondCopy(Callback):
             assert copy.committed
 
             def full(out, piece, offset, name):
+                self.failed_in.add(threading.current_thread().name)
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
             self.monkeypatch.setattr(BackgroundCopy, "_write", staticmethod(full))
+            self.gate.armed = self.where == "barrier"
         if trainer.current_epoch == 2:
-            copy.wait()
-            assert copy.error is not None and not copy.committed
-            self.failed_at = trainer.global_step
+            self.saved_at = trainer.global_step
+            if self.where == "thread":
+                copy.wait()
+                assert copy.error is not None and not copy.committed
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self.raised_at = trainer.global_step
+        self.gate.release()
 
 
-def test_copy_failure_is_reported_at_the_next_step_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch):
+@pytest.mark.parametrize("where", ["thread", "barrier"])
+def test_copy_failure_is_reported_at_the_next_step_and_keeps_the_previous_checkpoint(tmp_path, monkeypatch, gate,
+                                                                                      where):
     """ModelCheckpoint(save_top_k=1) removes the previous checkpoint after each save: with the new one's copy
     failing, that removal must not happen (the user would be left with nothing committed)."""
     ckpts = tmp_path / "ckpts"
-    fail = _FailSecondCopy(monkeypatch)
+    gate.armed = False
+    fail = _FailSecondCopy(monkeypatch, gate, where)
     strategy = background_strategy(tmp_path)
     t = trainer(tmp_path, strategy, 4, callbacks=[fail, ModelCheckpoint(dirpath=ckpts, save_top_k=1, monitor=None,
                                                                         every_n_epochs=1)])
     with pytest.raises(CheckpointCopyError, match=r"epoch=1-step=\d+\.ckpt failed after its save returned.*"
                                                   "No space left.*previous checkpoint is intact"):
         t.fit(MLP())
-    assert fail.raised_at == fail.failed_at is not None  # reported at the first step after the failure
+    assert fail.failed_in == {"lightning-nvme-checkpoint-copy" if where == "thread" else "MainThread"}
+    assert fail.saved_at is not None
+    # reported at the first optimizer step after the failure: the next one (thread), the one after the step whose
+    # write failed to copy (barrier)
+    assert fail.raised_at == fail.saved_at + (where == "barrier")
     names = sorted(os.listdir(ckpts))
     (kept,) = [n for n in names if n.endswith(".ckpt")]
     assert kept.startswith("epoch=0-"), names  # epoch 1's failed; epoch 0's, which it would replace, stays

@@ -155,8 +155,10 @@ class OffloadSettings:
                   "copy's memory; a region larger than it is copied in pieces).",
         nbytes(ALIGN, aligned=True, typical=str(64 * MiB)))
     checkpoint_in_flight: str = setting(
-        "wait", "With ``checkpoint_copy=\"background\"``: a save while the previous one is still copying "
-                "``\"wait\"``s for it to commit, or is ``\"skip\"``ped with a warning.", one_of("wait", "skip"))
+        "join", "With ``checkpoint_copy=\"background\"``, a save while a copy is in flight: ``\"join\"`` returns "
+                "after its fence and its copy joins the one in flight (same thread and buffer; a save of the same "
+                "file waits), ``\"wait\"`` waits for that copy to commit, ``\"skip\"`` is skipped with a warning.",
+        one_of("join", "wait", "skip"))
     host_memory_budget: int | str = setting(
         0, "Bytes of host RAM that parameter blocks and optimizer chunks may occupy instead of the SSD, chosen to "
            "save the most I/O per byte (docs/shelf.md); ``\"auto\"``: 60% of the memory available at setup less "

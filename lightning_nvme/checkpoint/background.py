@@ -24,7 +24,7 @@ import os
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import ClassVar
 
 import torch
@@ -50,22 +50,33 @@ class CheckpointCopyError(RuntimeError):
     """A background checkpoint failed after its save returned; the previous checkpoint is intact."""
 
 
+@dataclass
+class Job:
+    """One save's share of a copy: its regions (``Target`` by region name), those still to copy, and its protocol."""
+
+    path: str
+    targets: dict[str, Target]
+    commit: Callable[[], None]
+    abort: Callable[[], None]
+    pending: set[str] = field(default_factory=set)
+    committed: bool = False
+
+
 class BackgroundCopy:
-    """Copies ``targets`` from ``store`` into their files, then runs ``commit`` (or ``abort`` on failure)."""
+    """Copies each job's targets from ``store`` into their files, then runs the jobs' ``commit`` in order (or every
+    uncommitted job's ``abort`` on failure). A later save can ``join`` while the copy runs: its regions are copied
+    by the same thread, through the same buffer (a region pending for several saves is read once)."""
 
     # Test hook: called by the copy thread with a region's name before it copies that region, so a test can hold
     # the copy while training steps run (and their writes take the copy-before-write path) without sleeps.
     gate: ClassVar[Callable[[str], None] | None] = None
 
-    def __init__(self, store: FlatStore, targets: list[Target], buffer_bytes: int, path: str,
-                 commit: Callable[[], None], abort: Callable[[], None]) -> None:
+    def __init__(self, store: FlatStore, buffer_bytes: int) -> None:
         self.store = store
-        self.targets = {t.region: t for t in targets}
         self.buffer_bytes = buffer_bytes
-        self.path = path
-        self._commit, self._abort = commit, abort
-        self._pending = set(self.targets)
-        self._busy = threading.Lock()  # one copy at a time: the buffer is shared
+        self.jobs: list[Job] = []
+        self._busy = threading.Lock()  # one copy at a time (the buffer is shared); guards jobs and _closed
+        self._closed = False  # the thread has stopped taking regions (committing, or done): no more joins
         self._buffer: torch.Tensor | None = None
         self._files: dict[str, StoreFile] = {}
         self._removals: list[Callable[[], None]] | None = []  # None once run (or dropped)
@@ -73,56 +84,95 @@ class BackgroundCopy:
         self._thread: threading.Thread | None = None
         self.error: BaseException | None = None
         self.reported = False
-        self.committed = False
         self.bytes_copied = 0
         self.copied_by_barrier: list[str] = []  # regions a training write had to copy first (copy-before-write)
-        self.seconds = 0.0  # from start to commit
+        self.seconds = 0.0  # from start to the last commit
+
+    @property
+    def path(self) -> str:
+        return ", ".join(job.path for job in self.jobs)
+
+    @property
+    def targets(self) -> dict[str, Target]:
+        return {name: t for job in self.jobs for name, t in job.targets.items()}
+
+    @property
+    def committed(self) -> bool:
+        return bool(self.jobs) and all(job.committed for job in self.jobs)
 
     # ---- the save ---------------------------------------------------------------------------------------
-    def start(self) -> None:
-        """At the save, after the store's durable fence: copy the shelved regions now, install the barrier and
-        start the thread. Raises (nothing started, barrier removed) if the shelved copy fails."""
+    def start(self, job: Job) -> None:
+        """At the save, after the store's durable fence: copy the job's shelved regions now, install the barrier and
+        start the thread. Raises (nothing started) if the shelved copy fails."""
         self._t0 = time.perf_counter()
-        try:
-            for name in [n for n in self.targets if self.store.shelved(n) is not None]:
-                self._copy(name)
-        except BaseException:
-            self._close_files()
-            raise
+        self._add(job)
         self.store.write_barrier = self._barrier
         self._thread = threading.Thread(target=self._run, name="lightning-nvme-checkpoint-copy", daemon=True)
         self._thread.start()
 
+    def join(self, job: Job) -> bool:
+        """A later save's job, after the store's durable fence, copied by this copy; False if it cannot (the copy is
+        committing or failed, or a job of the same file is pending: their staged files share one temp name)."""
+        with self._busy:
+            if self._closed or self.error is not None or any(j.path == job.path for j in self.jobs):
+                return False
+            self._add(job)
+            return True
+
+    def _add(self, job: Job) -> None:
+        job.pending = set(job.targets)
+        self.jobs.append(job)
+        try:
+            for name in [n for n in job.targets if self.store.shelved(n) is not None]:
+                self._copy(name, jobs=[job])
+        except BaseException:
+            self.jobs.remove(job)
+            raise
+
     def _barrier(self, name: str) -> None:
-        """Before training writes region ``name``: copy it first if the snapshot still needs its bytes."""
-        if name not in self._pending:
+        """Before training writes region ``name``: copy it first if a snapshot still needs its bytes."""
+        if not any(name in job.pending for job in self.jobs):
             return
         try:
             self._copy(name, by_barrier=True)
         except BaseException as e:  # noqa: BLE001 - the checkpoint fails, training goes on; reported at the next step
             self._fail(e)
 
-    def _copy(self, name: str, by_barrier: bool = False) -> None:
-        with self._busy:
-            if name not in self._pending:
+    def _copy(self, name: str, by_barrier: bool = False, jobs: list[Job] | None = None) -> None:
+        """Region ``name`` into the files of every job (of ``jobs``) that still needs it, read once, in pieces."""
+        locked = jobs is None
+        if locked:
+            self._busy.acquire()
+        try:
+            needing = [j for j in (self.jobs if jobs is None else jobs) if name in j.pending]
+            if not needing:
                 return
-            target = self.targets[name]
             if self._buffer is None:
                 self._buffer = aligned_empty(self.buffer_bytes)
-            out = self._files.get(target.file)
-            if out is None:
-                out = self._files[target.file] = StoreFile(target.file, reopen=True, direct=None)
+            nbytes = needing[0].targets[name].nbytes
             done = 0
-            while done < target.nbytes:
-                n = min(self.buffer_bytes, target.nbytes - done)
+            while done < nbytes:
+                n = min(self.buffer_bytes, nbytes - done)
                 piece = self._buffer[:n]
                 self.store.wait(self.store.read(name, piece, done))
-                self._write(out, piece, target.offset + done, name)
+                for job in needing:
+                    target = job.targets[name]
+                    self._write(self._file(target.file), piece, target.offset + done, name)
                 done += n
-            self._pending.discard(name)
-            self.bytes_copied += target.nbytes
+            for job in needing:
+                job.pending.discard(name)
+                self.bytes_copied += nbytes
             if by_barrier:
                 self.copied_by_barrier.append(name)
+        finally:
+            if locked:
+                self._busy.release()
+
+    def _file(self, path: str) -> StoreFile:
+        out = self._files.get(path)
+        if out is None:
+            out = self._files[path] = StoreFile(path, reopen=True, direct=None)
+        return out
 
     @staticmethod
     def _write(out: StoreFile, piece: torch.Tensor, offset: int, name: str) -> None:
@@ -137,40 +187,52 @@ class BackgroundCopy:
         out.drop_cache(offset, piece.numel())
 
     # ---- the thread -------------------------------------------------------------------------------------
+    def _next(self) -> str | None:
+        """The next region to copy, or None: then no job may join any more (the commits begin)."""
+        with self._busy:
+            name = None if self.error is not None else next(
+                (n for job in self.jobs for n in job.targets if n in job.pending), None)
+            self._closed = name is None
+            return name
+
     def _run(self) -> None:
         try:
-            for name in list(self.targets):
+            while (name := self._next()) is not None:
                 gate = BackgroundCopy.gate
-                if gate is not None and name in self._pending:
+                if gate is not None:
                     gate(name)
-                if self.error is not None:
-                    break
                 self._copy(name)
             self._uninstall()
             if self.error is None:
                 for out in self._files.values():
                     os.fsync(out.fd)
                 self._close_files()
-                self._commit()
-                self.committed = True
+                for job in self.jobs:
+                    job.commit()
+                    job.committed = True
         except BaseException as e:  # noqa: BLE001 - kept for the strategy to report
             self._fail(e)
         finally:
+            with self._busy:
+                self._closed = True
             self._buffer = None
             self._close_files()
             self.seconds = time.perf_counter() - self._t0
         if self.error is not None:
-            try:
-                self._abort()
-            except BaseException as e:  # noqa: BLE001 - the first error is the one to report
-                log.error("background checkpoint %s: cleaning up after the failure failed too: %s", self.path, e)
+            for job in self.jobs:
+                if not job.committed:
+                    try:
+                        job.abort()
+                    except BaseException as e:  # noqa: BLE001 - the first error is the one to report
+                        log.error("background checkpoint %s: cleaning up after the failure failed too: %s", job.path, e)
         self._run_removals()
 
     def _fail(self, error: BaseException) -> None:
         if self.error is None:
             self.error = error
             log.error("background checkpoint %s failed: %s", self.path, error)
-        self._pending.clear()
+        for job in self.jobs:
+            job.pending.clear()
         self._uninstall()
 
     def _uninstall(self) -> None:

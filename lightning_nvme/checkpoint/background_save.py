@@ -17,7 +17,7 @@ from typing import Any
 
 from lightning_nvme import atomic
 from lightning_nvme.checkpoint import paired, snapshot, weights
-from lightning_nvme.checkpoint.background import BackgroundCopy, Target
+from lightning_nvme.checkpoint.background import BackgroundCopy, Job, Target
 from lightning_nvme.checkpoint.streamed import file_metadata, format_entry, optimizer_file
 from lightning_nvme.constants import ALIGN
 from lightning_nvme.optim import OffloadedOptimizer
@@ -70,10 +70,11 @@ def _weights_file(checkpoint: dict[str, Any], store: FlatStore, directory: str, 
 
 def start(store: FlatStore, checkpoint: dict[str, Any], path: str, optimizers: list[OffloadedOptimizer],
           buffer_bytes: int, record: snapshot.SaveRecord, in_store: Callable[[Any], bool] | None = None,
-          read_source: weights.ReadSource | None = None) -> BackgroundCopy:
-    """Lay the checkpoint out and start its copy; the caller has fenced the store durably (and issued the blocks'
-    write-backs). ``in_store``/``read_source``: with beside weights, whether a block's values are in the store, and
-    its values. Raises (and leaves nothing behind) if the layout fails."""
+          read_source: weights.ReadSource | None = None, running: BackgroundCopy | None = None) -> BackgroundCopy:
+    """Lay the checkpoint out and start its copy, or have ``running`` (a copy in flight, of other files) take it on;
+    the caller has fenced the store durably (and issued the blocks' write-backs). ``in_store``/``read_source``: with
+    beside weights, whether a block's values are in the store, and its values. Returns the copy that carries it.
+    Raises (and leaves nothing behind) if the layout fails, or if ``running``, which it could not join, failed."""
     checkpoint = dict(checkpoint)
     optimizer_states = checkpoint.pop("optimizer_states", None)
     pending = paired.begin(path)
@@ -103,18 +104,26 @@ def start(store: FlatStore, checkpoint: dict[str, Any], path: str, optimizers: l
         record.files = sorted(os.listdir(pending.tmp))
         record.bytes_written = sum(os.path.getsize(os.path.join(pending.tmp, f)) for f in record.files)
         record.reason = f"{len(targets)} regions copied after the save returns, through a {buffer_bytes}-byte buffer"
-        copy: BackgroundCopy
 
         def commit() -> None:
             paired.publish(pending)
             paired.switch_main(staged[0], pending.path)
             switched.append(True)
             paired.finish(pending)
-            log.info("checkpoint %s: background copy committed: %d bytes, %d of %d regions copied before a training "
-                     "write", pending.path, copy.bytes_copied, len(copy.copied_by_barrier), len(targets))
+            log.info("checkpoint %s: background copy committed (%d regions; %d bytes copied so far by its copy, %d "
+                     "regions before a training write)", pending.path, len(targets), copy.bytes_copied,
+                     len(copy.copied_by_barrier))
 
-        copy = BackgroundCopy(store, targets, buffer_bytes, pending.path, commit, abort)
-        copy.start()
+        job = Job(pending.path, {t.region: t for t in targets}, commit, abort)
+        if running is not None:
+            if running.join(job):
+                record.reason += f", joined to the copy in flight of {running.path}"
+                copy = running
+                return copy
+            running.wait()  # committing meanwhile: the store is still the saved instant (no training runs here)
+            running.report()  # it failed: this save is not started
+        copy = BackgroundCopy(store, buffer_bytes)
+        copy.start(job)
     except BaseException:
         abort()
         raise

@@ -232,14 +232,16 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     # ---- background saves (checkpoint_copy="background", lightning_nvme.checkpoint.background) -----------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        copy = self._background
+        copy, mode = self._background, self.config.checkpoint_in_flight
         if copy is not None and copy.in_flight:
-            if self.config.checkpoint_in_flight == "skip":
+            if mode == "skip":
                 reason = f"the background copy of {copy.path} is still in flight (checkpoint_in_flight='skip')"
                 rank_zero_warn(f"{self.strategy_name}: checkpoint {filepath} skipped: {reason}")
                 self.checkpoint_saves.append(snapshot.SaveRecord("skipped", os.fspath(filepath), reason))
                 return
-            copy.wait()
+            # "join" waits only for a save of the same file (both would stage it under one temp name)
+            if mode == "wait" or any(job.path == os.path.abspath(os.fspath(filepath)) for job in copy.jobs):
+                copy.wait()
         if copy is not None:
             copy.report()
         super().save_checkpoint(checkpoint, filepath, storage_options)
@@ -249,8 +251,12 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         """While a background save is in flight, an older checkpoint's removal (ModelCheckpoint's top-k) waits for
         its commit, and is dropped if it fails: the user always keeps a committed checkpoint."""
         copy = self._background
-        if copy is not None and copy.defer(lambda: super(NVMeOffloadStrategy, self).remove_checkpoint(filepath)):
-            return
+        if copy is not None:
+            if copy.defer(lambda: super(NVMeOffloadStrategy, self).remove_checkpoint(filepath)):
+                return
+            if copy.error is not None:  # the newer checkpoint never committed: keep this one
+                copy.report()
+                return
         super().remove_checkpoint(filepath)
 
     def _save_background(self, checkpoint: dict[str, Any], path: str, t0: float) -> None:
@@ -264,9 +270,11 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         optimizers = self.offloaded if "optimizer_states" in checkpoint else []
         state = sum(off.state_bytes for off in optimizers)
         snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint), "background save")
+        running = self._background if self._background is not None and self._background.in_flight else None
         self._background = background_save.start(
             store, checkpoint, path, optimizers, self.config.checkpoint_copy_buffer_bytes, record,
-            params.in_store if params is not None else None, params.read_block if params is not None else None)
+            params.in_store if params is not None else None, params.read_block if params is not None else None,
+            running)
         self.checkpoint_saves.append(snapshot.timed(record, t0))
 
     # ---- checkpoints and export of offloaded weights ---------------------------------------------------

@@ -187,7 +187,7 @@ def test_second_save_waits_for_the_copy_in_flight(tmp_path, gate, monkeypatch):
         seen.append((self.path, self.in_flight, os.path.exists(a)))
 
     monkeypatch.setattr(BackgroundCopy, "wait", wait)
-    strategy = background_strategy(tmp_path)
+    strategy = background_strategy(tmp_path, checkpoint_in_flight="wait")
     saves = _SaveTwice(a, b)
     t = trainer(tmp_path, strategy, 1, enable_checkpointing=False, limit_train_batches=4, callbacks=[saves])
     t.fit(MLP())
@@ -195,6 +195,46 @@ def test_second_save_waits_for_the_copy_in_flight(tmp_path, gate, monkeypatch):
     assert seen[:2] == [(str(a), True, False), (str(a), False, True)]  # waited for a's commit, then saved b
     assert [r.path for r in strategy.checkpoint_saves] == ["background", "background"]
     assert os.path.exists(a) and os.path.exists(b)
+
+
+class _SaveTwiceThenHold(_SaveThenHold):
+    """``_SaveThenHold`` with a streamed save of the instant, then two background saves (``a``, ``a2``) back to back."""
+
+    def __init__(self, gate: Gate, a, a2, b) -> None:
+        super().__init__(gate, a, b)
+        self.a2 = str(a2)
+        self.joined: bool | None = None
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if trainer.current_epoch == 0:
+            trainer.save_checkpoint(self.a2)
+            self.joined = trainer.strategy._background is self.copy and not os.path.exists(self.a)
+
+
+def test_second_save_joins_the_copy_in_flight(tmp_path, gate, monkeypatch):
+    """``checkpoint_in_flight="join"`` (the default; ModelCheckpoint's top-k and ``last`` saves of one instant): the
+    second save returns while the first is still held, both are copied by one thread through one buffer (each region
+    read once for both, before training's write), and both are the saved instant bit for bit."""
+    allocated = []
+    real_empty = background.aligned_empty
+    monkeypatch.setattr(background, "aligned_empty", lambda n, *a, **k: allocated.append(n) or real_empty(n, *a, **k))
+    a, a2, b = tmp_path / "a.ckpt", tmp_path / "a2.ckpt", tmp_path / "b.ckpt"
+    strategy = background_strategy(tmp_path)
+    hold = _SaveTwiceThenHold(gate, a, a2, b)
+    trainer(tmp_path, strategy, 2, enable_checkpointing=False, callbacks=[hold]).fit(MLP())
+    assert hold.joined and hold.uncommitted_while_held
+    assert [r.path for r in strategy.checkpoint_saves] == ["streamed", "background", "background"]
+    assert "joined to the copy in flight" in strategy.checkpoint_saves[-1].reason
+    copy = hold.copy
+    assert copy is not None and copy.committed and [job.path for job in copy.jobs] == [str(a), str(a2)]
+    assert sorted(copy.copied_by_barrier) == sorted(copy.jobs[0].targets) == sorted(copy.jobs[1].targets)
+    assert allocated == [64 << 20]  # one buffer for both
+    copied = _optimizer_tensors(b, tmp_path)
+    for path in (a, a2):
+        saved = _optimizer_tensors(path, tmp_path)
+        for i, k in _state_tensors(copied):
+            assert torch.equal(saved[0]["state"][i][k], copied[0]["state"][i][k]), (path, i, k)
 
 
 def test_second_save_is_skipped_with_a_message(tmp_path, gate):
@@ -234,11 +274,13 @@ class _FailSecondCopy(Callback):
                 raise OSError(errno.ENOSPC, "No space left on device (injected)")
             self.monkeypatch.setattr(BackgroundCopy, "_write", staticmethod(full))
             self.gate.armed = self.where == "barrier"
-        if trainer.current_epoch == 2:
+        if trainer.current_epoch == 2 and self.where == "thread":
+            copy.wait()
+            assert copy.error is not None and not copy.committed
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        if trainer.current_epoch == 1:  # before ModelCheckpoint's save (checkpoint callbacks run last)
             self.saved_at = trainer.global_step
-            if self.where == "thread":
-                copy.wait()
-                assert copy.error is not None and not copy.committed
 
     def on_exception(self, trainer, pl_module, exception) -> None:
         self.raised_at = trainer.global_step
@@ -261,8 +303,8 @@ def test_copy_failure_is_reported_at_the_next_step_and_keeps_the_previous_checkp
         t.fit(MLP())
     assert fail.failed_in == {"lightning-nvme-checkpoint-copy" if where == "thread" else "MainThread"}
     assert fail.saved_at is not None
-    # reported at the first optimizer step after the failure: the next one (thread), the one after the step whose
-    # write failed to copy (barrier)
+    # reported at the first optimizer step after the failure (thread: the next one, or the removal of the older
+    # checkpoint if it failed before; barrier: the one after the step whose write failed to copy)
     assert fail.raised_at == fail.saved_at + (where == "barrier")
     names = sorted(os.listdir(ckpts))
     (kept,) = [n for n in names if n.endswith(".ckpt")]
@@ -275,12 +317,21 @@ def test_copy_failure_is_reported_at_the_next_step_and_keeps_the_previous_checkp
 def test_copy_buffer_bounds_the_copy_memory(tmp_path, monkeypatch):
     """Measured: every buffer the copy allocates, and every piece it moves, against checkpoint_copy_buffer_bytes
     (12 KiB: a 16 KiB region goes in two pieces)."""
-    allocated, pieces = [], []
+    import weakref
+
+    allocated, pieces, live, peak = [], [], [0], [0]
     real_empty, real_write = background.aligned_empty, BackgroundCopy._write
+
+    def freed(nbytes):
+        live[0] -= nbytes
 
     def empty(nbytes, *a, **k):
         allocated.append(nbytes)
-        return real_empty(nbytes, *a, **k)
+        buffer = real_empty(nbytes, *a, **k)
+        live[0] += nbytes
+        peak[0] = max(peak[0], live[0])
+        weakref.finalize(buffer, freed, nbytes)
+        return buffer
 
     def write(out, piece, offset, name):
         pieces.append(piece.numel())
@@ -293,7 +344,8 @@ def test_copy_buffer_bounds_the_copy_memory(tmp_path, monkeypatch):
                 callbacks=[_SaveTwice(tmp_path / "a.ckpt", tmp_path / "b.ckpt")])
     t.fit(MLP())
     copies = [r for r in strategy.checkpoint_saves if r.path == "background"]
-    assert len(copies) == 2 and allocated == [12 << 10] * 2  # one buffer per save, of the configured size
+    assert len(copies) == 2 and set(allocated) == {12 << 10}  # buffers of the configured size only
+    assert peak[0] == 12 << 10  # ... and never two alive at once (one per copy; the second save joins or follows)
     assert max(pieces) == 12 << 10 and min(pieces) < 12 << 10  # pieces fill the buffer, never more
     state = sum(off.state_bytes for off in strategy.offloaded)
     assert sum(pieces) >= 2 * state  # ... and carried all the state

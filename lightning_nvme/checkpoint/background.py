@@ -12,9 +12,11 @@ kept in memory (``host_memory_budget``: updated in place, never through a write)
 the fence.
 
 Memory: one page-aligned buffer of ``buffer_bytes``, shared by the thread and the barrier (a lock; a region larger
-than the buffer goes in pieces). When every region is copied the barrier is removed, the files are fsynced and
-``commit`` (the paired protocol's publish and switch) runs in the thread; on any failure ``abort`` removes what the
-save wrote, the previous checkpoint stays, and the error waits in ``error`` for the strategy to report it.
+than the buffer goes in pieces). A later save may ``join`` a copy in flight: its regions are pending from its own
+fence on, so the same rule keeps it consistent, and a region both need is read once. When every region is copied
+the barrier is removed, the files are fsynced and each save's ``commit`` (the paired protocol's publish and switch)
+runs in the thread, in save order; on any failure ``abort`` removes what the uncommitted saves wrote, the previous
+checkpoint stays, and the error waits in ``error`` for the strategy to report it.
 """
 
 from __future__ import annotations
@@ -23,7 +25,8 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import ClassVar
 
@@ -75,7 +78,9 @@ class BackgroundCopy:
         self.store = store
         self.buffer_bytes = buffer_bytes
         self.jobs: list[Job] = []
-        self._busy = threading.Lock()  # one copy at a time (the buffer is shared); guards jobs and _closed
+        # One copy at a time (the buffer is shared); guards jobs and _closed. Reentrant: a save laying itself out
+        # under ``reserve`` holds it, and a store write of its own thread must pass the barrier.
+        self._busy = threading.RLock()
         self._closed = False  # the thread has stopped taking regions (committing, or done): no more joins
         self._buffer: torch.Tensor | None = None
         self._files: dict[str, StoreFile] = {}
@@ -110,14 +115,27 @@ class BackgroundCopy:
         self._thread = threading.Thread(target=self._run, name="lightning-nvme-checkpoint-copy", daemon=True)
         self._thread.start()
 
-    def join(self, job: Job) -> bool:
-        """A later save's job, after the store's durable fence, copied by this copy; False if it cannot (the copy is
-        committing or failed, or a job of the same file is pending: their staged files share one temp name)."""
+    @contextmanager
+    def reserve(self) -> Iterator[bool]:
+        """Around a later save's layout: True, and the copy cannot begin its commits (nor the removals after them)
+        until the block ends, so the save's directory work (``paired.begin``'s sweep) never meets a half-done commit;
+        the save then ``join``s. False: the copy was already committing or failed, and has been waited for."""
+        self._busy.acquire()
+        if self._closed or self.error is not None:
+            self._busy.release()
+            self.wait()
+            yield False
+            return
+        try:
+            yield True
+        finally:
+            self._busy.release()
+
+    def join(self, job: Job) -> None:
+        """A later save's job (inside ``reserve``, after the store's durable fence), copied by this copy."""
         with self._busy:
-            if self._closed or self.error is not None or any(j.path == job.path for j in self.jobs):
-                return False
+            assert not self._closed and not any(j.path == job.path for j in self.jobs), "join outside reserve"
             self._add(job)
-            return True
 
     def _add(self, job: Job) -> None:
         job.pending = set(job.targets)
@@ -253,6 +271,31 @@ class BackgroundCopy:
         if self._thread is not None:
             self._thread.join()
 
+    def settle(self, path: str, mode: str, joins: bool) -> str:
+        """Before another save (of ``path``, ``checkpoint_in_flight=mode``; ``joins``: it would take the background
+        path) while this copy may run: ``""`` to go on, having waited for the commit unless the save will join (a
+        save of the same file cannot: both would stage it under one temp name), else why the save is skipped. Raises
+        this copy's failure if not reported yet."""
+        if self.in_flight:
+            if mode == "skip":
+                return f"the background copy of {self.path} is still in flight (checkpoint_in_flight='skip')"
+            if mode == "wait" or not joins or any(job.path == path for job in self.jobs):
+                self.wait()
+        self.report()
+        return ""
+
+    def remove_after(self, removal: Callable[[], None]) -> bool:
+        """ModelCheckpoint removing an older checkpoint: deferred until this copy's commits (True), refused with the
+        failure reported when this copy failed (True: the newer checkpoint never committed, keep the older), or
+        False: nothing in flight, remove now."""
+        if self.defer(removal):
+            return True
+        self.wait()  # committing: the removal must not meet a commit's directory work
+        if self.error is not None:
+            self.report()
+            return True
+        return False
+
     def defer(self, removal: Callable[[], None]) -> bool:
         """Run ``removal`` (of an older checkpoint) once this save has committed; dropped if it fails, so a removal
         never leaves the user without a committed checkpoint. False: nothing in flight, remove now."""
@@ -281,7 +324,8 @@ class BackgroundCopy:
         """Raise the failure once (at the next step, the next save or the end of fit)."""
         if self.error is not None and not self.reported:
             self.reported = True
+            lost = ", ".join(job.path for job in self.jobs if not job.committed) or self.path
             raise CheckpointCopyError(
-                f"the background checkpoint {self.path} failed after its save returned: {self.error}. Nothing of it "
+                f"the background checkpoint {lost} failed after its save returned: {self.error}. Nothing of it "
                 "was committed; the previous checkpoint is intact. Fix the cause (disk space, I/O errors), or set "
                 "checkpoint_copy='streamed' to copy during the save.") from self.error

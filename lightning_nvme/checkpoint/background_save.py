@@ -75,6 +75,18 @@ def start(store: FlatStore, checkpoint: dict[str, Any], path: str, optimizers: l
     the caller has fenced the store durably (and issued the blocks' write-backs). ``in_store``/``read_source``: with
     beside weights, whether a block's values are in the store, and its values. Returns the copy that carries it.
     Raises (and leaves nothing behind) if the layout fails, or if ``running``, which it could not join, failed."""
+    if running is None:
+        return _start(store, checkpoint, path, optimizers, buffer_bytes, record, in_store, read_source, None)
+    with running.reserve() as joins:  # no commit of ``running`` meets this save's directory work
+        if not joins:
+            running.report()  # it failed: this save is not started
+        return _start(store, checkpoint, path, optimizers, buffer_bytes, record, in_store, read_source,
+                      running if joins else None)
+
+
+def _start(store: FlatStore, checkpoint: dict[str, Any], path: str, optimizers: list[OffloadedOptimizer],
+           buffer_bytes: int, record: snapshot.SaveRecord, in_store: Callable[[Any], bool] | None,
+           read_source: weights.ReadSource | None, joining: BackgroundCopy | None) -> BackgroundCopy:
     checkpoint = dict(checkpoint)
     optimizer_states = checkpoint.pop("optimizer_states", None)
     pending = paired.begin(path)
@@ -115,15 +127,13 @@ def start(store: FlatStore, checkpoint: dict[str, Any], path: str, optimizers: l
                      len(copy.copied_by_barrier))
 
         job = Job(pending.path, {t.region: t for t in targets}, commit, abort)
-        if running is not None:
-            if running.join(job):
-                record.reason += f", joined to the copy in flight of {running.path}"
-                copy = running
-                return copy
-            running.wait()  # committing meanwhile: the store is still the saved instant (no training runs here)
-            running.report()  # it failed: this save is not started
-        copy = BackgroundCopy(store, buffer_bytes)
-        copy.start(job)
+        if joining is not None:
+            record.reason += f", joined to the copy in flight of {joining.path}"
+            copy = joining
+            copy.join(job)
+        else:
+            copy = BackgroundCopy(store, buffer_bytes)
+            copy.start(job)
     except BaseException:
         abort()
         raise

@@ -40,7 +40,7 @@ from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme import reflink
-from lightning_nvme.checkpoint import background_save, snapshot, weights
+from lightning_nvme.checkpoint import background_save, plugin_io, snapshot, weights
 from lightning_nvme.checkpoint.background import BackgroundCopy
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
 from lightning_nvme.config import ConfigError
@@ -232,32 +232,22 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     # ---- background saves (checkpoint_copy="background", lightning_nvme.checkpoint.background) -----------
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        copy, mode = self._background, self.config.checkpoint_in_flight
-        if copy is not None and copy.in_flight:
-            if mode == "skip":
-                reason = f"the background copy of {copy.path} is still in flight (checkpoint_in_flight='skip')"
-                rank_zero_warn(f"{self.strategy_name}: checkpoint {filepath} skipped: {reason}")
-                self.checkpoint_saves.append(snapshot.SaveRecord("skipped", os.fspath(filepath), reason))
-                return
-            # "join" waits only for a save of the same file (both would stage it under one temp name)
-            if mode == "wait" or any(job.path == os.path.abspath(os.fspath(filepath)) for job in copy.jobs):
-                copy.wait()
-        if copy is not None:
-            copy.report()
+        copy, path = self._background, os.path.abspath(os.fspath(filepath))
+        joins = (self.config.checkpoint_copy == "background" and not background_save.unsupported(self.nvme_store, checkpoint)
+                 and plugin_io.writes_itself(self.checkpoint_io, filepath, storage_options)
+                 and (("optimizer_states" in checkpoint and bool(self.offloaded)) or weights.has_refs(checkpoint)))
+        skipped = copy.settle(path, self.config.checkpoint_in_flight, joins) if copy is not None else ""
+        if skipped:
+            rank_zero_warn(f"{self.strategy_name}: checkpoint {filepath} skipped: {skipped}")
+            self.checkpoint_saves.append(snapshot.SaveRecord("skipped", path, skipped))
+            return
         super().save_checkpoint(checkpoint, filepath, storage_options)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        """While a background save is in flight, an older checkpoint's removal (ModelCheckpoint's top-k) waits for
-        its commit, and is dropped if it fails: the user always keeps a committed checkpoint."""
-        copy = self._background
-        if copy is not None:
-            if copy.defer(lambda: super(NVMeOffloadStrategy, self).remove_checkpoint(filepath)):
-                return
-            if copy.error is not None:  # the newer checkpoint never committed: keep this one
-                copy.report()
-                return
-        super().remove_checkpoint(filepath)
+        copy = self._background  # while a background save is in flight: after its commit (BackgroundCopy.remove_after)
+        if copy is None or not copy.remove_after(lambda: super(NVMeOffloadStrategy, self).remove_checkpoint(filepath)):
+            super().remove_checkpoint(filepath)
 
     def _save_background(self, checkpoint: dict[str, Any], path: str, t0: float) -> None:
         store = self.nvme_store

@@ -20,7 +20,9 @@ of one phase (optionally after writing only part of that write: a torn write):
   ``offload_params=True`` (``param_kill_worker.py`` arms it mid-step);
 - ``copy``       every ``pwrite`` of a background checkpoint's copy (``copy="background"``): into a hidden
   ``.optim/.<id>.tmp-PID/`` file after the save returned, from the copy thread or from a training write that had
-  to copy its region first.
+  to copy its region first;
+- ``commit``     every file-system call of the copy thread (``copy="background"``): the fsyncs, renames and
+  deletions of its commits and of the removals ``ModelCheckpoint`` asked for while it ran.
 
 The test can also kill a job from outside at a random delay. The job writes JSON lines to
 ``<root>/events.jsonl``: ``started`` (pid, step and checkpoint it resumed from, whether it took over
@@ -50,7 +52,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 STORE_FILE = "store-rank0.bin"
-PHASES = ("writeback", "checkpoint", "activation", "params", "copy")
+PHASES = ("writeback", "checkpoint", "activation", "params", "copy", "commit")
+COPY_THREAD = "lightning-nvme-checkpoint-copy"  # lightning_nvme.checkpoint.background
 # File-system audit events counted as checkpoint events (pwrite/fsync have no audit event: wrapped).
 CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree",
                            "os.truncate", "ctypes.dlsym"}
@@ -160,12 +163,21 @@ class _Injector:
     def _counting(self) -> bool:
         return self.in_checkpoint and threading.current_thread() is self.main and not getattr(self._busy, "on", False)
 
+    def _in_copy_thread(self) -> bool:
+        return threading.current_thread().name == COPY_THREAD and not getattr(self._busy, "on", False)
+
     def audit(self, event: str, args: tuple) -> None:
         if event in CHECKPOINT_AUDIT_EVENTS and self._counting():
             self._busy.on = True
             try:
                 self._targeted(event, args)
                 self.hit("checkpoint", what=f"{event} {_short(args)}")
+            finally:
+                self._busy.on = False
+        elif event in CHECKPOINT_AUDIT_EVENTS and self._in_copy_thread():
+            self._busy.on = True
+            try:
+                self.hit("commit", what=f"{event} {_short(args)}")
             finally:
                 self._busy.on = False
 
@@ -186,13 +198,13 @@ class _Injector:
         real_fsync, real_fdatasync = os.fsync, os.fdatasync
 
         def fsync(fd):
-            if self._counting():
-                self.hit("checkpoint", what=f"fsync {_fd_name(fd)}")
+            if self._counting() or self._in_copy_thread():
+                self.hit("checkpoint" if self._counting() else "commit", what=f"fsync {_fd_name(fd)}")
             return real_fsync(fd)
 
         def fdatasync(fd):
-            if self._counting():
-                self.hit("checkpoint", what=f"fdatasync {_fd_name(fd)}")
+            if self._counting() or self._in_copy_thread():
+                self.hit("checkpoint" if self._counting() else "commit", what=f"fdatasync {_fd_name(fd)}")
             return real_fdatasync(fd)
 
         import fcntl

@@ -2,10 +2,12 @@
 ``ModelCheckpoint(save_top_k=1, save_last=True)`` every epoch) with each save copied by a thread after it returned.
 
 The ``copy`` phase counts every ``pwrite`` of those copies (from the copy thread, or from a training write that had
-to copy its region first); seeded kills land on them, and the ``checkpoint`` phase's kills on the save's own calls
-(layout, staged file). After each kill every visible checkpoint equals the reference run's of its step bit for bit,
-a half-copied save is only hidden temps, and the chain resumes to the reference's final parameters (the checks of
-``test_crash_consistency``). The background reference itself is checked against the streamed one first."""
+to copy its region first), the ``commit`` phase every file-system call of the copy thread (the fsyncs, renames and
+deletions of its commits and of the removals it runs after them); seeded kills land on them, and the
+``checkpoint`` phase's kills on the save's own calls (layout, staged file). After each kill every visible
+checkpoint equals the reference run's of its step bit for bit, a half-copied save is only hidden temps, and the chain
+resumes to the reference's final parameters (the checks of ``test_crash_consistency``). The background reference
+itself is checked against the streamed one first."""
 
 from __future__ import annotations
 
@@ -49,7 +51,7 @@ def test_background_reference_equals_the_streamed_one(background_reference, refe
     assert sum(background_reference.counts["copy"].values()) > 0, "no save took the background path"
 
 
-@pytest.mark.parametrize("phase", ["copy", "checkpoint"])
+@pytest.mark.parametrize("phase", ["copy", "commit", "checkpoint"])
 def test_kill9_trials_over_background_saves_resume_bitwise(jobs, background_reference, tmp_path, phase):  # noqa: F811
     tally = run_chain(jobs, background_reference, str(tmp_path), phase, TRIALS, copy="background")
     assert tally.killed == TRIALS

@@ -102,6 +102,11 @@ class BackgroundCopy:
         return {name: t for job in self.jobs for name, t in job.targets.items()}
 
     @property
+    def bytes_pending(self) -> int:
+        """Bytes still to copy: space the checkpoint filesystem must still give (the files are sparse until copied)."""
+        return sum(job.targets[name].nbytes for job in self.jobs for name in list(job.pending))
+
+    @property
     def committed(self) -> bool:
         return bool(self.jobs) and all(job.committed for job in self.jobs)
 

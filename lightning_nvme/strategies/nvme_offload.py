@@ -258,9 +258,10 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         store.fence(durable=True)
         record = snapshot.SaveRecord("background", path)
         optimizers = self.offloaded if "optimizer_states" in checkpoint else []
-        state = sum(off.state_bytes for off in optimizers)
-        snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint), "background save")
         running = self._background if self._background is not None and self._background.in_flight else None
+        pending = running.bytes_pending if running is not None else 0  # the copy in flight's files fill up still
+        state = sum(off.state_bytes for off in optimizers)
+        snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint) + pending, "background save")
         self._background = background_save.start(
             store, checkpoint, path, optimizers, self.config.checkpoint_copy_buffer_bytes, record,
             params.in_store if params is not None else None, params.read_block if params is not None else None,

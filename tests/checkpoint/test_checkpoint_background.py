@@ -424,3 +424,62 @@ print(json.dumps({{"step": t.global_step}}))
     assert json.loads(out.stdout.strip().splitlines()[-1])["step"] > 16
     for name, p in ref.named_parameters():
         assert torch.equal(resumed[name], p), name
+
+
+def test_space_plan_counts_the_saves_of_one_instant_in_progress_together(tmp_path):
+    """Joined background saves (top-k and ``last`` of one instant) both exist beside the checkpoints they replace
+    until the copy commits: one more checkpoint than a save at a time."""
+    from types import SimpleNamespace
+
+    from lightning_nvme.strategies.checkpoint_space import checkpoint_plans
+
+    trainer_ = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(dirpath=str(tmp_path), save_top_k=1,
+                                                                     save_last=True)])
+    assert [p.kept for p in checkpoint_plans(trainer_, 100)[0]] == [3]  # top-k + last + the one in progress
+    assert [p.kept for p in checkpoint_plans(trainer_, 100, together=True)[0]] == [4]
+    trainer_.checkpoint_callbacks = [ModelCheckpoint(dirpath=str(tmp_path), save_top_k=3, monitor="step")]
+    assert [p.kept for p in checkpoint_plans(trainer_, 100, together=True)[0]] == [4]
+
+
+class _SecondSaveShort(_SaveThenHold):
+    """The first background save's copy is held; the disk then has room for a second save's own bytes but not for
+    those and the first copy's bytes still to come (its files are sparse until copied): the second is refused."""
+
+    def __init__(self, gate: Gate, a, a2, monkeypatch) -> None:
+        super().__init__(gate, a, None)
+        self.a2, self.monkeypatch = str(a2), monkeypatch
+        self.refused: str | None = None
+
+    def on_train_epoch_end(self, trainer, pl_module) -> None:
+        super().on_train_epoch_end(trainer, pl_module)
+        if trainer.current_epoch != 0:
+            return
+        import shutil
+        from types import SimpleNamespace
+
+        from lightning_nvme.checkpoint import snapshot
+
+        strategy = trainer.strategy
+        own = sum(off.state_bytes for off in strategy.offloaded) + sum(
+            p.numel() * p.element_size() for p in pl_module.state_dict().values())
+        pending = self.copy.bytes_pending
+        assert pending > 0 and self.copy.in_flight
+        real = shutil.disk_usage(str(self.a2 + "x").rsplit("/", 1)[0])
+        self.monkeypatch.setattr(snapshot, "shutil", SimpleNamespace(
+            disk_usage=lambda p: real._replace(free=own + pending - 1)))
+        try:
+            trainer.save_checkpoint(self.a2)
+        except snapshot.CheckpointSpaceError as e:
+            self.refused = str(e)
+        self.monkeypatch.setattr(snapshot, "shutil", shutil)
+        self.gate.release()  # the run ends here: let the first copy commit
+
+
+def test_a_save_beside_a_copy_in_flight_counts_its_bytes_still_to_come(tmp_path, gate, monkeypatch):
+    a, a2 = tmp_path / "a.ckpt", tmp_path / "a2.ckpt"
+    strategy = background_strategy(tmp_path)
+    hold = _SecondSaveShort(gate, a, a2, monkeypatch)
+    trainer(tmp_path, strategy, 1, enable_checkpointing=False, callbacks=[hold]).fit(MLP())
+    assert hold.refused is not None and "nothing was written" in hold.refused, hold.refused
+    assert not os.path.exists(a2) and not os.path.exists(str(a2) + ".optim")
+    assert os.path.exists(a) and hold.copy is not None and hold.copy.committed  # the first is untouched

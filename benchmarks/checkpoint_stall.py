@@ -1,24 +1,31 @@
-"""What a checkpoint costs the training run: reflink snapshot vs streamed copy (#22), offload_params + AdamW.
+"""What a checkpoint costs the training run: reflink snapshot, background copy and streamed copy (#22),
+offload_params + AdamW.
 
 One GPT (``--layers`` blocks at ``--width``; 7 x 2560 is ~0.55 B params) trains with ``NVMeOffloadStrategy(
-offload_params=True, overlap="backward", inline_weights_bytes=0)`` on an XFS with reflinks (``--dir``; by default a
-sparse image made with ``mkfs.xfs -m reflink=1`` and loop-mounted, root needed). After ``--warmup`` steps and one
-timed plain step, the run saves a checkpoint on the store's filesystem, then runs one more step. Each configuration
-is a fresh process; ``reflink`` (``checkpoint_copy="auto"``) and ``streamed`` (``checkpoint_copy="streamed"``)
-alternate (A B A B, ``--pairs``).
+offload_params=True, overlap="backward", inline_weights_bytes=0)``. ``reflink`` (``checkpoint_copy="auto"``) and
+``streamed`` run on an XFS with reflinks (``--dir``; by default a sparse image made with ``mkfs.xfs -m reflink=1``
+and loop-mounted, root needed); ``background`` (``checkpoint_copy="background"``) runs on ``--background-dir``
+(default: ``--scratch``, on the root filesystem: ext4 here), where reflinks are impossible. After ``--warmup`` steps
+and one timed plain step, the run saves a checkpoint beside its store, then runs ``--after-steps`` more steps. Each
+configuration is a fresh process; the paths (``--paths``) rotate their order from one round to the next (``--pairs``).
 
 Per configuration:
   stall_s             wall time inside ``trainer.save_checkpoint`` (training is blocked for all of it)
-  bytes_written       the process's ``write_bytes`` (``/proc/self/io``) during the save, the checkpoint file included
+  bytes_written       the process's ``write_bytes`` (``/proc/self/io``) during the save, the checkpoint file included;
+                      for ``background`` plus the bytes its copy wrote after the save returned (``copy_bytes``)
   state_bytes         optimizer state + offloaded weights in the store (what a streamed save copies)
   extra_disk_bytes    the filesystem's used bytes after the save minus before it
-  extra_disk_after_step_bytes   the same after the step that follows (copy on write of the rewritten regions)
-  step_s              a plain step (start to start); step_during_copy_s: the step right after the save, through a
-                      durable fence (a reflink save's first rewrites of shared extents allocate new ones; there is
-                      no background copy yet, so for ``streamed`` it is just the next step)
+  extra_disk_after_step_bytes   the same after the first step that follows (copy on write of the rewritten regions;
+                      for ``background`` the files filled by the copy so far)
+  step_s              a plain step (start to start); step_during_copy_s: the first step after the save, through a
+                      durable fence (a reflink save's first rewrites of shared extents allocate new ones; a background
+                      save's copy runs beside it and training's first write of each region copies it first; for
+                      ``streamed`` it is just the next step); steps_after_save_s: each step after the save
+  copy_s              ``background``: save to commit; copy_in_flight_after_step: whether it outlived that first step
 
-    sudo python benchmarks/checkpoint_stall.py                         # 0.55 B, 2 pairs (~10 min)
+    sudo python benchmarks/checkpoint_stall.py                         # 0.55 B, 2 rounds (~15 min)
     sudo python benchmarks/checkpoint_stall.py --layers 2 --width 256 --pairs 1   # a smoke run
+    python benchmarks/checkpoint_stall.py --quick --dir /tmp/x         # seconds: background vs streamed, no XFS
 
 Progress goes to stderr; the last line of stdout is one JSON object ``{"configs": [...], ...}``.
 """
@@ -40,7 +47,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _disk import GiB, spread  # noqa: E402
 
-PATHS = {"reflink": "auto", "streamed": "streamed"}
+PATHS = {"reflink": "auto", "streamed": "streamed", "background": "background"}
 
 
 def _write_bytes() -> int:
@@ -62,7 +69,7 @@ def child(args: argparse.Namespace) -> dict:
     from lightning_nvme.strategies import NVMeOffloadStrategy
 
     torch.manual_seed(0)
-    tokens = torch.randint(0, 256, ((args.warmup + 3) * args.batch, args.seq + 1))
+    tokens = torch.randint(0, 256, ((args.warmup + 2 + args.after_steps) * args.batch, args.seq + 1))
     data = DataLoader(TensorDataset(tokens[:, :-1], tokens[:, 1:]), batch_size=args.batch)
     model = GPTLightningModule(vocab_size=256, block_size=args.seq, n_layer=args.layers, n_head=args.heads,
                                n_embd=args.width, activation_checkpointing=True, empty_init=True,
@@ -73,7 +80,8 @@ def child(args: argparse.Namespace) -> dict:
     starts: list[float] = []
     marks: dict[str, float] = {}
     out: dict = {"path": args.child}
-    w = args.warmup  # steps 0..w-1 create the state; step w is timed; the save follows step w+1; then step w+2
+    w = args.warmup  # steps 0..w-1 create the state; step w is timed; the save follows step w+1; then steps w+2...
+    ends: list[float] = []
 
     class Clock(pl.Callback):
         def on_train_batch_start(self, trainer: pl.Trainer, *_: object) -> None:
@@ -82,6 +90,7 @@ def child(args: argparse.Namespace) -> dict:
 
         def on_train_batch_end(self, trainer: pl.Trainer, *_: object) -> None:
             step = len(starts) - 1
+            ends.append(time.perf_counter())
             if step == w + 1:
                 used, written, t0 = _used(args.dir), _write_bytes(), time.perf_counter()
                 trainer.save_checkpoint(os.path.join(args.dir, "ckpts", "last.ckpt"))
@@ -97,23 +106,34 @@ def child(args: argparse.Namespace) -> dict:
                 trainer.strategy.nvme_store.fence(durable=True)  # type: ignore[attr-defined]
                 out["step_during_copy_s"] = time.perf_counter() - marks["saved"]
                 out["extra_disk_after_step_bytes"] = _used(args.dir) - marks["used"]
+                copy = getattr(trainer.strategy, "_background", None)
+                out["copy_in_flight_after_step"] = bool(copy is not None and copy.in_flight)
 
-    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=w + 3, logger=False,
-                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                         callbacks=[Clock()], num_sanity_val_steps=0, limit_val_batches=0)
-    trainer.fit(model, train_dataloaders=data)
+    trainer = pl.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=w + 2 + args.after_steps,
+                         logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                         enable_model_summary=False, callbacks=[Clock()], num_sanity_val_steps=0, limit_val_batches=0)
+    trainer.fit(model, train_dataloaders=data)  # its teardown waits for a background copy to commit
     out["step_s"] = starts[w + 1] - starts[w]
+    out["steps_after_save_s"] = [round(ends[i] - starts[i], 4) for i in range(w + 2, len(starts))]
+    copy = getattr(strategy, "_background", None)
+    if copy is not None:
+        if copy.error is not None:
+            raise SystemExit(f"the background copy failed: {copy.error}")
+        out.update(copy_s=copy.seconds, copy_bytes=copy.bytes_copied, copied_before_a_write=len(copy.copied_by_barrier),
+                   regions=len(copy.targets))
+        out["bytes_written"] += copy.bytes_copied
+        out["extra_disk_after_copy_bytes"] = _used(args.dir) - marks["used"]
     out["params"] = sum(p.numel() for p in model.parameters())
     assert strategy.param_offload is not None
     out["state_bytes"] = sum(o.state_bytes for o in strategy.offloaded) + strategy.param_offload.layout.offloaded_bytes
     return out
 
 
-def _run_child(args: argparse.Namespace, path: str) -> dict:
-    with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"{path}-") as run_dir:
+def _run_child(args: argparse.Namespace, path: str, directory: str) -> dict:
+    with tempfile.TemporaryDirectory(dir=directory, prefix=f"{path}-") as run_dir:
         cmd = [sys.executable, os.path.abspath(__file__), "--child", path, f"--dir={run_dir}"] + [
             f"--{k.replace('_', '-')}={v}" for k, v in vars(args).items()
-            if k in ("layers", "width", "heads", "seq", "batch", "warmup")]
+            if k in ("layers", "width", "heads", "seq", "batch", "warmup", "after_steps")]
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
     if res.returncode != 0:
         raise SystemExit(f"child {path} failed with exit code {res.returncode}")
@@ -134,6 +154,13 @@ def _mount_xfs(scratch: str, size: int) -> tuple[str, str]:
     return image, mount
 
 
+def _ratios(configs: list[dict], num: str, den: str, key: str) -> dict | None:
+    """``key`` of path ``num`` over path ``den``, per round (the rounds alternate their order)."""
+    a, b = ([c[key] for c in configs if c["path"] == p] for p in (num, den))
+    pairs = [x / y for x, y in zip(a, b) if y]
+    return spread(pairs) if pairs else None
+
+
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--layers", type=int, default=7)
@@ -142,53 +169,89 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps (optimizer state created)")
-    p.add_argument("--pairs", type=int, default=2, help="reflink/streamed pairs")
-    p.add_argument("--dir", default=None, help="a directory on an XFS/btrfs with reflinks")
+    p.add_argument("--after-steps", type=int, default=2, help="steps after the save (a background copy runs beside)")
+    p.add_argument("--pairs", type=int, default=2, help="rounds of every path in --paths")
+    p.add_argument("--paths", default="reflink,streamed,background", help="comma-separated, of " + ", ".join(PATHS))
+    p.add_argument("--dir", default=None, help="a directory on an XFS/btrfs with reflinks (reflink and streamed)")
+    p.add_argument("--background-dir", default=None, help="where the background path runs (default: --scratch)")
     p.add_argument("--scratch", default="/tmp/checkpoint_stall", help="where the XFS image goes without --dir")
     p.add_argument("--image-gib", type=int, default=24, help="sparse XFS image size without --dir")
+    p.add_argument("--quick", action="store_true", help="a tiny GPT, one round of background and streamed, all in "
+                   "--dir (no XFS): checks the script runs (tests/benchmarks), measures nothing")
     p.add_argument("--child", choices=sorted(PATHS), help=argparse.SUPPRESS)
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))
         return
+    paths = [x for x in args.paths.split(",") if x]
+    if args.quick:
+        if args.dir is None:
+            raise SystemExit("--quick needs --dir (any filesystem)")
+        args.layers, args.width, args.heads, args.seq, args.pairs, args.after_steps = 2, 64, 2, 16, 1, 2
+        paths = ["background", "streamed"]
+        args.background_dir = args.background_dir or args.dir
+    unknown = sorted(set(paths) - set(PATHS))
+    if unknown:
+        raise SystemExit(f"unknown --paths {unknown}; choose from {sorted(PATHS)}")
     image = mount = None
-    if args.dir is None:
+    if args.dir is None and set(paths) & {"reflink", "streamed"}:
         image, mount = _mount_xfs(args.scratch, args.image_gib * GiB)
         args.dir = mount
+    background_dir = args.background_dir or args.scratch
+    os.makedirs(background_dir, exist_ok=True)
     load = [os.getloadavg()[0]]
     t0 = time.perf_counter()
-    configs, ratios = [], []
+    configs = []
     try:
         for pair in range(args.pairs):
-            row = {}
-            for path in ("reflink", "streamed") if pair % 2 == 0 else ("streamed", "reflink"):
-                print(f"pair {pair}: {path}", file=sys.stderr, flush=True)
-                row[path] = _run_child(args, path)
+            shift = pair % len(paths)
+            for path in paths[shift:] + paths[:shift]:
+                print(f"round {pair}: {path}", file=sys.stderr, flush=True)
+                r = _run_child(args, path, background_dir if path == "background" else args.dir)
+                r["filesystem"] = _fs_type(background_dir if path == "background" else args.dir)
+                configs.append(r)
                 load.append(os.getloadavg()[0])
-                r = row[path]
                 print(f"  stall {r['stall_s']:.2f} s, wrote {r['bytes_written'] / GiB:.3f} GiB of "
                       f"{r['state_bytes'] / GiB:.2f} GiB state, step {r['step_s']:.1f} s, after save "
                       f"{r['step_during_copy_s']:.1f} s", file=sys.stderr, flush=True)
-            configs += [row["reflink"], row["streamed"]]
-            ratios.append(row["streamed"]["stall_s"] / row["reflink"]["stall_s"])
     finally:
         if mount is not None:
             subprocess.run(["umount", mount], check=False)
             os.unlink(image)  # type: ignore[arg-type]
+    out: dict = {"configs": configs}
+    for path in ("reflink", "background"):
+        mine = [c for c in configs if c["path"] == path]
+        if mine and "streamed" in paths:
+            out[f"stall_streamed_over_{path}"] = _ratios(configs, "streamed", path, "stall_s")
+        if mine:
+            out[f"{path}_stall_s_max"] = max(c["stall_s"] for c in mine)
+            out[f"{path}_stall_over_step_max"] = max(c["stall_s"] / c["step_s"] for c in mine)
+            out[f"{path}_steps_after_save_over_step_max"] = max(max(c["steps_after_save_s"]) / c["step_s"]
+                                                                for c in mine)
     reflink = [c for c in configs if c["path"] == "reflink"]
-    out = {
-        "configs": configs,
-        "stall_streamed_over_reflink": spread(ratios),
-        "reflink_written_fraction_max": max(c["bytes_written"] / c["state_bytes"] for c in reflink),
-        "reflink_stall_s_max": max(c["stall_s"] for c in reflink),
-        "preconditions": {"filesystem": "xfs reflink=1 (loop image)" if image else args.dir,
-                          "layers": args.layers, "width": args.width, "seq": args.seq, "batch": args.batch,
-                          "optimizer": "AdamW fp32", "offload_params": True},
+    if reflink:
+        out["reflink_written_fraction_max"] = max(c["bytes_written"] / c["state_bytes"] for c in reflink)
+    out.update({
+        "preconditions": {"filesystems": sorted({c["filesystem"] for c in configs}),
+                          "xfs image": bool(image), "layers": args.layers, "width": args.width, "seq": args.seq,
+                          "batch": args.batch, "optimizer": "AdamW fp32", "offload_params": True},
         "load_avg_1min": {"min": min(load), "max": max(load), "samples": [round(x, 2) for x in load]},
         "median_step_s": statistics.median(c["step_s"] for c in configs),
         "wall_s": round(time.perf_counter() - t0, 1),
-    }
+    })
     print(json.dumps(out))
+
+
+def _fs_type(path: str) -> str:
+    """The filesystem type of ``path`` (``/proc/mounts``' longest mount point that contains it)."""
+    path, best, kind = os.path.realpath(path), "", "?"
+    with open("/proc/mounts") as f:
+        for line in f:
+            fields = line.split()
+            mnt = fields[1]
+            if (path == mnt or path.startswith(mnt.rstrip("/") + "/")) and len(mnt) >= len(best):
+                best, kind = mnt, fields[2]
+    return kind
 
 
 if __name__ == "__main__":

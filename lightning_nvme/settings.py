@@ -146,8 +146,19 @@ class OffloadSettings:
     checkpoint_copy: str = setting(
         "auto", "How a checkpoint copies the optimizer state out of the store (each rank its shard): ``\"reflink\"`` "
                 "clones the store's extents (XFS/btrfs, checkpoint on the store's filesystem; refused elsewhere), "
-                "``\"streamed\"`` reads and writes every byte, ``\"auto\"`` reflinks where the filesystem allows; "
-                "see docs/checkpoints.md.", one_of("auto", "reflink", "streamed"))
+                "``\"streamed\"`` reads and writes every byte, ``\"background\"`` returns after a fence and copies "
+                "while training continues (copy-before-write snapshot; any filesystem), ``\"auto\"`` reflinks where "
+                "the filesystem allows, else streams; see docs/checkpoints.md.",
+        one_of("auto", "reflink", "streamed", "background"))
+    checkpoint_copy_buffer_bytes: int = setting(
+        64 * MiB, "With ``checkpoint_copy=\"background\"``: the one buffer the copy moves the state through (the "
+                  "copy's memory; a region larger than it is copied in pieces).",
+        nbytes(ALIGN, aligned=True, typical=str(64 * MiB)))
+    checkpoint_in_flight: str = setting(
+        "join", "With ``checkpoint_copy=\"background\"``, a save while a copy is in flight: ``\"join\"`` returns "
+                "after its fence and its copy joins the one in flight (same thread and buffer; a save of the same "
+                "file waits), ``\"wait\"`` waits for that copy to commit, ``\"skip\"`` is skipped with a warning.",
+        one_of("join", "wait", "skip"))
     host_memory_budget: int | str = setting(
         0, "Bytes of host RAM that parameter blocks and optimizer chunks may occupy instead of the SSD, chosen to "
            "save the most I/O per byte (docs/shelf.md); for the whole host (``nvme_offload_ddp`` splits it evenly "

@@ -114,16 +114,32 @@ def reference(pending: Pending, optimizer_states: list[dict[str, Any]] | None, m
             "optimizer_states": optimizer_states, "parts": markers, "note": NOTE.format(parts=parts, name=name)}
 
 
-def write_main(checkpoint: dict[str, Any], path: str) -> None:
-    """Step 4: write the file under a temp name, fsync, and switch it in."""
+def stage_main(checkpoint: dict[str, Any], path: str) -> str:
+    """Step 4's first half: the file written under its hidden temp name (not yet visible as ``path``). A
+    background save stages it at the save, when the weights are those of the saved instant."""
     tmp = atomic.temp_name(path)
     try:
         torch.save(checkpoint, tmp)
+    except BaseException:
+        if os.path.lexists(tmp):
+            atomic.delete(tmp)
+        raise
+    return tmp
+
+
+def switch_main(tmp: str, path: str) -> None:
+    """Step 4's second half: fsync the staged file and switch it in (the one visible step)."""
+    try:
         atomic.commit(tmp, path)
     except BaseException:
         if os.path.lexists(tmp):
             atomic.delete(tmp)
         raise
+
+
+def write_main(checkpoint: dict[str, Any], path: str) -> None:
+    """Step 4: write the file under a temp name, fsync, and switch it in."""
+    switch_main(stage_main(checkpoint, path), path)
 
 
 def finish(pending: Pending) -> None:

@@ -46,8 +46,9 @@ def refuse_streamed(strategy: str, checkpoint_io: CheckpointIO, path: _PATH, sto
         reason = (f"checkpoint_io={type(checkpoint_io).__name__} cannot carry it: a CheckpointIO takes the whole "
                   "checkpoint as one dict in memory, which is what streaming the optimizer state avoids. Remove the "
                   "plugin for full checkpoints (the strategy writes them atomically itself"
-                  + ("; an asynchronous plugin is unnecessary where the checkpoint is on the store's XFS/btrfs: "
-                     "the save is then a reflink snapshot, metadata only, see docs/checkpoints.md"
+                  + ("; an asynchronous plugin is unnecessary: checkpoint_copy='background' returns after a fence "
+                     "and copies the state while training runs (any filesystem), and on the store's XFS/btrfs the "
+                     "save is a reflink snapshot, metadata only; see docs/checkpoints.md"
                      if "Async" in type(checkpoint_io).__name__ else "") + "). ")
     else:
         reason = ("storage_options were given, which only a custom CheckpointIO understands, and that cannot "

@@ -118,10 +118,11 @@ class _Entry:
     end: int
 
 
-def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[Clone]]:
-    """The file's entries, and the clones that place each chunk region with state in it."""
+def layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[str, int, int]]]:
+    """The file's entries, and the (region name, file data offset, bytes) of each chunk region with state in it,
+    placed whole (the reflink path clones them, the background path, ``checkpoint.background``, copies them)."""
     entries: list[_Entry] = []
-    clones: list[Clone] = []
+    regions: list[tuple[str, int, int]] = []
     pos = 0
     store = off.store
     assert store is not None, "the optimizer's store is closed"
@@ -140,17 +141,21 @@ def _layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[Clone]]:
                 begin = pos + piece.slots[comp.name]
                 items.append(_Entry(name, DTYPES[comp.dtype], shape, begin, begin + count * comp.dtype.itemsize))
         _padded(items, pos, pos + region.capacity, entries)
-        clones += _region_clones(store, chunk.region, pos)
+        regions.append((chunk.region, pos, region.capacity))
         pos += region.capacity
-    return entries, clones
+    return entries, regions
 
 
-def _header(entries: list[_Entry], metadata: dict[str, str], block: int) -> bytes:
+def _clones(store: FlatStore, regions: list[tuple[str, int, int]]) -> list[Clone]:
+    return [c for name, pos, _ in regions for c in _region_clones(store, name, pos)]
+
+
+def header(entries: list[_Entry], metadata: dict[str, str], block: int) -> bytes:
     """``<u64 length><json>`` padded with spaces so the data starts on a filesystem block."""
-    header: dict[str, Any] = {"__metadata__": metadata}
+    head: dict[str, Any] = {"__metadata__": metadata}
     for e in entries:
-        header[e.name] = {"dtype": e.dtype, "shape": e.shape, "data_offsets": [e.begin, e.end]}
-    blob = json.dumps(header, separators=(",", ":")).encode()
+        head[e.name] = {"dtype": e.dtype, "shape": e.shape, "data_offsets": [e.begin, e.end]}
+    blob = json.dumps(head, separators=(",", ":")).encode()
     blob += b" " * (-(8 + len(blob)) % block)
     return struct.pack("<Q", len(blob)) + blob
 
@@ -167,8 +172,9 @@ def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: st
 def write_state(off: OffloadedOptimizer, path: str, metadata: dict[str, str], block: int) -> int:
     """The state file ``path`` of ``off``'s (initialized) state as clones of its store regions, fsynced; returns the
     bytes cloned. A data-parallel rank's shard is this file of its own store (its pieces are ranges, named so)."""
-    entries, clones = _layout(off)
-    _write_file(path, _header(entries, metadata, block), clones, entries[-1].end if entries else 0, block)
+    entries, regions = layout(off)
+    clones = _clones(off.store, regions)  # type: ignore[arg-type]  # layout asserted it open
+    _write_file(path, header(entries, metadata, block), clones, entries[-1].end if entries else 0, block)
     return sum(n for *_, n in clones)
 
 
@@ -206,14 +212,18 @@ def _padded(items: list[_Entry], start: int, end: int, entries: list[_Entry]) ->
         entries.append(_Entry(f"{PAD_PREFIX}{len(entries)}", "U8", [end - pos], pos, end))
 
 
-def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_store: Callable[[Any], bool],
-                  read_source: weights.ReadSource, metadata: dict[str, str], block: int) -> int:
-    """``weights.write`` as clones: the beside weights of blocks whose current values are in the store
-    (``in_store(block)``) are entries inside their block region, cloned whole; the others (a block resident and
-    changed, a second name of one parameter) are written after them. Returns the bytes cloned."""
+Written = list[tuple[weights.BesideWeight, str]]  # beside weights written from memory: (reference, slot)
+
+
+def weights_layout(state_dict: dict[str, Any], store: FlatStore, in_store: Callable[[Any], bool]
+                   ) -> tuple[list[_Entry], list[tuple[str, int, int]], Written, int]:
+    """The beside weights file's entries: those of blocks whose current values are in the store (``in_store(block)``)
+    inside their block region, taken whole ((region name, data offset, bytes) each, as ``layout``); the others (a
+    block resident and changed, a second name of one parameter) after them, written from memory. Also the data's
+    end."""
     entries: list[_Entry] = []
-    clones: list[Clone] = []
-    written: list[tuple[weights.BesideWeight, str]] = []
+    regions: list[tuple[str, int, int]] = []
+    written: Written = []
     by_block: dict[int, list[weights.BesideWeight]] = {}
     for ref in weights.refs(state_dict).values():
         by_block.setdefault(id(ref.source[0]), []).append(ref)
@@ -234,32 +244,40 @@ def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_st
             items.append(_Entry(ref.key, ref.dtype, list(ref.shape), pos + slot.offset, pos + slot.offset + slot.nbytes))
         if items:
             _padded(items, pos, pos + region.capacity, entries)
-            clones += _region_clones(store, source.region, pos)
+            regions.append((source.region, pos, region.capacity))
             pos += region.capacity
-    tail = []
     for ref, _ in written:
         nbytes = math.prod(ref.shape) * ref.torch_dtype.itemsize
-        tail.append(_Entry(ref.key, ref.dtype, list(ref.shape), pos, pos + nbytes))
+        entries.append(_Entry(ref.key, ref.dtype, list(ref.shape), pos, pos + nbytes))
         pos += nbytes
-    entries += tail
-    head = _header(entries, dict(metadata), block)
-    at = {e.name: e.begin for e in tail}
+    return entries, regions, written, pos
 
-    def write_rest(fd: int) -> None:
-        groups: dict[int, list[tuple[weights.BesideWeight, str]]] = {}
-        for ref, slot in written:
-            groups.setdefault(id(ref.source[0]), []).append((ref, slot))
-        for group in groups.values():
-            values = read_source(group[0][0].source[0])
-            for ref, slot in group:
-                data = values[slot].contiguous()
-                view = memview(data.data_ptr(), data.numel() * data.element_size())
-                done = 0
-                while done < len(view):
-                    done += os.pwrite(fd, view[done:], len(head) + at[ref.key] + done)
-            del values
 
-    _write_file(path, head, clones, pos, block, write_rest)
+def write_values(fd: int, data_start: int, entries: list[_Entry], written: Written,
+                 read_source: weights.ReadSource) -> None:
+    """Write the ``written`` weights at their entries' offsets, one block's values in memory at a time."""
+    at = {e.name: e.begin for e in entries}
+    groups: dict[int, Written] = {}
+    for ref, slot in written:
+        groups.setdefault(id(ref.source[0]), []).append((ref, slot))
+    for group in groups.values():
+        values = read_source(group[0][0].source[0])
+        for ref, slot in group:
+            data = values[slot].contiguous()
+            view = memview(data.data_ptr(), data.numel() * data.element_size())
+            done = 0
+            while done < len(view):
+                done += os.pwrite(fd, view[done:], data_start + at[ref.key] + done)
+        del values
+
+
+def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_store: Callable[[Any], bool],
+                  read_source: weights.ReadSource, metadata: dict[str, str], block: int) -> int:
+    """``weights.write`` as clones of the block regions (``weights_layout``); returns the bytes cloned."""
+    entries, regions, written, end = weights_layout(state_dict, store, in_store)
+    head = header(entries, dict(metadata), block)
+    clones = _clones(store, regions)
+    _write_file(path, head, clones, end, block, lambda fd: write_values(fd, len(head), entries, written, read_source))
     return sum(n for *_, n in clones)
 
 

@@ -95,6 +95,9 @@ class FlatStore:
         self._submit_lock = threading.Lock()
         self._stats = StatsRecorder()
         self.shelf = Shelf()  # regions kept in memory (host_memory_budget); see shelve()
+        # Called with a region's name before any write to it and before it is shelved (after which it changes in
+        # place): a background checkpoint copies the region's saved bytes out first (checkpoint/background.py).
+        self.write_barrier: Callable[[str], None] | None = None
         opened = open_files(self.directories, base, reopen=reopen, direct=direct, stripe_bytes=stripe_bytes)
         self._locks, self._files = opened.locks, opened.files
         self.stripe_map, self.manifest_path = opened.stripe_map, opened.manifest_path
@@ -182,6 +185,9 @@ class FlatStore:
 
     def _submit(self, kind: str, name: str, t: torch.Tensor, offset: int) -> IOHandle:
         self._check_usable()
+        barrier = self.write_barrier
+        if kind == "write" and barrier is not None:
+            barrier(name)
         region = self.layout[name]
         if offset % ALIGN:
             raise ValueError(f"offset within region {name!r} must be a multiple of {ALIGN}, got {offset}")
@@ -240,6 +246,8 @@ class FlatStore:
             return
         self.fence(names)
         for name in names:
+            if self.write_barrier is not None:
+                self.write_barrier(name)
             data = self.aligned_empty(self.layout[name].capacity)
             if load:
                 self.wait(self.read(name, data))

@@ -30,17 +30,20 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme import reflink
-from lightning_nvme.checkpoint import snapshot, weights
+from lightning_nvme.checkpoint import background_save, plugin_io, snapshot, weights
+from lightning_nvme.checkpoint.background import BackgroundCopy
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
+from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.models.hub_export import (
     MAX_SHARD_BYTES,
@@ -83,6 +86,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         self._init_offload(config)
         self.param_offload: ParamOffload | None = None
         self.device_placement: DevicePlacement | None = None  # blocks kept on the GPU (device_memory_budget)
+        self._background: BackgroundCopy | None = None  # the last background save (checkpoint_copy="background")
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices
@@ -211,6 +215,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
+        if self._background is not None:
+            self._background.report()  # a background save that failed since the last step
         params = self.param_offload
         if params is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -233,10 +239,57 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         try:
-            if self.param_offload is not None:
-                self.param_offload.stop(restore=self.config.restore_params)
+            if self._background is not None:  # the copy reads the store: it ends (commits) before the store closes
+                self._background.wait()
+                self._background.report()
         finally:
-            super().teardown()
+            try:
+                if self.param_offload is not None:
+                    self.param_offload.stop(restore=self.config.restore_params)
+            finally:
+                super().teardown()
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_background": None}  # its thread and locks stay with this instance
+
+    # ---- background saves (checkpoint_copy="background", lightning_nvme.checkpoint.background) -----------
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        copy, path = self._background, os.path.abspath(os.fspath(filepath))
+        joins = (self.config.checkpoint_copy == "background" and not background_save.unsupported(self.nvme_store, checkpoint)
+                 and plugin_io.writes_itself(self.checkpoint_io, filepath, storage_options)
+                 and (("optimizer_states" in checkpoint and bool(self.offloaded)) or weights.has_refs(checkpoint)))
+        skipped = copy.settle(path, self.config.checkpoint_in_flight, joins) if copy is not None else ""
+        if skipped:
+            rank_zero_warn(f"{self.strategy_name}: checkpoint {filepath} skipped: {skipped}")
+            self.checkpoint_saves.append(snapshot.SaveRecord("skipped", path, skipped))
+            return
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+
+    @override
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        copy = self._background  # while a background save is in flight: after its commit (BackgroundCopy.remove_after)
+        if copy is None or not copy.remove_after(lambda: super(NVMeOffloadStrategy, self).remove_checkpoint(filepath)):
+            super().remove_checkpoint(filepath)
+
+    def _save_background(self, checkpoint: dict[str, Any], path: str, t0: float) -> None:
+        store = self.nvme_store
+        assert store is not None
+        params = self._offloaded_weights()
+        if params is not None:
+            params.issue_writes()
+        store.fence(durable=True)
+        record = snapshot.SaveRecord("background", path)
+        optimizers = self.offloaded if "optimizer_states" in checkpoint else []
+        running = self._background if self._background is not None and self._background.in_flight else None
+        pending = running.bytes_pending if running is not None else 0  # the copy in flight's files fill up still
+        state = sum(off.state_bytes for off in optimizers)
+        snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint) + pending, "background save")
+        self._background = background_save.start(
+            store, checkpoint, path, optimizers, self.config.checkpoint_copy_buffer_bytes, record,
+            params.in_store if params is not None else None, params.read_block if params is not None else None,
+            running)
+        self.checkpoint_saves.append(snapshot.timed(record, t0))
 
     # ---- checkpoints and export of offloaded weights ---------------------------------------------------
     def _offloaded_weights(self) -> ParamOffload | None:
@@ -275,13 +328,18 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
         t0 = time.perf_counter()
+        fallback = "checkpoint_copy='streamed'"
+        if self.config.checkpoint_copy == "background":
+            fallback = background_save.unsupported(self.nvme_store, checkpoint)
+            if not fallback:
+                return self._save_background(checkpoint, path, t0)
         optimizers = self.offloaded if "optimizer_states" in checkpoint else []
         params = self._offloaded_weights() if weights.has_refs(checkpoint) else None
         with self._open_store() as store:
             if params is not None:
                 params.issue_writes()
             store.fence(durable=True)
-            clone, reason = self._clone_plan(store, path, optimizers, params)
+            clone, reason = self._clone_plan(store, path, optimizers, params, fallback)
             record = snapshot.SaveRecord("reflink" if clone else "streamed", path, reason)
             block = reflink.probe(os.path.dirname(path)).block_size if clone else 0
 
@@ -314,9 +372,12 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             ckpt.paired.save(checkpoint, path, write_parts)
         self.checkpoint_saves.append(snapshot.timed(record, t0))
 
-    def _clone_plan(self, store: FlatStore, path: str, optimizers: list[Any], params: ParamOffload | None
-                    ) -> tuple[bool, str]:
-        """Whether this save clones the store (``checkpoint_copy``); ``"reflink"`` refuses where it cannot."""
+    def _clone_plan(self, store: FlatStore, path: str, optimizers: list[Any], params: ParamOffload | None,
+                    fallback: str) -> tuple[bool, str]:
+        """Whether this save clones the store (``checkpoint_copy``); ``"reflink"`` refuses where it cannot;
+        ``"streamed"`` and a background save that cannot run (``fallback`` says why) stream."""
+        if self.config.checkpoint_copy in ("streamed", "background"):
+            return False, fallback
         regions = [c.region for off in optimizers for c in off.chunks]
         regions += [b.region for b in params.layout.blocks] if params is not None else []
         return snapshot.plan(store, path, regions, self.config.checkpoint_copy, self.strategy_name)

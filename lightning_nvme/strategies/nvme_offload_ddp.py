@@ -95,6 +95,9 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
         if config.offload_params:
             raise ConfigError("offload_params", "nvme_offload_ddp does not offload parameters yet. Fix: use "
                               "strategy='nvme_offload' (one device) for parameter offload, or offload_params=False.")
+        if config.checkpoint_copy == "background":
+            raise ConfigError("checkpoint_copy", "nvme_offload_ddp streams each rank's shard during the save; the "
+                              "background copy is single-device only. Fix: checkpoint_copy='auto' or 'streamed'.")
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,

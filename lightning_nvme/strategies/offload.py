@@ -177,8 +177,9 @@ class OffloadStrategy(Strategy):
         check_store_dirs(store_dirs, planned, stripe_bytes, min_free_bytes=self.config.min_free_bytes,
                          roles=self._other_roles(trainer, store_dirs))
         if state_bytes is not None:
+            together = self.config.checkpoint_copy == "background" and self.config.checkpoint_in_flight == "join"
             check_run_space(trainer, store_dirs[0], planned if len(store_dirs) == 1 else 0, state_bytes,
-                            self.config.min_free_bytes, self.strategy_name)
+                            self.config.min_free_bytes, self.strategy_name, together)
         if self.nvme_store is not None:
             return self.nvme_store
         threshold = self.config.mmap_threshold()

@@ -151,12 +151,13 @@ def test_user_checkpoint_io_carries_weights_only_and_refuses_streamed_state(tmp_
     assert not os.path.exists(tmp_path / "full.ckpt") and io.saved[-1] != "full.ckpt"
 
 
-def test_async_checkpoint_io_refusal_says_a_reflink_save_makes_it_unnecessary(tmp_path):
+def test_async_checkpoint_io_refusal_says_a_background_or_reflink_save_makes_it_unnecessary(tmp_path):
     from lightning.pytorch.plugins.io import AsyncCheckpointIO
 
     t = trainer(tmp_path, offload(tmp_path, checkpoint_io=AsyncCheckpointIO()), 1, limit_train_batches=2)
     t.fit(MLP())
-    with pytest.raises(ValueError, match="cannot carry it.*asynchronous plugin is unnecessary.*reflink snapshot"):
+    with pytest.raises(ValueError, match="cannot carry it.*asynchronous plugin is unnecessary: "
+                                         "checkpoint_copy='background'.*reflink snapshot"):
         t.save_checkpoint(tmp_path / "full.ckpt")
 
 

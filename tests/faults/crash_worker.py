@@ -17,7 +17,12 @@ of one phase (optionally after writing only part of that write: a torn write):
   temp dir, its rename, the file's temp write and switch, the sweep of the replaced save's state);
 - ``activation`` every ``pwrite`` to an ``activations*`` region (``NVMeActivationOffload``);
 - ``params``     every ``pwrite`` to a ``params/*`` region: a block's parameters written back with
-  ``offload_params=True`` (``param_kill_worker.py`` arms it mid-step).
+  ``offload_params=True`` (``param_kill_worker.py`` arms it mid-step);
+- ``copy``       every ``pwrite`` of a background checkpoint's copy (``copy="background"``): into a hidden
+  ``.optim/.<id>.tmp-PID/`` file after the save returned, from the copy thread or from a training write that had
+  to copy its region first;
+- ``commit``     every file-system call of the copy thread (``copy="background"``): the fsyncs, renames and
+  deletions of its commits and of the removals ``ModelCheckpoint`` asked for while it ran.
 
 The test can also kill a job from outside at a random delay. The job writes JSON lines to
 ``<root>/events.jsonl``: ``started`` (pid, step and checkpoint it resumed from, whether it took over
@@ -47,7 +52,8 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 STORE_FILE = "store-rank0.bin"
-PHASES = ("writeback", "checkpoint", "activation", "params")
+PHASES = ("writeback", "checkpoint", "activation", "params", "copy", "commit")
+COPY_THREAD = "lightning-nvme-checkpoint-copy"  # lightning_nvme.checkpoint.background
 # File-system audit events counted as checkpoint events (pwrite/fsync have no audit event: wrapped).
 CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree",
                            "os.truncate", "ctypes.dlsym"}
@@ -56,14 +62,15 @@ CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmd
 def job_spec(root: str, *, epochs: int, steps_per_epoch: int = 3, resume: bool = False,
              kill: dict[str, Any] | None = None, exchange: bool = True, snapshots: bool = False,
              hold: dict[str, Any] | None = None, activations: bool = False, recover_last: bool = False,
-             loader_workers: int = 0, stripes: int = 1, kill_stripe: int = 0) -> dict:
+             loader_workers: int = 0, stripes: int = 1, kill_stripe: int = 0, copy: str = "auto") -> dict:
     """``kill``: ``{"phase": ..., "at": n, "torn": fraction or None}``; ``hold``: ``{"step": n, "file": path}``
     pauses the job after step ``n`` (I/O fenced) until ``file`` exists. ``stripes`` > 1 stripes the store over that
     many directories (``store``, ``store-s1``...) with a 4 KiB unit; ``writeback`` events then count the writes to
-    stripe ``kill_stripe``'s file only."""
+    stripe ``kill_stripe``'s file only. ``copy``: the strategy's ``checkpoint_copy``."""
     return dict(root=root, epochs=epochs, steps_per_epoch=steps_per_epoch, resume=resume, kill=kill,
                 exchange=exchange, snapshots=snapshots, hold=hold, activations=activations,
-                recover_last=recover_last, loader_workers=loader_workers, stripes=stripes, kill_stripe=kill_stripe)
+                recover_last=recover_last, loader_workers=loader_workers, stripes=stripes, kill_stripe=kill_stripe,
+                copy=copy)
 
 
 def paths(root: str) -> dict[str, str]:
@@ -149,10 +156,15 @@ class _Injector:
             self.hit(self._store_phase(offset), (fd, data, offset), "pwrite store")
         elif self._counting():
             self.hit("checkpoint", (fd, data, offset), f"pwrite {_norm(target)}")
+        elif ".optim/." in target:  # a background copy, after its save returned
+            self.hit("copy", (fd, data, offset), f"copy {_norm(target)}")
         return self.real_pwrite(fd, data, offset)
 
     def _counting(self) -> bool:
         return self.in_checkpoint and threading.current_thread() is self.main and not getattr(self._busy, "on", False)
+
+    def _in_copy_thread(self) -> bool:
+        return threading.current_thread().name == COPY_THREAD and not getattr(self._busy, "on", False)
 
     def audit(self, event: str, args: tuple) -> None:
         if event in CHECKPOINT_AUDIT_EVENTS and self._counting():
@@ -160,6 +172,12 @@ class _Injector:
             try:
                 self._targeted(event, args)
                 self.hit("checkpoint", what=f"{event} {_short(args)}")
+            finally:
+                self._busy.on = False
+        elif event in CHECKPOINT_AUDIT_EVENTS and self._in_copy_thread():
+            self._busy.on = True
+            try:
+                self.hit("commit", what=f"{event} {_short(args)}")
             finally:
                 self._busy.on = False
 
@@ -180,13 +198,13 @@ class _Injector:
         real_fsync, real_fdatasync = os.fsync, os.fdatasync
 
         def fsync(fd):
-            if self._counting():
-                self.hit("checkpoint", what=f"fsync {_fd_name(fd)}")
+            if self._counting() or self._in_copy_thread():
+                self.hit("checkpoint" if self._counting() else "commit", what=f"fsync {_fd_name(fd)}")
             return real_fsync(fd)
 
         def fdatasync(fd):
-            if self._counting():
-                self.hit("checkpoint", what=f"fdatasync {_fd_name(fd)}")
+            if self._counting() or self._in_copy_thread():
+                self.hit("checkpoint" if self._counting() else "commit", what=f"fdatasync {_fd_name(fd)}")
             return real_fdatasync(fd)
 
         import fcntl
@@ -283,6 +301,9 @@ def run_job(spec: dict) -> None:
                 self._snapshot(trainer)
 
         def _snapshot(self, trainer):  # last.ckpt and its optimizer state, as <snapshots>/step-N/last.ckpt(.optim)
+            copy = getattr(trainer.strategy, "_background", None)
+            if copy is not None:  # a background save of last.ckpt commits once its copy is done
+                copy.wait()
             dst = os.path.join(p["snapshots"], f"step-{trainer.global_step}")
             os.makedirs(dst)
             shutil.copy2(p["last"], os.path.join(dst, "last.ckpt"))
@@ -308,7 +329,7 @@ def run_job(spec: dict) -> None:
                                                write_inflight_bytes=1 << 20, prefetch_bytes=1 << 20))
     strategy = NVMeOffloadStrategy(store_dir=store_dirs if len(store_dirs) > 1 else p["store"], chunk_bytes=16 << 10,
                                    io_chunk_bytes=8 << 10, staging_bytes=64 << 10, io_workers=2, min_free_bytes=0,
-                                   stripe_bytes=4 << 10)
+                                   stripe_bytes=4 << 10, checkpoint_copy=spec.get("copy", "auto"))
     class Model(MLP):
         def train_dataloader(self):
             loader = super().train_dataloader()

@@ -16,7 +16,7 @@ trainable parameters has been updated and can be written back (``hold_for_update
 head is larger than its trainable tail (LoRA): such a block leaves memory after its backward like any
 other, and its update reads back only the trainable tail (``BlockResidency.acquire(tail=True)``). Why:
 an optimizer chunk of adapters spans many blocks, and holding each until that chunk's update kept every
-frozen weight of them in memory (a 7 B LoRA peaked at 8 GiB against 3.3 GiB for the full finetune).
+frozen weight of them in memory (LoRA needed more than the full finetune; docs/performance.md).
 """
 
 from __future__ import annotations

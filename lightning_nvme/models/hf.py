@@ -8,7 +8,9 @@ each block goes to the store as soon as it is filled: at most one block in memor
 
 What ``from_config`` on meta leaves empty and ``from_pretrained`` would fill: non-persistent buffers (rotary
 ``inv_freq``, Gemma's ``embed_scale``). They are small and not in the checkpoint, so they are recomputed at
-build time on the CPU by the model's own ``_init_weights`` (what ``from_pretrained`` calls for them).
+build time on the CPU by the model's own ``_init_weights`` (what ``from_pretrained`` calls for them). Tensors the
+architecture keeps in fp32 in a half-precision model (``_keep_in_fp32_modules``) get fp32, as ``from_pretrained``
+gives them (``keep_in_fp32``).
 
 For your own LightningModule::
 
@@ -189,13 +191,44 @@ def build_causal_lm(path_or_config: Any, dtype: torch.dtype | None = None,
     from transformers import AutoModelForCausalLM
 
     config = load_config(path_or_config)
+    dtype = dtype or checkpoint_dtype(config)
     with torch.device("meta"):
-        model = AutoModelForCausalLM.from_config(config, dtype=dtype or checkpoint_dtype(config))
+        model = AutoModelForCausalLM.from_config(config, dtype=dtype)
+    keep_in_fp32(model, dtype)
     recompute_buffers(model)
     model.train()
     if gradient_checkpointing:
         model.gradient_checkpointing_enable()
     return model
+
+
+def keep_in_fp32(model: Any, dtype: torch.dtype) -> None:
+    """The dtypes ``from_pretrained(dtype=dtype)`` gives: the tensors the architecture keeps in fp32 when loaded in
+    half precision (``_keep_in_fp32_modules`` for fp16, ``_keep_in_fp32_modules_strict`` for fp16 and bf16, e.g.
+    GPT-OSS's norms, MoE routers), which ``from_config`` builds in ``dtype``. On the meta device: no memory.
+    Refused by name where this transformers cannot say which tensors those are."""
+    plan_of = getattr(model, "_get_dtype_plan", None)
+    if plan_of is None:  # transformers < 5
+        keep = [*(getattr(model, "_keep_in_fp32_modules", None) or []),
+                *(getattr(model, "_keep_in_fp32_modules_strict", None) or [])]
+        if keep and dtype in (torch.float16, torch.bfloat16):
+            raise ValueError(f"{type(model).__name__} keeps {sorted(keep)} in fp32 when loaded in {dtype}; this "
+                             "transformers version has no dtype plan to build it the same way on the meta device. "
+                             "Upgrade transformers (>= 5) or use strategy.offload_params=false.")
+        return
+    plan = plan_of(dtype)
+    if not plan:
+        return
+    from transformers.core_model_loading import build_glob_alternation
+
+    pattern, group_key, _ = build_glob_alternation(list(plan))
+    for name, tensor in model.state_dict(keep_vars=True).items():  # what from_pretrained loads, by module name
+        match = pattern.search(name)
+        if match is None or match.lastgroup is None:
+            continue
+        target = plan[group_key[match.lastgroup]]
+        if tensor.dtype != target and tensor.is_floating_point():
+            tensor.data = tensor.data.to(target)  # the same object: ties and module references hold
 
 
 def recompute_buffers(model: Any) -> None:

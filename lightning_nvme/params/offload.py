@@ -197,7 +197,7 @@ class ParamOffload:
     def before_update(self, touched: Sequence[torch.Tensor]) -> None:
         assert self.residency is not None
         for block in self._blocks_of(touched):
-            self.residency.acquire(block, UPDATE)
+            self.residency.acquire(block, UPDATE, tail=True)  # frozen parameters are not needed for an update
 
     def after_update(self, touched: Sequence[torch.Tensor], finished: Sequence[torch.Tensor]) -> None:
         assert self.residency is not None and self.scheduler is not None

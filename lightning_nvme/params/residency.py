@@ -12,6 +12,10 @@ A block *kept* on the device (``keep``, ``device_memory_budget``) is loaded like
 at its first eviction its device copy stays, its parameters stay bound to it and its host buffer is
 recycled: from then on it is neither read, copied nor written back until ``unkeep`` (the end of fit).
 Its device copy is then the truth (``read_values`` and ``in_store`` say so).
+
+An optimizer update needs only a block's trainable tail (``BlockLayout.writable_offset`` on): acquired
+with ``tail=True``, a block not in memory reads just that tail, its frozen parameters stay placeholders.
+Why: a LoRA update otherwise read (or kept) every frozen weight of each block its adapters' chunk spans.
 """
 
 from __future__ import annotations
@@ -32,6 +36,7 @@ from lightning_nvme.store import FlatStore, IOHandle
 class ResidencyStats:
     loads: int = 0  # block reads issued
     sync_loads: int = 0  # reads a forward/backward/update had to wait for from the start (not prefetched)
+    tail_loads: int = 0  # reads of a block's trainable tail only, for an update (frozen head not read)
     writebacks: int = 0
     bytes_read: int = 0
     bytes_written: int = 0
@@ -60,6 +65,7 @@ class _State:
     uploaded: Any = None  # a device copy started before the block is bound (``upload_ready``)
     desk: bool = False  # keep its device copy after use (``keep``)
     kept: torch.Tensor | None = None  # that copy once made: the parameters stay bound to it, ``buffer`` is None
+    base: int = 0  # region offset of ``buffer[0]``: ``writable_offset`` when only the trainable tail is in memory
     refs: Counter = field(default_factory=Counter)
 
 
@@ -73,7 +79,7 @@ class BlockResidency:
         self.stats = ResidencyStats(staging=self.staging.stats)
         self._state = [_State() for _ in blocks]
         # write-backs waiting for their device -> host copy, then in flight to the store (together bounded)
-        self._copies: deque[tuple[BlockLayout, torch.Tensor, int, Ready]] = deque()
+        self._copies: deque[tuple[BlockLayout, torch.Tensor, int, Ready, int]] = deque()
         self._writes: deque[tuple[IOHandle, torch.Tensor]] = deque()
         self._resident_bytes = 0
 
@@ -95,6 +101,17 @@ class BlockResidency:
         """A block's true values (from memory if resident, else read from the store): copies, or with
         ``copy=False`` views of one buffer (the block's, or a fresh one read for the caller; one block of memory)."""
         st = self._state[block.index]
+        if st.base and st.kept is None:  # only the trainable tail in memory: the frozen head from the store, the tail over it
+            buf = self.staging.caller_buffer(self._capacity(block))
+            self._issue_writes(of=block)
+            self.store.wait(self.store.read(block.region, buf[:st.base]))
+            self._wait_read(block)
+            if st.device is not None and st.device is not st.buffer:
+                self.staging.to_host(st.device, buf[st.base:]).synchronize()
+            else:
+                assert st.buffer is not None
+                buf[st.base:].copy_(st.buffer)
+            return {s.name: self._view(buf, s) for s in block.slots}
         if st.kept is not None:  # its device copy is the truth
             buf = self.staging.caller_buffer(self._capacity(block))
             self.staging.to_host(st.kept, buf).synchronize()
@@ -143,23 +160,43 @@ class BlockResidency:
                 self.stats.bytes_read += block.nbytes
             self._count(block, +1)
 
-    def acquire(self, block: BlockLayout, why: str) -> None:
+    def acquire(self, block: BlockLayout, why: str, tail: bool = False) -> None:
+        """Hold ``block`` in memory for ``why``; with ``tail``, only its trainable parameters are needed (an
+        update): a block not in memory then reads only its trainable tail."""
         st = self._state[block.index]
         if st.kept is not None:  # bound already, nothing moves
             st.refs[why] += 1
             return
+        if st.base and not tail:  # only the tail is in memory: write it back if changed, then read it all
+            refs = Counter(st.refs)
+            self.evict(block)
+            st.refs.update(refs)
         if st.buffer is None:
             self.stats.sync_loads += 1
-            self.prefetch(block)
+            if tail and 0 < block.writable_offset < block.nbytes and self.store.shelved(block.region) is None:
+                self._load_tail(block)
+            else:
+                self.prefetch(block)
         self._wait_read(block)
         if not st.bound:
             assert st.buffer is not None  # loaded just above
             st.device, st.uploaded = self.staging.to_device(st.buffer, st.uploaded), None
             for slot in block.slots:
-                slot.param.data = self._view(st.device, slot)
+                if slot.offset >= st.base:
+                    slot.param.data = self._view(st.device, slot, st.base)
             st.bound = True
             self._count_bound(+1)
         st.refs[why] += 1
+
+    def _load_tail(self, block: BlockLayout) -> None:
+        st = self._state[block.index]
+        self._issue_writes(of=block)  # the read must see this block's last write-back
+        st.base = block.writable_offset
+        st.buffer = self.staging.host_buffer(self._capacity(block) - st.base)
+        st.read = self.store.read(block.region, st.buffer, offset=st.base)
+        self.stats.tail_loads += 1
+        self.stats.bytes_read += st.buffer.numel()
+        self._count(block, +1)
 
     def upload_ready(self) -> None:
         """Start the device copy of every block read ahead whose read has completed (none on CPU): it then
@@ -200,19 +237,20 @@ class BlockResidency:
             if st.dirty and st.device is not None:
                 self.staging.to_host(st.device, st.buffer).synchronize()
         elif st.dirty:
+            assert not (st.base and st.dirty_whole), "a whole-block write of a tail-only block (a bug)"
             ready = self.staging.to_host(st.device, st.buffer) if st.device is not None else DONE
-            self._write(block, st.buffer, 0 if st.dirty_whole else block.writable_offset, ready)
+            self._write(block, st.buffer, 0 if st.dirty_whole else block.writable_offset, ready, st.base)
         else:
             self.staging.recycle(st.buffer)
         self._unbind(block)
         st.retained = st.device is not None and st.device is not st.buffer and self.staging.retained(st.device)
         if st.bound:
             self._count_bound(-1)
+        self._count(block, -1)
         st.buffer, st.device, st.read, st.bound, st.dirty, st.dirty_whole = None, None, None, False, False, False
-        st.shelved = False
+        st.shelved, st.base = False, 0
         st.uploaded = None  # an early copy never used: the allocator frees it after its stream's copy
         st.refs.clear()
-        self._count(block, -1)
 
     def evict_unheld(self) -> None:
         """Drop prefetched blocks nobody holds (end of a pass whose order differed from the prediction)."""
@@ -292,8 +330,10 @@ class BlockResidency:
         return self.staging.host_buffer(self._capacity(block))
 
     @staticmethod
-    def _view(buf: torch.Tensor, slot) -> torch.Tensor:
-        return buf[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+    def _view(buf: torch.Tensor, slot, base: int = 0) -> torch.Tensor:
+        """``slot``'s bytes in ``buf``, which holds the region from byte ``base`` on."""
+        start = slot.offset - base
+        return buf[start:start + slot.nbytes].view(slot.dtype).view(slot.shape)
 
     def _wait_read(self, block: BlockLayout) -> None:
         st = self._state[block.index]
@@ -301,14 +341,15 @@ class BlockResidency:
             self.store.wait(st.read)
             st.read = None
 
-    def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0, ready: Ready = DONE) -> None:
-        """Write ``buf[start:]`` (``start`` page-aligned) to the block's region at ``start``, once ``ready``
-        (the copy filling ``buf``) has completed."""
+    def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0, ready: Ready = DONE, base: int = 0) -> None:
+        """Write the region's bytes from ``start`` on (page-aligned), held in ``buf`` from region byte ``base``,
+        once ``ready`` (the copy filling ``buf``) has completed."""
+        start -= base
         if start >= buf.numel():  # nothing to write (unreachable today: a trainable tail is never empty)
             ready.synchronize()  # the device -> host copy may still write into the buffer
             self.staging.recycle(buf)
             return
-        self._copies.append((block, buf, start, ready))
+        self._copies.append((block, buf, start, ready, base))
         self._issue_writes()
 
     def _issue_writes(self, force: bool = False, of: BlockLayout | None = None) -> None:
@@ -318,9 +359,9 @@ class BlockResidency:
         force = force or any(b is of for b, *_ in self._copies)
         while self._copies and (force or self._copies[0][3].query()
                                 or len(self._copies) + len(self._writes) > self.max_pending_writes):
-            block, buf, start, ready = self._copies.popleft()
+            block, buf, start, ready, base = self._copies.popleft()
             ready.synchronize()
-            self._writes.append((self.store.write(block.region, buf[start:], offset=start), buf))
+            self._writes.append((self.store.write(block.region, buf[start:], offset=base + start), buf))
             self.stats.writebacks += 1
             self.stats.bytes_written += buf.numel() - start
             while self._writes and len(self._writes) + len(self._copies) > self.max_pending_writes:
@@ -346,7 +387,10 @@ class BlockResidency:
         self.stats.peak_bound_blocks = max(self.stats.peak_bound_blocks, self.stats.bound_blocks)
 
     def _count(self, block: BlockLayout, sign: int) -> None:
-        self.stats.resident_blocks += sign
-        self._resident_bytes += sign * block.nbytes
+        """Whole blocks in memory, and bytes in memory (whole blocks and trainable tails)."""
+        st = self._state[block.index]
+        if not st.base:
+            self.stats.resident_blocks += sign
+        self._resident_bytes += sign * (block.nbytes - st.base)
         self.stats.peak_resident_blocks = max(self.stats.peak_resident_blocks, self.stats.resident_blocks)
         self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._resident_bytes)

@@ -12,7 +12,11 @@ backward runs -> acquire it, prefetch the blocks before it; an identity autograd
 block's inputs fires once the gradient w.r.t. the inputs is complete, i.e. the block's backward is
 done -> release it. Blocks whose inputs need no gradient are released by a callback at the end of
 backward. While an optimizer updates in backward, a block is also held until every one of its
-trainable parameters has been updated and can be written back (``hold_for_update``).
+trainable parameters has been updated and can be written back (``hold_for_update``), unless its frozen
+head is larger than its trainable tail (LoRA): such a block leaves memory after its backward like any
+other, and its update reads back only the trainable tail (``BlockResidency.acquire(tail=True)``). Why:
+an optimizer chunk of adapters spans many blocks, and holding each until that chunk's update kept every
+frozen weight of them in memory (LoRA needed more than the full finetune; docs/performance.md).
 """
 
 from __future__ import annotations
@@ -38,6 +42,12 @@ NOT_CHECKPOINTED = (
 
 FWD, BWD, KEEP, PENDING, UPDATE, USER, RECOMPUTE = ("forward", "backward", "keep", "pending", "update", "user",
                                                     "recompute")
+
+
+def holds_for_update(block: BlockLayout) -> bool:
+    """Keep the block in memory from its backward to its update: worth it when most of its bytes are updated
+    (a re-read would fetch them again), not when a frozen head dominates (only the tail is re-read)."""
+    return block.writable_offset <= block.nbytes - block.writable_offset
 
 
 def in_backward() -> bool:
@@ -146,7 +156,7 @@ class BlockScheduler:
         self.residency.acquire(block, BWD)
         if self.residency.holders(block)[KEEP]:
             self.residency.release(block, KEEP)
-        if self.hold_for_update and block.index not in self.pending:
+        if self.hold_for_update and block.index not in self.pending and holds_for_update(block):
             todo = {id(s.param) for s in block.slots if s.trainable and id(s.param) in self.planned}
             if todo:
                 self.pending[block.index] = todo

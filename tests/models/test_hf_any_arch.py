@@ -1,6 +1,8 @@
 """Any Hugging Face causal LM streamed into the parameter store (``build_causal_lm`` + ``HubWeights``): for
 architectures of different layouts (Llama: untied head + GQA; Qwen2: tied head + attention biases, sharded;
-Gemma: scaled embedding, bf16 checkpoint; GPT-NeoX: parallel residual + biases), 8 AdamW steps with
+Gemma: scaled embedding, bf16 checkpoint; GPT-NeoX: parallel residual + biases; Mistral: sliding-window
+attention shorter than the sequence; Phi-3: fused qkv and gate/up projections, stored fused; Phi: biases,
+LayerNorm, partial rotary, parallel attention and MLP), 8 AdamW steps with
 ``offload_params=True`` from a meta-device build are bitwise equal to ``from_pretrained`` trained in memory by
 Lightning's default strategy, with and without transformers' gradient checkpointing; resume in a new process
 is bitwise; a missing/extra/mis-shaped tensor is refused by name; the meta build never holds two blocks."""
@@ -34,6 +36,14 @@ ARCHS = {
     "qwen2": ("Qwen2Config", dict(num_key_value_heads=2, tie_word_embeddings=True), torch.float32, "6KB"),
     "gemma": ("GemmaConfig", dict(num_key_value_heads=1, head_dim=8), torch.bfloat16, None),
     "gpt_neox": ("GPTNeoXConfig", dict(use_parallel_residual=True, tie_word_embeddings=False), torch.float32, None),
+    "mistral": ("MistralConfig", dict(num_key_value_heads=2, sliding_window=8, tie_word_embeddings=False),
+                torch.float32, None),
+    # Phi-3 keeps q/k/v (and gate/up) fused in one tensor, in the module and in its checkpoint alike
+    "phi3": ("Phi3Config", dict(num_key_value_heads=2, pad_token_id=0, bos_token_id=1, eos_token_id=2),
+             torch.float32, None),
+    # Phi(-2): biases everywhere, LayerNorm, partial rotary, attention and MLP in parallel off one norm
+    "phi": ("PhiConfig", dict(num_key_value_heads=2, partial_rotary_factor=0.5, bos_token_id=1, eos_token_id=2),
+            torch.float32, None),
 }
 
 
@@ -259,3 +269,49 @@ def test_recipe_hf_local_streams_any_architecture(arch, tmp_path):
     plain = train(compose_config("hf_local", recipe_overrides(path, tmp_path / "plain", offload_params=False)))
     for (name, p), q in zip(plain.model.named_parameters(), off.model.parameters()):
         assert torch.equal(p, q), name
+
+
+FP32_KEPT = {  # config class, its extra arguments, the checkpoint's dtype, tensors from_pretrained keeps in fp32
+    # _keep_in_fp32_modules (fp16 only): the norms, which GptOss builds in the default dtype
+    "gpt_oss": ("GptOssConfig", dict(num_local_experts=4), torch.float16,
+                ["model.norm.weight", "model.layers.1.input_layernorm.weight"]),
+    # _keep_in_fp32_modules_strict (bf16 too): the attention sinks (built in fp32 by the module itself)
+    "flint": ("FlintConfig", dict(num_experts=4, moe_intermediate_size=16), torch.bfloat16,
+              ["model.layers.0.self_attn.sinks", "model.layers.1.self_attn.sinks"]),
+}
+
+
+@pytest.mark.parametrize("arch", list(FP32_KEPT))
+def test_fp32_kept_modules_of_a_half_precision_checkpoint_as_from_pretrained(arch, tmp_path):
+    """Architectures that keep some tensors in fp32 in a half-precision model (``_keep_in_fp32_modules``), which
+    ``from_config`` alone may build in half precision: the meta build gives every tensor the dtype
+    ``from_pretrained`` gives it, and the streamed values and the forward equal ``from_pretrained``'s bitwise."""
+    from lightning_nvme.params.materialize import materialize
+
+    config_cls, extra, dtype, fp32 = FP32_KEPT[arch]
+    config = getattr(transformers, config_cls)(**{**SMALL, "num_hidden_layers": 2}, num_key_value_heads=2, head_dim=8,
+                                               num_experts_per_tok=2, pad_token_id=0, bos_token_id=1, eos_token_id=2,
+                                               **extra)
+    torch.manual_seed(3)
+    transformers.AutoModelForCausalLM.from_config(config).to(dtype).save_pretrained(tmp_path)
+    plain = transformers.AutoModelForCausalLM.from_pretrained(tmp_path, dtype=dtype)
+    kept = [n for n, p in plain.named_parameters() if p.dtype == torch.float32]
+    assert set(fp32) <= set(kept), kept
+    assert plain.model.embed_tokens.weight.dtype == dtype  # the checkpoint's dtype elsewhere
+
+    class Own(torch.nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = build_causal_lm(tmp_path)  # the config's dtype
+
+        def initial_weights(self):
+            return HubWeights(tmp_path, prefix="net.").checked(self.net)
+
+    own = Own()
+    assert {n: p.dtype for n, p in own.net.named_parameters()} == {n: p.dtype for n, p in plain.named_parameters()}
+    materialize(own, torch.device("cpu"))
+    for (name, p), q in zip(plain.state_dict().items(), own.net.state_dict().values()):
+        assert p.dtype == q.dtype and torch.equal(p, q), name
+    x = torch.randint(0, VOCAB, (2, 8))
+    own.net.eval()
+    assert torch.equal(plain(x).logits, own.net(x).logits)

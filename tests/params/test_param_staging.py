@@ -236,3 +236,57 @@ def test_upload_starts_when_the_read_ahead_completes_and_compute_waits_only_at_a
     assert res.resident_blocks == [] and res.stats.early_uploads == 2
     res.drain()
     store.close()
+
+
+@pytest.mark.parametrize("device", ["host", "cuda-logic"])
+def test_update_reads_only_the_trainable_tail(tmp_path, monkeypatch, device):
+    """``acquire(tail=True)`` (an optimizer update) of a block not in memory reads its trainable tail alone: the
+    frozen parameters stay placeholders. The block's true values while so (``read_values``), once needed whole
+    (an acquire for forward: the changed tail written back, the block read), and after eviction are the updated
+    ones, through either staging."""
+    if device == "cuda-logic":
+        install(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)) for _ in range(2)))
+    for block in model:
+        block[0].requires_grad_(False)  # a frozen head, a trainable tail (LoRA's shape)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    layout = plan_layout(model, find_blocks(model, None))
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
+    store.add_regions([(b.region, b.nbytes) for b in layout.blocks])
+    capacity = max(store.region(b.region).capacity for b in layout.blocks)
+    stager = CudaStaging(CPU, capacity, pool_size=3, ops=FakeOps()) if device == "cuda-logic" else HostStaging()
+    res = BlockResidency(store, layout.blocks, max_pending_writes=2, staging=stager)
+    for block in layout.blocks:
+        res.place(block)
+    res.drain()
+    block = layout.blocks[1]
+    assert 0 < block.writable_offset < block.nbytes
+    res.acquire(block, "update", tail=True)
+    frozen, trainable = model[1][0], model[1][1]
+    assert is_placeholder(frozen.weight) and is_placeholder(frozen.bias)
+    assert torch.equal(trainable.weight, original["1.1.weight"])
+    assert res.stats.tail_loads == 1 and res.stats.resident_blocks == 0
+    assert res.stats.bytes_read == capacity - block.writable_offset  # the tail's pages, not the block
+    with torch.no_grad():
+        trainable.weight.add_(1)  # the update
+    res.mark_dirty(block)
+    values = res.read_values(block)
+    assert torch.equal(values["1.0.weight"], original["1.0.weight"])
+    assert torch.equal(values["1.1.weight"], original["1.1.weight"] + 1)
+    res.acquire(block, "forward")  # needed whole: the tail written back, the block read
+    assert torch.equal(frozen.weight, original["1.0.weight"])
+    assert torch.equal(trainable.weight, original["1.1.weight"] + 1)
+    assert dict(+res.holders(block)) == {"update": 1, "forward": 1}
+    res.release(block, "update")
+    with torch.no_grad():
+        trainable.bias.add_(2)
+    res.mark_dirty(block)
+    res.release(block, "forward")
+    res.drain()
+    assert is_placeholder(frozen.weight) and is_placeholder(trainable.weight)
+    values = res.read_values(block)
+    assert torch.equal(values["1.0.weight"], original["1.0.weight"])
+    assert torch.equal(values["1.1.weight"], original["1.1.weight"] + 1)
+    assert torch.equal(values["1.1.bias"], original["1.1.bias"] + 2)
+    store.close()

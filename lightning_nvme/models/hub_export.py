@@ -142,6 +142,26 @@ def export_hub(directory: str, model: Any, state_dict: Mapping[str, Any], read_g
     return files + ([INDEX] if len(files) > 1 else []) + ["config.json"]
 
 
+def export_hf(directory: str, module: nn.Module, state_dict: Mapping[str, Any],
+              read_block: Callable[[Any], dict[str, torch.Tensor]] | None, max_shard_bytes: int = MAX_SHARD_BYTES,
+              merge_adapters: bool = False) -> None:
+    """``module``'s Hugging Face model in the Hub layout (``export_hub``), or of a peft model its adapters alone
+    (``export_adapters``) or merged into the base (``export_merged``); ``state_dict`` is ``module``'s, its offloaded
+    blocks' values read by ``read_block`` (one block at a time; None: everything is in ``state_dict``)."""
+    prefix, hf = find_hf_model(module)
+
+    def read_group(refs: list[BesideWeight]) -> dict[str, torch.Tensor]:
+        assert read_block is not None, "an offloaded weight without a reader"
+        values = read_block(refs[0].source[0])
+        return {r.key: values[r.source[1]] for r in refs}
+    if is_peft(hf) and merge_adapters:
+        export_merged(directory, hf, state_dict, read_group, prefix, max_shard_bytes)
+    elif is_peft(hf):
+        export_adapters(directory, hf, state_dict, read_group, prefix)
+    else:
+        export_hub(directory, hf, state_dict, read_group, prefix, max_shard_bytes)
+
+
 def _nbytes(value: Any) -> int:
     if isinstance(value, BesideWeight):
         n = 1

@@ -45,14 +45,7 @@ from lightning_nvme.checkpoint.background import BackgroundCopy
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
 from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import MiB
-from lightning_nvme.models.hub_export import (
-    MAX_SHARD_BYTES,
-    export_adapters,
-    export_hub,
-    export_merged,
-    find_hf_model,
-    is_peft,
-)
+from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_hf
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
@@ -402,15 +395,5 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             if layout == "lightning":
                 weights.export(path, state, params.read_block if params is not None else lambda source: {})
                 return
-            prefix, hf = find_hf_model(self.lightning_module)
-
-            def read_group(refs: list[weights.BesideWeight]) -> dict[str, torch.Tensor]:
-                assert params is not None
-                values = params.read_block(refs[0].source[0])
-                return {r.key: values[r.source[1]] for r in refs}
-            if is_peft(hf) and merge_adapters:
-                export_merged(path, hf, state, read_group, prefix, max_shard_bytes)
-            elif is_peft(hf):
-                export_adapters(path, hf, state, read_group, prefix)
-            else:
-                export_hub(path, hf, state, read_group, prefix, max_shard_bytes)
+            read_block = params.read_block if params is not None else None
+            export_hf(path, self.lightning_module, state, read_block, max_shard_bytes, merge_adapters)

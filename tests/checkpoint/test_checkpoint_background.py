@@ -18,11 +18,12 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import MLP
 from safetensors.torch import load_file
+from snapshot_checks import assert_saves_equal_the_instant, assert_tiny_gpt_resumes_bitwise, optimizer_tensors
 from test_checkpoint import assert_params_equal, reference, resume_in_new_process, trainer  # noqa: F401
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadDDPStrategy, NVMeOffloadStrategy, reflink
-from lightning_nvme.checkpoint import background, convert
+from lightning_nvme.checkpoint import background
 from lightning_nvme.checkpoint.background import BackgroundCopy, CheckpointCopyError
 from lightning_nvme.config import ConfigError
 
@@ -56,12 +57,6 @@ def gate(monkeypatch):
 def background_strategy(tmp_path, **kw) -> NVMeOffloadStrategy:
     kw = {"chunk_bytes": 16 << 10, "checkpoint_copy": "background", **kw}
     return NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), **kw)
-
-
-def _optimizer_tensors(path, tmp) -> list[dict]:
-    plain = os.path.join(tmp, os.path.basename(str(path)) + ".plain")
-    convert.to_lightning(str(path), plain)
-    return torch.load(plain, weights_only=False)["optimizer_states"]
 
 
 def _state_tensors(states: list[dict]) -> list[tuple[int, str]]:
@@ -123,7 +118,7 @@ def test_background_snapshot_is_the_saved_state_while_training_overwrites_the_st
         assert hold.uncommitted_while_held, "the checkpoint committed before its copy was released"
         assert sorted(copy.copied_by_barrier) == sorted(copy.targets)
     t.save_checkpoint(tmp_path / "final.ckpt")
-    saved, copied, final = (_optimizer_tensors(p, tmp_path) for p in (a, b, tmp_path / "final.ckpt"))
+    saved, copied, final = (optimizer_tensors(p, tmp_path) for p in (a, b, tmp_path / "final.ckpt"))
     tensors = _state_tensors(copied)
     assert tensors
     for i, k in tensors:
@@ -230,9 +225,9 @@ def test_second_save_joins_the_copy_in_flight(tmp_path, gate, monkeypatch):
     assert copy is not None and copy.committed and [job.path for job in copy.jobs] == [str(a), str(a2)]
     assert sorted(copy.copied_by_barrier) == sorted(copy.jobs[0].targets) == sorted(copy.jobs[1].targets)
     assert allocated == [64 << 20]  # one buffer for both
-    copied = _optimizer_tensors(b, tmp_path)
+    copied = optimizer_tensors(b, tmp_path)
     for path in (a, a2):
-        saved = _optimizer_tensors(path, tmp_path)
+        saved = optimizer_tensors(path, tmp_path)
         for i, k in _state_tensors(copied):
             assert torch.equal(saved[0]["state"][i][k], copied[0]["state"][i][k]), (path, i, k)
 
@@ -310,7 +305,7 @@ def test_copy_failure_is_reported_at_the_next_step_and_keeps_the_previous_checkp
     (kept,) = [n for n in names if n.endswith(".ckpt")]
     assert kept.startswith("epoch=0-"), names  # epoch 1's failed; epoch 0's, which it would replace, stays
     assert not [n for n in names if n.startswith(".")], names
-    assert _state_tensors(_optimizer_tensors(ckpts / kept, tmp_path))  # complete: the converter reads every tensor
+    assert _state_tensors(optimizer_tensors(ckpts / kept, tmp_path))  # complete: the converter reads every tensor
     assert not os.listdir(ckpts / (kept + ".optim"))[0].startswith(".")
 
 
@@ -384,16 +379,11 @@ def test_offload_params_weights_beside_the_file_are_copied_too_and_resume_bitwis
     while epoch 1 rewrites the block regions: the weights file and the optimizer state equal a streamed save of that
     instant and in-memory Lightning's weights at that step; a resume in a new process is bitwise in-memory
     Lightning's resume of that instant."""
-    import json
-    import subprocess
-    import sys
-
     from _param_offload_model import TinyGPT
     from test_param_offload import offload, resumed_in_memory
     from test_param_offload import reference as param_reference
     from test_param_offload import trainer as param_trainer
 
-    tests = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
     _, snapshots = param_reference(tmp_path_factory)
     a, b = tmp_path / "a.ckpt", tmp_path / "b.ckpt"
     strategy = offload(tmp_path, inline_weights_bytes=0, checkpoint_copy="background")
@@ -404,32 +394,8 @@ def test_offload_params_weights_beside_the_file_are_copied_too_and_resume_bitwis
     assert hold.uncommitted_while_held and copy is not None and copy.committed
     assert any(name.startswith("params/") for name in copy.copied_by_barrier)  # block regions raced too
     assert "weights.safetensors" in strategy.checkpoint_saves[-1].files
-    saved_a, saved_b = (torch.load(p, weights_only=True)["state_dict"] for p in (a, b))
-    for name, p in snapshots[16].items():
-        assert torch.equal(saved_a[name], p) and torch.equal(saved_b[name], p), name
-    for s, r in zip(_optimizer_tensors(a, tmp_path), _optimizer_tensors(b, tmp_path)):
-        for index, entries in r["state"].items():
-            for key, v in entries.items():
-                assert torch.equal(s["state"][index][key], v) if torch.is_tensor(v) else s["state"][index][key] == v
-    ref = resumed_in_memory(tmp_path)
-    script = f"""
-import sys, json, torch
-sys.path[:0] = [{os.path.join(tests, 'params')!r}, {tests!r}]
-from test_param_offload import offload, trainer
-from _param_offload_model import TinyGPT
-from pathlib import Path
-model = TinyGPT()
-t = trainer({str(tmp_path / 'c')!r}, offload(Path({str(tmp_path / 'resume')!r})))
-t.fit(model, ckpt_path={str(a)!r})
-torch.save(dict(model.named_parameters()), {str(tmp_path / 'resumed.pt')!r})
-print(json.dumps({{"step": t.global_step}}))
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    resumed = torch.load(tmp_path / "resumed.pt")
-    assert json.loads(out.stdout.strip().splitlines()[-1])["step"] > 16
-    for name, p in ref.named_parameters():
-        assert torch.equal(resumed[name], p), name
+    assert_saves_equal_the_instant(a, b, snapshots[16], tmp_path)
+    assert_tiny_gpt_resumes_bitwise(a, tmp_path / "resume", tmp_path, resumed_in_memory(tmp_path), after_step=16)
 
 
 def test_space_plan_counts_the_saves_of_one_instant_in_progress_together(tmp_path):

@@ -12,27 +12,19 @@ import torch
 from lightning.pytorch import Callback, Trainer
 from models import MLP
 from safetensors.torch import load_file
+from snapshot_checks import assert_saves_equal_the_instant, assert_tiny_gpt_resumes_bitwise, optimizer_tensors
 from test_checkpoint import assert_params_equal, reference, resume_in_new_process, trainer  # noqa: F401
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.callbacks import IOTelemetry
-from lightning_nvme.checkpoint import convert
 from lightning_nvme.config import ConfigError
 from lightning_nvme.store.layout import align_up
-
-TESTS = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))  # helpers; test_param_offload in params/
 
 
 def _write_bytes() -> int:
     with open("/proc/self/io") as f:
         return next(int(line.split()[1]) for line in f if line.startswith("write_bytes:"))
-
-
-def _optimizer_tensors(path: str, tmp) -> list[dict]:
-    plain = os.path.join(tmp, os.path.basename(path) + ".plain")
-    convert.to_lightning(path, plain)
-    return torch.load(plain, weights_only=False)["optimizer_states"]
 
 
 def _parts_file(path) -> str:
@@ -89,7 +81,7 @@ def test_snapshot_keeps_the_saved_state_while_training_rewrites_the_store(xfs_di
     assert summary["bytes_written_per_day"] == pytest.approx(
         (summary["bytes_written"] + summary["checkpoint_bytes_written"]) / summary["train_seconds"] * 86400)
     t.save_checkpoint(str(tmp_path / "final.ckpt"))
-    saved, copied, final = (_optimizer_tensors(p, tmp_path) for p in (a, b, str(tmp_path / "final.ckpt")))
+    saved, copied, final = (optimizer_tensors(p, tmp_path) for p in (a, b, str(tmp_path / "final.ckpt")))
     tensors = [(i, k) for i, s in copied[0]["state"].items() for k, v in s.items() if torch.is_tensor(v) and v.dim()]
     assert tensors
     for i, k in tensors:  # the snapshot is the state at the save, bit for bit, two epochs of updates later
@@ -169,10 +161,6 @@ def test_offload_params_weights_are_cloned_too_and_resume_bitwise(xfs_dir, tmp_p
     the weights file is the block regions cloned (changed resident blocks written after them); every loader reads
     the same weights and optimizer state as a streamed save of that instant; a resume is bitwise in-memory
     Lightning's (as ``test_param_offload``'s streamed case)."""
-    import json
-    import subprocess
-    import sys
-
     from _param_offload_model import TinyGPT
     from test_param_offload import offload, resumed_in_memory
     from test_param_offload import reference as param_reference
@@ -186,29 +174,5 @@ def test_offload_params_weights_are_cloned_too_and_resume_bitwise(xfs_dir, tmp_p
     assert [r.path for r in strategy.checkpoint_saves] == ["reflink", "streamed"]
     record = strategy.checkpoint_saves[0]
     assert record.bytes_cloned > 0 and "weights.safetensors" in record.files
-    saved_a, saved_b = (torch.load(p, weights_only=True)["state_dict"] for p in (a, b))
-    for name, p in snapshots[16].items():
-        assert torch.equal(saved_a[name], p) and torch.equal(saved_b[name], p), name
-    for (i, s), (_, r) in zip(enumerate(_optimizer_tensors(a, tmp_path)), enumerate(_optimizer_tensors(b, tmp_path))):
-        for index, entries in r["state"].items():
-            for key, v in entries.items():
-                assert torch.equal(s["state"][index][key], v) if torch.is_tensor(v) else s["state"][index][key] == v
-    ref = resumed_in_memory(tmp_path)
-    script = f"""
-import sys, json, torch
-sys.path[:0] = [{os.path.join(TESTS, 'params')!r}, {TESTS!r}]
-from test_param_offload import offload, trainer
-from _param_offload_model import TinyGPT
-from pathlib import Path
-model = TinyGPT()
-t = trainer({str(tmp_path / 'c')!r}, offload(Path({str(xfs_dir / 'params-resume')!r})))
-t.fit(model, ckpt_path={a!r})
-torch.save(dict(model.named_parameters()), {str(tmp_path / 'resumed.pt')!r})
-print(json.dumps({{"step": t.global_step}}))
-"""
-    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
-    assert out.returncode == 0, out.stderr[-3000:]
-    resumed = torch.load(tmp_path / "resumed.pt")
-    assert json.loads(out.stdout.strip().splitlines()[-1])["step"] > 16
-    for name, p in ref.named_parameters():
-        assert torch.equal(resumed[name], p), name
+    assert_saves_equal_the_instant(a, b, snapshots[16], tmp_path)
+    assert_tiny_gpt_resumes_bitwise(a, xfs_dir / "params-resume", tmp_path, resumed_in_memory(tmp_path), after_step=16)

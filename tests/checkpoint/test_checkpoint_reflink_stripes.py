@@ -14,8 +14,9 @@ import pytest
 import torch
 from models import MLP
 from safetensors import safe_open
+from snapshot_checks import optimizer_tensors
 from test_checkpoint import assert_params_equal, reference, resume_in_new_process, trainer  # noqa: F401
-from test_checkpoint_reflink import _optimizer_tensors, _parts_file, _SaveTwice, _write_bytes
+from test_checkpoint_reflink import _parts_file, _SaveTwice, _write_bytes
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy, reflink
@@ -58,7 +59,7 @@ def test_striped_reflink_save_writes_under_one_percent_of_the_state(xfs_dir, tmp
     assert strategy.checkpoint_saves[-1].path == "streamed"
     with safe_open(_parts_file(path), "pt") as f:  # the cloned layout, read by safetensors
         assert any(n.startswith("pad.") for n in f.keys())
-    cloned, copied = (_optimizer_tensors(str(p), tmp_path) for p in (path, tmp_path / "b.ckpt"))
+    cloned, copied = (optimizer_tensors(str(p), tmp_path) for p in (path, tmp_path / "b.ckpt"))
     tensors = [(i, k) for i, s in copied[0]["state"].items() for k, v in s.items() if torch.is_tensor(v) and v.dim()]
     assert tensors and all(torch.is_tensor(cloned[0]["state"][i].get(k)) for i, k in tensors)
     for i, k in tensors:
@@ -71,7 +72,7 @@ def test_striped_snapshot_keeps_the_saved_state_while_training_rewrites_the_stri
     t = _fit(tmp_path, strategy, 3, callbacks=[_SaveTwice(a, b)])
     assert [r.path for r in strategy.checkpoint_saves] == ["reflink", "streamed"]
     t.save_checkpoint(str(tmp_path / "final.ckpt"))
-    saved, copied, final = (_optimizer_tensors(p, tmp_path) for p in (a, b, str(tmp_path / "final.ckpt")))
+    saved, copied, final = (optimizer_tensors(p, tmp_path) for p in (a, b, str(tmp_path / "final.ckpt")))
     tensors = [(i, k) for i, s in copied[0]["state"].items() for k, v in s.items() if torch.is_tensor(v) and v.dim()]
     assert tensors
     for i, k in tensors:  # the snapshot is the state at the save, bit for bit, two epochs of updates later
@@ -160,7 +161,7 @@ def test_striped_offload_params_weights_are_cloned_unit_by_unit(xfs_dir, tmp_pat
     assert saved_a.keys() == saved_b.keys()
     for name, p in saved_b.items():
         assert torch.equal(saved_a[name], p), name
-    cloned, copied = _optimizer_tensors(a, tmp_path), _optimizer_tensors(b, tmp_path)
+    cloned, copied = optimizer_tensors(a, tmp_path), optimizer_tensors(b, tmp_path)
     for s, r in zip(cloned, copied):
         for index, entries in r["state"].items():
             for key, v in entries.items():

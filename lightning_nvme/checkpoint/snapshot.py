@@ -172,8 +172,10 @@ def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: st
 def write_state(off: OffloadedOptimizer, path: str, metadata: dict[str, str], block: int) -> int:
     """The state file ``path`` of ``off``'s (initialized) state as clones of its store regions, fsynced; returns the
     bytes cloned. A data-parallel rank's shard is this file of its own store (its pieces are ranges, named so)."""
+    store = off.store
+    assert store is not None, "the optimizer's store is closed"
     entries, regions = layout(off)
-    clones = _clones(off.store, regions)  # type: ignore[arg-type]  # layout asserted it open
+    clones = _clones(store, regions)
     _write_file(path, header(entries, metadata, block), clones, entries[-1].end if entries else 0, block)
     return sum(n for *_, n in clones)
 

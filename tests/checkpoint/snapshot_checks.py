@@ -24,6 +24,23 @@ def optimizer_tensors(path, tmp) -> list[dict]:
     return torch.load(plain, weights_only=False)["optimizer_states"]
 
 
+def state_tensors(states: list[dict]) -> list[tuple[int, str]]:
+    """(param index, key) of every non-scalar state tensor of the first optimizer."""
+    return [(i, k) for i, st in states[0]["state"].items() for k, v in st.items() if torch.is_tensor(v) and v.dim()]
+
+
+def assert_snapshot_is_the_saved_state(snap, copy, final, tmp) -> None:
+    """``snap`` (a reflink or background checkpoint) holds bit for bit the optimizer state of ``copy`` (a streamed
+    save of the same instant), which training has changed since (``final``, saved later)."""
+    saved, copied, last = (optimizer_tensors(p, tmp) for p in (snap, copy, final))
+    tensors = state_tensors(copied)
+    assert tensors
+    for i, k in tensors:
+        assert torch.equal(saved[0]["state"][i][k], copied[0]["state"][i][k]), (i, k)
+    assert any(not torch.equal(saved[0]["state"][i][k], last[0]["state"][i][k]) for i, k in tensors)
+    assert saved[0]["state"][tensors[0][0]]["step"] == copied[0]["state"][tensors[0][0]]["step"]
+
+
 def assert_saves_equal_the_instant(a, b, params: dict[str, torch.Tensor], tmp) -> None:
     """Checkpoints ``a`` and ``b`` hold the weights ``params`` of the saved instant and the same optimizer state."""
     saved_a, saved_b = (torch.load(p, weights_only=True)["state_dict"] for p in (a, b))

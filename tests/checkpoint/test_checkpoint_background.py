@@ -18,7 +18,13 @@ from lightning.pytorch import Callback
 from lightning.pytorch.callbacks import ModelCheckpoint
 from models import MLP
 from safetensors.torch import load_file
-from snapshot_checks import assert_saves_equal_the_instant, assert_tiny_gpt_resumes_bitwise, optimizer_tensors
+from snapshot_checks import (
+    assert_saves_equal_the_instant,
+    assert_snapshot_is_the_saved_state,
+    assert_tiny_gpt_resumes_bitwise,
+    optimizer_tensors,
+    state_tensors,
+)
 from test_checkpoint import assert_params_equal, reference, resume_in_new_process, trainer  # noqa: F401
 
 import lightning_nvme  # noqa: F401
@@ -57,10 +63,6 @@ def gate(monkeypatch):
 def background_strategy(tmp_path, **kw) -> NVMeOffloadStrategy:
     kw = {"chunk_bytes": 16 << 10, "checkpoint_copy": "background", **kw}
     return NVMeOffloadStrategy(store_dir=str(tmp_path / "store"), **kw)
-
-
-def _state_tensors(states: list[dict]) -> list[tuple[int, str]]:
-    return [(i, k) for i, s in states[0]["state"].items() for k, v in s.items() if torch.is_tensor(v) and v.dim()]
 
 
 def _streamed_save(strategy, trainer_, path) -> None:
@@ -118,13 +120,7 @@ def test_background_snapshot_is_the_saved_state_while_training_overwrites_the_st
         assert hold.uncommitted_while_held, "the checkpoint committed before its copy was released"
         assert sorted(copy.copied_by_barrier) == sorted(copy.targets)
     t.save_checkpoint(tmp_path / "final.ckpt")
-    saved, copied, final = (optimizer_tensors(p, tmp_path) for p in (a, b, tmp_path / "final.ckpt"))
-    tensors = _state_tensors(copied)
-    assert tensors
-    for i, k in tensors:
-        assert torch.equal(saved[0]["state"][i][k], copied[0]["state"][i][k]), (i, k)
-    assert any(not torch.equal(saved[0]["state"][i][k], final[0]["state"][i][k]) for i, k in tensors)
-    assert saved[0]["state"][tensors[0][0]]["step"] == copied[0]["state"][tensors[0][0]]["step"]
+    assert_snapshot_is_the_saved_state(a, b, tmp_path / "final.ckpt", tmp_path)
     # every loader opens it: torch.load, load_from_checkpoint, safetensors on the state file, the converter (above)
     assert torch.load(a, weights_only=True)["global_step"] == torch.load(b, weights_only=True)["global_step"]
     for (name, p), q in zip(MLP.load_from_checkpoint(a).state_dict().items(),
@@ -228,7 +224,7 @@ def test_second_save_joins_the_copy_in_flight(tmp_path, gate, monkeypatch):
     copied = optimizer_tensors(b, tmp_path)
     for path in (a, a2):
         saved = optimizer_tensors(path, tmp_path)
-        for i, k in _state_tensors(copied):
+        for i, k in state_tensors(copied):
             assert torch.equal(saved[0]["state"][i][k], copied[0]["state"][i][k]), (path, i, k)
 
 
@@ -305,7 +301,7 @@ def test_copy_failure_is_reported_at_the_next_step_and_keeps_the_previous_checkp
     (kept,) = [n for n in names if n.endswith(".ckpt")]
     assert kept.startswith("epoch=0-"), names  # epoch 1's failed; epoch 0's, which it would replace, stays
     assert not [n for n in names if n.startswith(".")], names
-    assert _state_tensors(optimizer_tensors(ckpts / kept, tmp_path))  # complete: the converter reads every tensor
+    assert state_tensors(optimizer_tensors(ckpts / kept, tmp_path))  # complete: the converter reads every tensor
     assert not os.listdir(ckpts / (kept + ".optim"))[0].startswith(".")
 
 

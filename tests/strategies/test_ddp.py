@@ -264,6 +264,10 @@ def _worker(spec_path: str) -> None:
     spec = json.loads(open(spec_path).read())
     for run in spec["runs"]:
         _train(run, spec["world"])
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # gloo's threads, left to interpreter exit, can abort it (SIGABRT, "terminate called")
+        dist.destroy_process_group()
 
 
 def _train(run: dict, world: int) -> None:

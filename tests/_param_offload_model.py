@@ -13,6 +13,7 @@ from lightning_nvme.models.lora import add_lora
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
+    "adamw_fused": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "sgd_plain": (torch.optim.SGD, {"lr": 0.05}),  # no per-parameter state
 }
@@ -27,10 +28,11 @@ def tokens(n: int = 64, t: int = 16, vocab: int = 64, seed: int = 7) -> TensorDa
 class TinyGPT(LightningModule):
     def __init__(self, optimizer: str = "adamw", checkpointing: bool = False, lora: bool = False,
                  n_layer: int = 4, batch_size: int = 4, in_configure_model: bool = False,
-                 init_seed: int | None = None) -> None:
+                 init_seed: int | None = None, ref_format: tuple[str, str] | None = None) -> None:
         super().__init__()
         torch.manual_seed(0)
         self.optimizer_name = optimizer
+        self.ref_format = ref_format  # (state_format, master_format): wrap in the in-memory RoundTripOptimizer
         self.batch_size = batch_size
         self.init_seed = init_seed  # seed the RNG in setup(): a meta-device model is initialized right after
         self.build = lambda: self._build(checkpointing, lora, n_layer)
@@ -57,7 +59,12 @@ class TinyGPT(LightningModule):
 
     def configure_optimizers(self):
         cls, kwargs = OPTIMIZERS[self.optimizer_name]
-        return cls([p for p in self.parameters() if p.requires_grad], **kwargs)
+        opt = cls([p for p in self.parameters() if p.requires_grad], **kwargs)
+        if self.ref_format:
+            from lightning_nvme.optim.state_format import RoundTripOptimizer, StateFormat
+
+            RoundTripOptimizer(opt, StateFormat(*self.ref_format))
+        return opt
 
     def train_dataloader(self):
         return DataLoader(tokens(), batch_size=self.batch_size, shuffle=False)

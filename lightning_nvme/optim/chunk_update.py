@@ -16,7 +16,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_nvme.memory import temporaries_off_heap, temporaries_on_heap
-from lightning_nvme.optim import chunk_views
+from lightning_nvme.optim import chunk_views, fused_update
 from lightning_nvme.optim.buffers import ChunkBuffer, DecodeArena, uploads_done
 from lightning_nvme.optim.chunk_views import flat
 from lightning_nvme.optim.core import OffloadedCore
@@ -33,6 +33,8 @@ class ChunkUpdater(OffloadedCore):
 
     _step_kwargs: dict[str, Any]  # kwargs of the current ``optimizer.step()`` call
     _first_inner_run: bool  # no per-chunk run of the optimizer's step has happened yet in this step
+    _fused_plan: fused_update.FusedPlan | None  # the pieces of this step the one-pass kernel updates
+    fused_elements: int  # elements updated by the one-pass kernel so far (telemetry, tests)
 
     def _nested_hooks(self, opt: Optimizer) -> AbstractContextManager[None]:
         """A custom step calling ``super().step()`` fires the hooks again inside, in torch too: let that happen
@@ -118,11 +120,15 @@ class ChunkUpdater(OffloadedCore):
         back into ``buf`` afterwards (device memory: one chunk)."""
         chunk_params: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
         state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
-        self.arena.reset(DecodeArena.need([size for p in chunk.pieces if p.param.grad is not None
-                                           for size in self._temporaries(p)]))
-        work = [w for w in (self._prepare_piece(piece, buf, state) for piece in chunk.pieces) if w is not None]
+        fused = self._fused_plan
+        fast = [p for p in chunk.pieces if fused is not None and fused.covers(p)]
+        generic = [p for p in chunk.pieces if p.param.grad is not None and p not in fast]
+        for piece in fast:
+            self._update_fused(piece, buf)
+        self.arena.reset(DecodeArena.need([size for p in generic for size in self._temporaries(p)]))
+        work = [w for w in (self._prepare_piece(piece, buf, state) for piece in generic) if w is not None]
         if not work:
-            return False
+            return bool(fast)
         uploaded = [piece.param.device for piece, _, _, _ in work if piece.param.device.type == "cuda"]
         if uploaded:  # the buffer is not read into again before these copies have completed
             buf.uploaded = uploads_done(uploaded[-1])
@@ -132,6 +138,40 @@ class ChunkUpdater(OffloadedCore):
         for piece, target, host, working in work:
             self._finish_piece(piece, target, host, working, state[target], buf)
         return True
+
+    def _update_fused(self, piece: Piece, buf: ChunkBuffer) -> None:
+        """``piece`` through the one-pass kernel (``fused_update``): its full blocks there, its last partial
+        block through the optimizer's own step, which computes those elements in torch's scalar tail."""
+        grad = flat(piece.param.grad)[piece.start:piece.stop]  # type: ignore[arg-type]
+        if self.clip_value is not None:
+            grad.clamp_(min=-self.clip_value, max=self.clip_value)
+        key = (piece.index, piece.start)
+        initialized = key in self.scalars
+        scalars = self.scalars[key] if initialized else {"step": torch.zeros((), dtype=torch.float32)}
+        before = scalars["step"].clone()
+        scalars["step"] += 1  # what torch's fused step does before its kernel
+        raws = {k: chunk_views.raws(buf, piece, k) for k in fused_update.KEYS}
+        group = self.optimizer.param_groups[piece.group]
+        done = fused_update.update_blocks(piece, group, scalars["step"], raws, initialized, self.steps_done,
+                                          fused_update.threads(piece.numel))
+        self.scalars[key] = scalars
+        self.fused_elements += done
+        if done == piece.numel:
+            return
+        rest = {k: [raws[k][0][done:], raws[k][1][done // fused_update.BLOCK:]] for k in fused_update.KEYS}
+        param = flat(piece.param.detach())[piece.start + done:piece.stop]
+        master = param.float()
+        master.grad = grad[done:].float()
+        state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
+        if initialized:
+            state[master] = {"step": before, **{k: self.fmt.decode(k, torch.float32, r) for k, r in rest.items()}}
+        params: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]
+        params[piece.group].append(master)
+        self._step_on(params, state)
+        for k, r in rest.items():
+            self.fmt.encode(k, state[master][k], r, f" of parameter {piece.index}")
+        self.fmt.write_param(param, master, self.steps_done, piece.index, piece.start + done)
+        master.grad = None
 
     def _prepare_piece(self, piece: Piece, buf: ChunkBuffer, state: defaultdict[Any, dict[str, Any]]) -> Work | None:
         """The tensor the optimizer will update for ``piece`` (the param, a range of it, or its fp32

@@ -24,6 +24,7 @@ from torch.optim import Optimizer
 
 from lightning_nvme.constants import MiB
 from lightning_nvme.memory import keep_freed_heap
+from lightning_nvme.optim import fused_update
 from lightning_nvme.optim.binding import OptimizerBinding
 from lightning_nvme.optim.buffers import DecodeArena
 from lightning_nvme.optim.pipeline import ReadAhead
@@ -109,6 +110,8 @@ class OffloadedOptimizer(GrowingPlan, StateTransfer):
         self._unplanned = []
         self._step_kwargs = {}
         self._first_inner_run = True
+        self._fused_plan = None
+        self.fused_elements = 0
         self._empty_state = defaultdict(dict)
         self._done = set()
         self._armed = False
@@ -140,6 +143,7 @@ class OffloadedOptimizer(GrowingPlan, StateTransfer):
         self._done = set()
         self._step_kwargs = kwargs
         self._first_inner_run = True
+        self._fused_plan = fused_update.plan(self.optimizer, self.fmt, kwargs)
         self.prefetch()
         loss = None
         if closure is not None:
@@ -157,6 +161,7 @@ class OffloadedOptimizer(GrowingPlan, StateTransfer):
                     self._update_chunk(c)
             self._update_resident()
         self._step_kwargs = {}
+        self._fused_plan = None
         self.steps_done += 1
         return loss
 

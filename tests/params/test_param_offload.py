@@ -1,7 +1,7 @@
 """offload_params=True: bitwise equality with in-memory training (fp32 AdamW / SGD-momentum, bf16-true
-with fp32 masters, activation checkpointing, activation offload, tied embeddings, frozen base + adapters,
-save -> resume in a new process), blocks resident only while needed, true weights in checkpoints and
-state_dict, and the settings that are refused."""
+with fp32 masters, bf16-true with int8 state + bf16_sr through the one-pass update, activation checkpointing,
+activation offload, tied embeddings, frozen base + adapters, save -> resume in a new process), blocks resident
+only while needed, true weights in checkpoints and state_dict, and the settings that are refused."""
 
 from __future__ import annotations
 
@@ -142,6 +142,20 @@ def test_bf16_true_matches_fp32_master_reference(tmp_path):
     for (name, p), q in zip(off.named_parameters(), ref.parameters()):
         assert p.dtype == torch.bfloat16
         assert torch.equal(p, q), f"parameter {name} differs"
+
+
+@pytest.mark.parametrize("overlap", ["backward", "step"])
+def test_compressed_state_with_the_one_pass_update_equals_its_in_memory_reference(tmp_path, overlap):
+    """The 7 B benchmark's settings at small scale (bf16-true, AdamW(fused=True), int8 state, bf16_sr, with
+    activation checkpointing): equal to the default strategy with ``RoundTripOptimizer``; the kernel ran."""
+    kw = dict(precision="bf16-true", steps=8)
+    ref, _ = fit(tmp_path / "ref", "auto", {"optimizer": "adamw_fused", "ref_format": ("int8", "bf16_sr"),
+                                            "checkpointing": True}, **kw)
+    strategy = offload(tmp_path, overlap=overlap, state_format="int8", master_format="bf16_sr")
+    off, t = fit(tmp_path / "off", strategy, {"optimizer": "adamw_fused", "checkpointing": True},
+                 [BlocksBetweenSteps()], **kw)
+    assert_same_params(ref, off)
+    assert t.strategy.offloaded[0].fused_elements > 0
 
 
 def test_activation_checkpointing(tmp_path, tmp_path_factory):

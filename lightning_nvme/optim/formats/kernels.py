@@ -136,8 +136,10 @@ def _stochastic_round_bf16(x: np.ndarray, out: np.ndarray, key: np.uint32, start
     low32 = np.uint64(0xFFFFFFFF)
     k = np.uint64(key)
     base = np.uint64(start)
-    for i in range(b0 * BLOCK, min(b1 * BLOCK, x.shape[0])):  # uint64 arithmetic wraps mod 2**64, so "& low32" is exact mod 2**32
-        noise = (((base + np.uint64(i)) * golden + k) & low32) >> np.uint64(16)
+    i0 = np.uint64(b0) * np.uint64(BLOCK)
+    for j in range(np.uint64(min(b1 * BLOCK, x.shape[0])) - i0):  # unsigned indices: see _encode_int8
+        i = i0 + j  # uint64 arithmetic wraps mod 2**64, so "& low32" is exact mod 2**32
+        noise = (((base + i) * golden + k) & low32) >> np.uint64(16)
         r = ((np.uint64(xi[i]) + noise) & low32) >> np.uint64(16)
         out[i] = _CANONICAL_NAN_BF16 if x[i] != x[i] else np.int16(np.int32(r) - (np.int32(r) >> 15 << 16))
 

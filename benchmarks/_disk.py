@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import resource
 import statistics
 import threading
 import time
@@ -180,8 +179,10 @@ def spread(ratios: list[float], digits: int = 3) -> dict[str, float | list[float
 
 
 def peak_rss_mib() -> float:
-    """The process's peak resident set size so far (Linux reports ``ru_maxrss`` in KiB)."""
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    """The process's peak resident set size so far (``lightning_nvme.memory.peak_rss_bytes``)."""
+    from lightning_nvme.memory import peak_rss_bytes
+
+    return peak_rss_bytes() / MiB
 
 
 def current_rss_mib() -> float:

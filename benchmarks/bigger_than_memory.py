@@ -66,9 +66,9 @@ def _imports() -> None:
 
 
 def _peak_rss_bytes() -> int:
-    import resource
+    from lightning_nvme.memory import peak_rss_bytes  # VmHWM: ru_maxrss would include the parent's RSS
 
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return peak_rss_bytes()
 
 
 def child(args: argparse.Namespace) -> dict:

@@ -19,7 +19,6 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import resource
 import statistics
 import subprocess
 import sys
@@ -31,6 +30,8 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _disk import MiB, raw_disk, spread  # noqa: E402
 from _profile import Counters, python_profile, run_profiled, summarize_pyspy, torch_profile  # noqa: E402
+
+from lightning_nvme.memory import peak_rss_bytes  # noqa: E402
 
 
 def build(params_m: float, width: int):
@@ -110,7 +111,7 @@ def child(args) -> dict:
     out["state_bytes"] = off.state_bytes if off else sum(
         t.numel() * t.element_size() for s in opt.state.values() for t in s.values() if t.dim() > 0)
     out["params"] = sum(p.numel() for p in model.parameters())
-    out["rss_MiB"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+    out["rss_MiB"] = peak_rss_bytes() / MiB
     out["resident_buffers_MiB"] = off.ring.total_bytes / MiB if off else 0.0
     if store is not None:
         store.close(delete=True)

@@ -131,3 +131,18 @@ def _mmap_threshold_within(threshold: int) -> Iterator[None]:
         yield
     finally:
         _set(libc, M_MMAP_THRESHOLD, fixed)
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (``VmHWM``). Not ``ru_maxrss``: Linux carries that across fork
+    and exec, so a process started by a large parent reports at least the parent's RSS at the fork."""
+    try:
+        with open("/proc/self/status") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    import resource
+
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: the best there is

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 import math
 import os
-import resource
 import time
 from dataclasses import dataclass, field, fields
 from typing import Any
@@ -24,6 +23,7 @@ from torchmetrics.aggregation import MaxMetric, MeanMetric, SumMetric
 from typing_extensions import override
 
 from lightning_nvme import atomic
+from lightning_nvme.memory import peak_rss_bytes
 from lightning_nvme.store.stats import IOStats
 
 GB = 1e9
@@ -209,7 +209,7 @@ class IOTelemetry(Callback):
             "checkpoint_bytes_written": self.checkpoint_bytes_written, "checkpoint_saves": dict(self.checkpoint_saves),
             "bytes_written_per_day": per_day, "tbw_tb": self.tbw_tb,
             "days_to_tbw": days if math.isfinite(days) else None,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+            "peak_rss_bytes": peak_rss_bytes(),
         }
 
     @override

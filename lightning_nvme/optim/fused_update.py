@@ -24,7 +24,7 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_nvme.constants import INT8_BLOCK as BLOCK
-from lightning_nvme.optim.formats.codec import as_numpy
+from lightning_nvme.optim.formats.codec import StateFormatError, as_numpy
 from lightning_nvme.optim.formats.int8 import Int8
 from lightning_nvme.optim.formats.masters import StochasticBf16, sr_key
 from lightning_nvme.optim.plan import Piece
@@ -92,12 +92,13 @@ def update_blocks(piece: Piece, group: dict[str, Any], step: torch.Tensor, raws:
                                          as_numpy(vs), initialized, constants(group, float(step.item())),
                                          sr_key(steps_done, piece.index), piece.start, blocks, parts)
     if refused >= 0:
-        from lightning_nvme.optim.formats.int8 import _report
-
-        lo = refused * BLOCK
-        m = torch.empty(BLOCK)
-        Int8().decode("exp_avg", [mc[lo:lo + BLOCK], ms[refused:refused + 1]], m)
-        _report(m, f"exp_avg of parameter {piece.index}", piece.start + lo, False)
+        lo = piece.start + refused // 2 * BLOCK
+        raise StateFormatError(
+            f"optimizer state {KEYS[refused % 2]} of parameter {piece.index} became NaN/inf in elements "
+            f"[{lo}, {lo + BLOCK}) at this update: state_format='int8' shares one scale per {BLOCK} elements and "
+            "would spread it over the block. Training has diverged (check the learning rate / loss scaling and the "
+            "gradients), or store this state with state_format='bf16' or 'exact', which keep non-finite values "
+            "per element")
     return blocks * BLOCK
 
 

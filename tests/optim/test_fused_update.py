@@ -8,12 +8,14 @@ from __future__ import annotations
 
 import pytest
 import torch
+from lightning.pytorch import Trainer
+from models import MLP
 from test_strategy import assert_same_params, fit
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.optim import fused_update
-from lightning_nvme.optim.state_format import StateFormat
+from lightning_nvme.optim.state_format import StateFormat, StateFormatError
 
 INT8_SR = StateFormat("int8", "bf16_sr")
 # hidden 300: every weight and bias of the body ends in a partial int8 block (the part torch's scalar tail computes)
@@ -125,3 +127,22 @@ def test_self_check_compares_against_torchs_own_update(monkeypatch):
         monkeypatch.undo()
         fused_update.verified.cache_clear()
     assert fused_update.verified()
+
+
+class DivergingMLP(MLP):
+    """Its third batch's loss is NaN: every gradient, then the kernel's new moments, become NaN."""
+
+    def training_step(self, batch, batch_idx):
+        loss = super().training_step(batch, batch_idx)
+        return loss * float("nan") if batch_idx == 2 else loss
+
+
+@needs_kernel
+def test_a_nonfinite_update_is_refused_naming_the_state_parameter_and_elements(tmp_path):
+    model = DivergingMLP("adamw_fused", hidden=300)
+    trainer = Trainer(default_root_dir=tmp_path, strategy=offload(tmp_path), accelerator="cpu", devices=1,
+                      max_steps=4, precision="bf16-true", logger=False, enable_checkpointing=False,
+                      enable_progress_bar=False, enable_model_summary=False)
+    with pytest.raises(StateFormatError, match=r"optimizer state exp_avg of parameter \d+ became NaN/inf in "
+                                               r"elements \[\d+, \d+\) at this update: state_format='int8'"):
+        trainer.fit(model)

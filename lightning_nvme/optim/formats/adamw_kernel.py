@@ -52,7 +52,8 @@ def _blocks(p16: np.ndarray, g16: np.ndarray, m_codes: np.ndarray, m_scales: np.
             b0: int, b1: int) -> int:
     """Blocks ``b0:b1`` (all full) of one piece, in place. ``p16``/``g16``: bf16 bits (int16). ``consts``:
     fp32 [wd factor, lerp weight, lerp-weight-is-small (1/0), beta2, 1 - beta2, sqrt(bc2), eps, -step_size].
-    Returns the first block whose new moments the int8 code refuses (non-finite), or -1."""
+    Returns ``2 * block + key`` (key 0: ``exp_avg``, 1: ``exp_avg_sq``) for the first block whose new moment
+    the int8 code refuses (non-finite: the block's old state is left as it was), or -1."""
     wdf, coeff, small, beta2, c2, bc2s, eps, nss = (consts[0], consts[1], consts[2], consts[3], consts[4],
                                                      consts[5], consts[6], consts[7])
     p_bits = np.empty(BLOCK, np.int32)
@@ -86,9 +87,9 @@ def _blocks(p16: np.ndarray, g16: np.ndarray, m_codes: np.ndarray, m_scales: np.
             v[i] = vi
             p[i] = p[i] * wdf + (nss * m[i]) / (F32(np.sqrt(vi)) / bc2s + eps)
         if _encode_int8(m, m_codes[lo:hi], m_scales[b:b + 1], False, 0, 1) >= 0:
-            return b
+            return 2 * b
         if _encode_int8(v, v_codes[lo:hi], v_scales[b:b + 1], True, 0, 1) >= 0:
-            return b
+            return 2 * b + 1
         _stochastic_round_bf16(p, p16[lo:hi], key, start + lo, 0, 1)
     return -1
 
@@ -110,7 +111,7 @@ def _blocks_parts(p16: np.ndarray, g16: np.ndarray, m_codes: np.ndarray, m_scale
 def update_blocks(p16: np.ndarray, g16: np.ndarray, m_codes: np.ndarray, m_scales: np.ndarray,
                   v_codes: np.ndarray, v_scales: np.ndarray, initialized: bool, consts: np.ndarray, key: int,
                   start: int, blocks: int, parts: int) -> int:
-    """The first ``blocks`` full blocks of a piece, split over ``parts`` threads; the first refused block or -1."""
+    """The first ``blocks`` full blocks of a piece, split over ``parts`` threads; a refused block (see ``_blocks``) or -1."""
     k, s = np.uint32(key), np.int64(start)
     if parts == 1:
         return int(_blocks(p16, g16, m_codes, m_scales, v_codes, v_scales, initialized, consts, k, s, 0, blocks))

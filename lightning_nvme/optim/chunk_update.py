@@ -122,7 +122,8 @@ class ChunkUpdater(OffloadedCore):
         state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)
         fused = self._fused_plan
         fast = [p for p in chunk.pieces if fused is not None and fused.covers(p)]
-        generic = [p for p in chunk.pieces if p.param.grad is not None and p not in fast]
+        kernel = {id(p) for p in fast}
+        generic = [p for p in chunk.pieces if p.param.grad is not None and id(p) not in kernel]
         for piece in fast:
             self._update_fused(piece, buf)
         self.arena.reset(DecodeArena.need([size for p in generic for size in self._temporaries(p)]))

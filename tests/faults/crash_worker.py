@@ -22,7 +22,9 @@ of one phase (optionally after writing only part of that write: a torn write):
   ``.optim/.<id>.tmp-PID/`` file after the save returned, from the copy thread or from a training write that had
   to copy its region first;
 - ``commit``     every file-system call of the copy thread (``copy="background"``): the fsyncs, renames and
-  deletions of its commits and of the removals ``ModelCheckpoint`` asked for while it ran.
+  deletions of its commits and of the removals ``ModelCheckpoint`` asked for while it ran;
+- ``exit``       once, when ``trainer.fit`` has returned (the store closed, its lock released), before the job writes
+  its final parameters: where a kill from outside at a random time lands when the run ends sooner than drawn.
 
 The test can also kill a job from outside at a random delay. The job writes JSON lines to
 ``<root>/events.jsonl``: ``started`` (pid, step and checkpoint it resumed from, whether it took over
@@ -52,7 +54,7 @@ from typing import Any
 HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 STORE_FILE = "store-rank0.bin"
-PHASES = ("writeback", "checkpoint", "activation", "params", "copy", "commit")
+PHASES = ("writeback", "checkpoint", "activation", "params", "copy", "commit", "exit")
 COPY_THREAD = "lightning-nvme-checkpoint-copy"  # lightning_nvme.checkpoint.background
 # File-system audit events counted as checkpoint events (pwrite/fsync have no audit event: wrapped).
 CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree",
@@ -347,6 +349,7 @@ def run_job(spec: dict) -> None:
     if spec["recover_last"]:
         atomic.recover(p["last"])
     trainer.fit(model, ckpt_path="last" if spec["resume"] else None)
+    inj.hit("exit", what="fit returned")  # the store is closed and its lock released: a kill from outside can land here
     params = {n: t.detach().clone() for n, t in model.named_parameters()}
     torch.save(params, p["final"] + ".tmp")
     os.replace(p["final"] + ".tmp", p["final"])

@@ -172,10 +172,14 @@ def checkpoint_state(root: str, ref: Reference) -> tuple[int | None, int]:
     return last, len(hidden)
 
 
+def lock_path(root: str) -> str:
+    return os.path.join(cw.paths(root)["store"], cw.STORE_FILE + ".lock")
+
+
 def lock_holder(root: str) -> str | None:
     """The pid a store lock file names; None when there is no file or it is empty (a released lock is emptied)."""
     try:
-        with open(os.path.join(cw.paths(root)["store"], cw.STORE_FILE + ".lock")) as f:
+        with open(lock_path(root)) as f:
             return f.read().strip() or None
     except FileNotFoundError:
         return None
@@ -374,15 +378,14 @@ def test_kill9_mid_removal_of_previous_checkpoint(jobs, reference, tmp_path):
 
 def test_kill9_after_the_run_released_its_store(jobs, reference, tmp_path):
     """A kill from outside at a random time lands after ``fit`` returned when the run ends sooner than drawn (a
-    busy machine's speed varies): the store is closed and its lock file emptied, so no pid is named and the next
-    run takes over nothing; ``last.ckpt`` is the final one and the next run, with nothing left to train, ends
+    busy machine's speed varies): the store is closed and its lock file emptied, so no pid is named;
+    ``last.ckpt`` is the final one and the next run, with nothing left to train, ends
     bitwise equal to the reference."""
     root = str(tmp_path / "run")
     _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS,
                                  kill={"phase": "exit", "at": 1, "torn": None}))
     assert rc == KILLED, _log(root)
-    lock = os.path.join(cw.paths(root)["store"], cw.STORE_FILE + ".lock")
-    assert os.path.getsize(lock) == 0, "a released store lock still names a pid"
+    assert os.path.getsize(lock_path(root)) == 0, "a released store lock still names a pid"
     assert lock_holder(root) is None
     assert checkpoint_state(root, reference) == (FINAL_STEP, 0)
     _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True))

@@ -148,7 +148,7 @@ def child(args: argparse.Namespace) -> dict:
 def _budget_bytes(text: str) -> int:
     """``--budgets`` items: bytes, ``8G``/``512M``, or ``all``: what is available now less 2 GiB (the plan
     then takes everything the model has, if it fits)."""
-    from lightning_nvme.placement import available_host_memory
+    from lightning_nvme.memory import available_host_memory
 
     if text == "all":
         return max(0, available_host_memory() - 2 * GiB)

@@ -20,9 +20,9 @@ import sys
 import time
 from pathlib import Path
 
-from lightning_nvme import doctor
 from lightning_nvme.checkpoint import convert
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
+from lightning_nvme.doctor import command as doctor
 
 # lightning_nvme.launch is imported where it is used: it needs Hydra, an optional dependency (the "recipes" extra).
 EXIT_CONFIG = 2

@@ -11,6 +11,9 @@ maximum, still fixed), with chunk updates inside backward pushed off the heap (`
 and updates after backward kept on a trimmed heap region. With ``offload_params`` (the model does not
 fit: memory first) it is 8 MiB, since gradients and update temporaries of 8-32 MiB would otherwise stay on
 the heap. The measurements behind each choice: docs/performance.md, "The malloc mmap threshold".
+
+Also the host memory's other two facts the package reads: the process's peak RSS (``peak_rss_bytes``) and what the
+host can still give (``available_host_memory``, for the ``host_memory_budget`` plan and its preflight check).
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ import ctypes
 import ctypes.util
 import functools
 import logging
+import os
 from collections.abc import Iterator
 from contextlib import contextmanager
 
@@ -146,3 +150,16 @@ def peak_rss_bytes() -> int:
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: the best there is
+
+
+def available_host_memory() -> int:
+    """``MemAvailable`` from ``/proc/meminfo`` (what can be allocated without swapping), in bytes; where
+    that file is missing, the physical memory."""
+    try:
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

@@ -1,6 +1,6 @@
 """The offload strategies' arguments, each defined once: name, type, default, valid values and a one-line doc.
 
-Each is one ``setting(default, doc, check)`` (``lightning_nvme.config``, with ``ConfigError`` and the
+Each is one ``setting(default, doc, check)`` (``lightning_nvme.checks``, with ``ConfigError`` and the
 checks). Everything else derives from or is checked against these dataclasses: the strategies' signatures and
 docstrings (``with_settings``), validation (``__post_init__``: one ``ConfigError(key, message)`` per bad
 value), the Hydra configs ``conf/strategy/nvme_offload*.yaml`` and README's argument table (both checked by
@@ -21,7 +21,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any, TypeVar
 
-from lightning_nvme.config import (
+from lightning_nvme.checks import (
     ConfigError,
     boolean,
     check_fields,

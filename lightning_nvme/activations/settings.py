@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import dataclasses
 
-from lightning_nvme.config import check_fields, count, nbytes, one_of, setting
+from lightning_nvme.checks import check_fields, count, nbytes, one_of, setting
 from lightning_nvme.constants import MiB
 
 SCOPES = ("checkpoint", "all")

@@ -22,9 +22,9 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_nvme.activations import ActivationOffloader, ActivationSettings, OffloadStats, ResidencyMeter
-from lightning_nvme.config import boolean, check_fields, count, directories, nbytes, resolve_store_dirs, setting
+from lightning_nvme.checks import boolean, check_fields, count, directories, nbytes, resolve_store_dirs, setting
 from lightning_nvme.constants import ALIGN, STORE_DIR_ENV
-from lightning_nvme.preflight import PreflightWarning, shared_devices
+from lightning_nvme.preflight.resources import PreflightWarning, shared_devices
 from lightning_nvme.settings import from_arguments, with_settings
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.flat_store import IO_CHUNK_BYTES, IO_WORKERS, STAGING_BYTES

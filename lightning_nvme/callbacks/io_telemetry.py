@@ -22,7 +22,7 @@ from lightning.pytorch.utilities import rank_zero_info, rank_zero_only
 from torchmetrics.aggregation import MaxMetric, MeanMetric, SumMetric
 from typing_extensions import override
 
-from lightning_nvme import atomic
+from lightning_nvme.fs import atomic
 from lightning_nvme.memory import peak_rss_bytes
 from lightning_nvme.store.stats import IOStats
 

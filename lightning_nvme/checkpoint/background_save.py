@@ -15,11 +15,11 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-from lightning_nvme import atomic
 from lightning_nvme.checkpoint import paired, snapshot, weights
 from lightning_nvme.checkpoint.background import BackgroundCopy, Job, Target
 from lightning_nvme.checkpoint.streamed import file_metadata, format_entry, optimizer_file
 from lightning_nvme.constants import ALIGN
+from lightning_nvme.fs import atomic
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.store import FlatStore
 

@@ -40,9 +40,9 @@ from typing import Any
 
 import torch
 
-from lightning_nvme import atomic
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.streamed import OptimizerParts
+from lightning_nvme.fs import atomic
 
 PAIRED_FORMAT_VERSION = 2  # of the paired checkpoint (file + streamed state beside it)
 REF_KEY = "lightning_nvme"

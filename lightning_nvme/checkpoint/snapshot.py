@@ -1,6 +1,6 @@
 """Optimizer state files made of reflinks to the store: a checkpoint that writes its header and nothing else.
 
-Where the store's filesystem shares extents (``lightning_nvme.reflink``), ``optimizer-<i>.safetensors`` is laid
+Where the store's filesystem shares extents (``lightning_nvme.fs.reflink``), ``optimizer-<i>.safetensors`` is laid
 out as the store's chunks themselves: a header padded to a filesystem block, then each chunk region with state,
 cloned whole (``FICLONERANGE``) at a block-aligned offset. Each piece's state is one entry inside its chunk's
 bytes (``state.<index>.<key>`` for a whole parameter, ``state.<index>.<key>[<start>:<stop>]`` for a range, as
@@ -31,11 +31,11 @@ from typing import Any
 
 import torch
 
-from lightning_nvme import fsinfo, reflink
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.safetensors_stream import DTYPES
 from lightning_nvme.checkpoint.streamed import PAD_PREFIX, file_metadata, format_entry, optimizer_file, tensor_name
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
+from lightning_nvme.fs import fsinfo, reflink
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.buffers import memview

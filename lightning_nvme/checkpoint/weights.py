@@ -31,8 +31,8 @@ from typing import Any
 import torch
 from safetensors import safe_open
 
-from lightning_nvme import atomic
 from lightning_nvme.checkpoint.safetensors_stream import CODES, DTYPES, SafetensorsReader, SafetensorsWriter
+from lightning_nvme.fs import atomic
 
 WEIGHTS_FILE = "weights.safetensors"
 CONVERT = "lightning-nvme convert to-lightning {src} plain.ckpt"

@@ -19,7 +19,7 @@ from hydra.core.config_store import ConfigStore
 from hydra.errors import HydraException, MissingConfigException, OverrideParseException
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_nvme.config import ConfigError, default_store_dir
+from lightning_nvme.checks import ConfigError, default_store_dir
 from lightning_nvme.launch.validate import import_target, signature_of
 
 CONF_MODULE = "lightning_nvme.conf"

@@ -12,7 +12,7 @@ import lightning.pytorch as pl
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.launch.validate import validate
 
 

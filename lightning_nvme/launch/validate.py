@@ -22,8 +22,8 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import InterpolationResolutionError, MissingMandatoryValue, OmegaConfBaseException
 
-from lightning_nvme import preflight
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
+from lightning_nvme.preflight import resources
 
 _HYDRA_KEYS = {"_target_", "_partial_", "_args_", "_convert_", "_recursive_"}
 STORE_DIR_KEYS = ("store_dir",)
@@ -190,14 +190,14 @@ def _store_dirs(resolved: dict[str, Any]) -> Iterator[tuple[str, Any]]:
 def check_store_dir(key: str, path: Any) -> None:
     """A store directory must be usable before training starts; the rules (created if missing, except
     directly in a mount root such as ``/mnt`` where a missing directory means an unmounted disk; writable;
-    warnings for RAM-backed or network filesystems) are ``lightning_nvme.preflight``'s, the same the
+    warnings for RAM-backed or network filesystems) are ``lightning_nvme.preflight.resources``'s, the same the
     strategy applies at setup. ``None`` is left to the component: it picks its own default."""
     if path is None:
         return
     paths = [path] if isinstance(path, (str, os.PathLike)) or not isinstance(path, Sequence) else list(path)
     try:
         for p in paths:  # a list: the disks of a striped store, each checked
-            preflight.check_store_dir(os.path.expanduser(str(p)), 0, key=key)
+            resources.check_store_dir(os.path.expanduser(str(p)), 0, key=key)
     except ConfigError as e:
         raise ConfigError(e.key, e.message) from None
 

@@ -15,9 +15,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from lightning_nvme import atomic
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsWriter
 from lightning_nvme.checkpoint.weights import BesideWeight
+from lightning_nvme.fs import atomic
 from lightning_nvme.models.hf import INDEX, SINGLE, save_names
 
 ADAPTER_FILE = "adapter_model.safetensors"

@@ -22,7 +22,23 @@ from torch.optim import Optimizer
 from lightning_nvme.constants import ALIGN, SLOT_ALIGN, align_up
 from lightning_nvme.optim.probe import StateSpec, UnsupportedOptimizerError, check_supported, probe_state_spec, shape_class
 from lightning_nvme.optim.state_format import EXACT, HALF_DTYPES, MASTER_KEY, Component, StateFormat
-from lightning_nvme.placeholder import is_placeholder
+
+
+def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """What a module holds for a parameter whose values live only in the store (``params`` makes them; the plan
+    below recognises them, so they live here, the lower of the two layers).
+
+    Why this shape: the ``nn.Parameter`` object must stay the same (the optimizer, autograd's saved tensors and
+    the user's references all hold it), so only its ``.data`` is swapped. The placeholder keeps shape, dtype and
+    device (model summaries, optimizer planning and shape checks still work) but owns one element: a NaN for
+    floating dtypes, so code that reads an offloaded parameter without the strategy loading it produces NaNs
+    instead of plausible numbers. ``stride 0`` marks it."""
+    fill = float("nan") if dtype.is_floating_point or dtype.is_complex else 0
+    return torch.full((1,), fill, dtype=dtype, device=device).expand(shape)
+
+
+def is_placeholder(t: torch.Tensor) -> bool:
+    return t.numel() > 1 and all(s == 0 for s in t.stride())
 
 
 @dataclass

@@ -26,9 +26,9 @@ from typing import Any
 
 import torch
 
+from lightning_nvme.optim.plan import placeholder
 from lightning_nvme.params.layout import BlockLayout
 from lightning_nvme.params.staging import DONE, HostStaging, Ready, Staging, StagingStats
-from lightning_nvme.placeholder import placeholder
 from lightning_nvme.store import FlatStore, IOHandle
 
 

@@ -29,7 +29,7 @@ import torch
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.params.layout import BlockLayout
 from lightning_nvme.params.residency import BlockResidency
 

@@ -11,7 +11,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from lightning_nvme import atomic
+from lightning_nvme.fs import atomic
 from lightning_nvme.store import manifest
 from lightning_nvme.store.file_io import StoreFile
 from lightning_nvme.store.layout import HEADER_BYTES, Layout, Region

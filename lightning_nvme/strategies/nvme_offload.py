@@ -39,22 +39,22 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme import reflink
 from lightning_nvme.checkpoint import background_save, plugin_io, snapshot, weights
 from lightning_nvme.checkpoint.background import BackgroundCopy
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
+from lightning_nvme.fs import reflink
 from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_hf
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
-from lightning_nvme.placement import DevicePlacement, Item, block_item, device_block_item, plan_device
-from lightning_nvme.preflight import check_device_memory_budget
+from lightning_nvme.preflight.resources import check_device_memory_budget
 from lightning_nvme.settings import OffloadSettings, from_arguments, with_settings
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
 from lightning_nvme.strategies.offload import OffloadStrategy
+from lightning_nvme.strategies.placement import DevicePlacement, Item, block_item, device_block_item, plan_device
 
 
 @with_settings(OffloadSettings)

@@ -44,17 +44,18 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nvme import atomic, reflink
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import sharded, snapshot
-from lightning_nvme.config import ConfigError, reject_unknown
+from lightning_nvme.checks import ConfigError, reject_unknown
+from lightning_nvme.fs import atomic, reflink
+from lightning_nvme.memory import available_host_memory
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
-from lightning_nvme.placement import available_host_memory, resolve_budget
-from lightning_nvme.preflight import check_host_memory_budget
+from lightning_nvme.preflight.resources import check_host_memory_budget
 from lightning_nvme.settings import DDPOffloadSettings, from_arguments, with_settings
 from lightning_nvme.store import FlatStore
 from lightning_nvme.strategies.offload import OffloadStrategy
 from lightning_nvme.strategies.param_broadcast import ParamBroadcast, plan_items
+from lightning_nvme.strategies.placement import resolve_budget
 
 
 def _ddp_arguments() -> list[str]:

@@ -30,21 +30,21 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nvme import atomic
 from lightning_nvme import checkpoint as ckpt
 from lightning_nvme.checkpoint import plugin_io, snapshot, weights
 from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.constants import GiB, MiB
-from lightning_nvme.io_profile import IOProfile, io_request, slowest_disk_note
+from lightning_nvme.doctor.profile import IOProfile, io_request, slowest_disk_note
+from lightning_nvme.fs import atomic
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
 from lightning_nvme.optim.store_ref import StoreRef
-from lightning_nvme.placement import Item, Placement, chunk_item, plan_placement, resolve_budget
-from lightning_nvme.preflight import check_host_memory_budget, check_store_dirs
+from lightning_nvme.preflight.checkpoint_space import check_run_space
+from lightning_nvme.preflight.resources import check_host_memory_budget, check_store_dirs
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import ALIGN, FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
-from lightning_nvme.strategies.checkpoint_space import check_run_space
+from lightning_nvme.strategies.placement import Item, Placement, chunk_item, plan_placement, resolve_budget
 from lightning_nvme.strategies.store_claim import claim_store_name, owner_region
 
 
@@ -100,7 +100,7 @@ class OffloadStrategy(Strategy):
         # a chunk's whole region (page-aligned): what the optimizer reads and writes, and what the shelf holds
         return [chunk_item(c.region, off.capacity[c.index]) for off in self.offloaded for c in off.chunks]
 
-    # ---- the shelf: what stays in host memory (host_memory_budget, lightning_nvme.placement) --------------
+    # ---- the shelf: what stays in host memory (host_memory_budget, lightning_nvme.strategies.placement) --------------
     def _host_budget(self) -> int:
         """This process's share of ``host_memory_budget`` in bytes, checked against the memory available now
         (one process: all of it; data parallel splits the host's among its ranks)."""

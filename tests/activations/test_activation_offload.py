@@ -12,7 +12,7 @@ from _activation_offload_model import TinyGPT
 from torch.utils.checkpoint import checkpoint
 
 from lightning_nvme.activations import ActivationOffloader, ActivationSettings
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.store import FlatStore
 
 KiB = 1024

@@ -1,6 +1,6 @@
 """NVMeActivationOffload's arguments are defined once (ActivationSettings + ActivationOffloadSettings): its
 signature, the Hydra callback configs and the validator agree with that definition, every bad value is one
-ConfigError naming the key, and the default store directory has one home (lightning_nvme.config)."""
+ConfigError naming the key, and the default store directory has one home (lightning_nvme.checks)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ from omegaconf import OmegaConf
 
 from lightning_nvme.callbacks import NVMeActivationOffload
 from lightning_nvme.callbacks.activation_offload import ActivationOffloadSettings
-from lightning_nvme.config import ConfigError, default_store_dir, resolve_store_dir
+from lightning_nvme.checks import ConfigError, default_store_dir, resolve_store_dir
 from lightning_nvme.settings import defaults
 
 CALLBACK_CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "callbacks").glob("*.yaml"))

@@ -28,10 +28,11 @@ from snapshot_checks import (
 from test_checkpoint import assert_params_equal, reference, resume_in_new_process, trainer  # noqa: F401
 
 import lightning_nvme  # noqa: F401
-from lightning_nvme import NVMeOffloadDDPStrategy, NVMeOffloadStrategy, reflink
+from lightning_nvme import NVMeOffloadDDPStrategy, NVMeOffloadStrategy
 from lightning_nvme.checkpoint import background
 from lightning_nvme.checkpoint.background import BackgroundCopy, CheckpointCopyError
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
+from lightning_nvme.fs import reflink
 
 
 class Gate:
@@ -399,7 +400,7 @@ def test_space_plan_counts_the_saves_of_one_instant_in_progress_together(tmp_pat
     until the copy commits: one more checkpoint than a save at a time."""
     from types import SimpleNamespace
 
-    from lightning_nvme.strategies.checkpoint_space import checkpoint_plans
+    from lightning_nvme.preflight.checkpoint_space import checkpoint_plans
 
     trainer_ = SimpleNamespace(checkpoint_callbacks=[ModelCheckpoint(dirpath=str(tmp_path), save_top_k=1,
                                                                      save_last=True)])

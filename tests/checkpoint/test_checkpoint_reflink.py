@@ -22,7 +22,7 @@ from test_checkpoint import assert_params_equal, reference, resume_in_new_proces
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.callbacks import IOTelemetry
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.store.layout import align_up
 
 
@@ -138,7 +138,7 @@ def test_trainer_without_xfs_takes_the_streamed_path(tmp_path):
     t.fit(MLP())
     t.save_checkpoint(tmp_path / "c.ckpt")
     record = strategy.checkpoint_saves[-1]
-    from lightning_nvme import reflink
+    from lightning_nvme.fs import reflink
 
     if reflink.probe(str(tmp_path)).supported:
         pytest.skip(f"{tmp_path} supports reflinks: this test needs a filesystem without them")

@@ -19,9 +19,10 @@ from test_checkpoint import assert_params_equal, reference, resume_in_new_proces
 from test_checkpoint_reflink import _parts_file, _SaveTwice, _write_bytes
 
 import lightning_nvme  # noqa: F401
-from lightning_nvme import NVMeOffloadStrategy, reflink
+from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.checkpoint import snapshot
-from lightning_nvme.preflight import PreflightWarning
+from lightning_nvme.fs import reflink
+from lightning_nvme.preflight.resources import PreflightWarning
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.layout import align_up
 
@@ -91,7 +92,7 @@ def test_striped_reflink_checkpoint_resumes_bitwise(xfs_dir, tmp_path, reference
 def test_stripe_file_on_another_filesystem_streams_naming_it(xfs_dir, tmp_path, reference):  # noqa: F811
     """One stripe on the XFS, one elsewhere: no clone can reach the other file, so the save streams, naming that
     stripe file, and the checkpoint resumes bitwise (``checkpoint_copy="reflink"`` refuses it instead)."""
-    from lightning_nvme.config import ConfigError
+    from lightning_nvme.checks import ConfigError
 
     dirs = [str(xfs_dir / "s-mixed" / "disk0"), str(tmp_path / "disk1")]
     strategy = NVMeOffloadStrategy(store_dir=dirs, chunk_bytes=16 << 10, stripe_bytes=4096)
@@ -166,7 +167,7 @@ def test_striped_offload_params_weights_are_cloned_unit_by_unit(xfs_dir, tmp_pat
 def test_checkpoint_copy_decides_for_a_striped_store_as_for_one(tmp_path):
     """``snapshot.plan``, which both strategies (and each data-parallel rank) ask: ``"streamed"`` never clones,
     ``"auto"`` streams where clones are impossible saying why, ``"reflink"`` refuses there naming the strategy."""
-    from lightning_nvme.config import ConfigError
+    from lightning_nvme.checks import ConfigError
 
     if reflink.probe(str(tmp_path)).supported:
         pytest.skip(f"{tmp_path} supports reflinks: this test needs a filesystem without them")

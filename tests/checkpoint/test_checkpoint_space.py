@@ -14,11 +14,12 @@ from lightning.pytorch.callbacks import ModelCheckpoint
 from models import MLP
 
 import lightning_nvme  # noqa: F401
-from lightning_nvme import NVMeOffloadStrategy, doctor
+from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.checkpoint.snapshot import CheckpointSpaceError
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
-from lightning_nvme.preflight import CheckpointPlan, check_checkpoint_space, checkpoint_bytes_on_disk
+from lightning_nvme.doctor import command
+from lightning_nvme.preflight.resources import CheckpointPlan, check_checkpoint_space, checkpoint_bytes_on_disk
 
 
 def _trainer(root, strategy, **kw):
@@ -100,12 +101,12 @@ def test_save_that_cannot_fit_is_refused_before_writing(xfs_dir, copy):
 
 
 def test_doctor_reports_reflinks_and_the_checkpoint_plan(xfs_dir, tmp_path, capsys):
-    rc = doctor.main([str(xfs_dir / "doctor"), "--no-tune", "--bench-bytes", "0", "--min-free-bytes", "0",
+    rc = command.main([str(xfs_dir / "doctor"), "--no-tune", "--bench-bytes", "0", "--min-free-bytes", "0",
                       "--plan-bytes", "4096", "--checkpoints", "2", "--checkpoint-bytes", str(MiB), "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 0 and out["reflink"] is True
     too_many = str(shutil.disk_usage(tmp_path).free)
-    rc = doctor.main([str(tmp_path), "--no-tune", "--bench-bytes", "0", "--checkpoints", "1", "--checkpoint-bytes",
+    rc = command.main([str(tmp_path), "--no-tune", "--bench-bytes", "0", "--checkpoints", "1", "--checkpoint-bytes",
                       too_many, "--json"])
     out = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
     assert rc == 1 and out["reflink"] is False and any("2 checkpoints" in p for p in out["problems"])

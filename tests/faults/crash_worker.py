@@ -213,7 +213,7 @@ class _Injector:
 
         real_ioctl = fcntl.ioctl
 
-        def ioctl(fd, request, *args):  # FICLONERANGE of a reflink checkpoint (lightning_nvme.reflink)
+        def ioctl(fd, request, *args):  # FICLONERANGE of a reflink checkpoint (lightning_nvme.fs.reflink)
             if self._counting():
                 try:
                     target = os.readlink(f"/proc/self/fd/{fd}")
@@ -257,7 +257,8 @@ def run_job(spec: dict) -> None:
     from torch.utils.data import DataLoader
 
     import lightning_nvme  # noqa: F401
-    from lightning_nvme import NVMeOffloadStrategy, atomic
+    from lightning_nvme import NVMeOffloadStrategy
+    from lightning_nvme.fs import atomic
 
     if TESTS not in sys.path:
         sys.path.insert(0, TESTS)

@@ -430,11 +430,11 @@ def test_kill9_between_fallback_renames_is_recovered(jobs, reference, tmp_path):
     resumes from it (old format) bitwise.
 
     Known limit, pinned here: Lightning resolves ``ckpt_path="last"`` before the strategy runs, so on such a
-    filesystem call ``lightning_nvme.atomic.recover(<dir>/last.ckpt)`` before ``fit``."""
+    filesystem call ``lightning_nvme.fs.atomic.recover(<dir>/last.ckpt)`` before ``fit``."""
     from ckpt_helpers import write_legacy
 
-    from lightning_nvme.atomic import recover
     from lightning_nvme.checkpoint import convert, paired
+    from lightning_nvme.fs.atomic import recover
 
     root = str(tmp_path / "run")
     ckpts, last = cw.paths(root)["ckpts"], cw.paths(root)["last"]

@@ -15,7 +15,7 @@ import subprocess
 import pytest
 import torch
 
-from lightning_nvme.preflight import ConfigError, PreflightWarning, check_store_dir
+from lightning_nvme.preflight.resources import ConfigError, PreflightWarning, check_store_dir
 from lightning_nvme.store import FlatStore, StoreIOError, StoreSpaceError
 
 from .conftest import io_threads, small_fs
@@ -71,7 +71,7 @@ def test_injected_enospc_mid_run_surfaces_at_fence(tmp_path, faulty_disk):
 
 
 # ---- real small filesystems ------------------------------------------------------------------------
-@pytest.mark.filterwarnings("ignore::lightning_nvme.preflight.PreflightWarning")
+@pytest.mark.filterwarnings("ignore::lightning_nvme.preflight.resources.PreflightWarning")
 def test_preflight_refuses_store_that_does_not_fit(tiny_fs):
     free = shutil.disk_usage(tiny_fs).free
     with pytest.raises(ConfigError) as ei:
@@ -84,7 +84,7 @@ def test_preflight_refuses_store_that_does_not_fit(tiny_fs):
     assert re.search(r"free at least \d+ bytes", msg)
 
 
-@pytest.mark.filterwarnings("ignore::lightning_nvme.preflight.PreflightWarning")
+@pytest.mark.filterwarnings("ignore::lightning_nvme.preflight.resources.PreflightWarning")
 def test_preflight_margin_on_real_disk(tiny_fs):
     free = shutil.disk_usage(tiny_fs).free
     check_store_dir(tiny_fs, free // 2)

@@ -77,7 +77,7 @@ def test_bench_runs_scripts_and_collects_their_last_json_line(tmp_path: Path, mo
 
 
 def test_doctor_delegates(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    import lightning_nvme.doctor as doctor
+    import lightning_nvme.doctor.command as doctor
 
     seen = []
     monkeypatch.setattr(doctor, "main", lambda argv: seen.append(argv) or 0)

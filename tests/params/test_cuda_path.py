@@ -222,7 +222,7 @@ def test_cuda_forward_without_checkpointing_refuses(tmp_path, monkeypatch):
     """``F.linear`` saves a view of the weight (``weight.t()``), not the Parameter: each block's device copy
     would live until its backward (which uploads a second one): the whole model on the GPU. Refused at the
     first block whose copy autograd keeps, naming activation checkpointing."""
-    from lightning_nvme.config import ConfigError
+    from lightning_nvme.checks import ConfigError
 
     forward, offload, store = _blocks_on_fake_cuda(tmp_path, monkeypatch, checkpointing=False)
     x = torch.randn(8, 64, requires_grad=True)

@@ -14,15 +14,16 @@ from lightning.pytorch import Callback
 from test_param_offload import assert_same_params, fit, offload, reference, trainer
 from torch import nn
 
-from lightning_nvme import NVMeOffloadStrategy, preflight
+from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.callbacks import IOTelemetry
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.params import find_blocks, is_placeholder, staging
 from lightning_nvme.params.layout import plan_layout
 from lightning_nvme.params.residency import BlockResidency
 from lightning_nvme.params.staging import CudaStaging
-from lightning_nvme.placement import device_block_item, plan_device
+from lightning_nvme.preflight import resources
 from lightning_nvme.store import FlatStore
+from lightning_nvme.strategies.placement import device_block_item, plan_device
 
 CPU = torch.device("cpu")
 EVERYTHING = 1 << 30
@@ -102,7 +103,7 @@ def fake_cuda(monkeypatch):
     install(monkeypatch)
     CountingCuda.made = []
     monkeypatch.setattr(staging, "staging_for", CountingCuda)
-    monkeypatch.setattr(preflight, "device_free_bytes", lambda device: 64 << 30)
+    monkeypatch.setattr(resources, "device_free_bytes", lambda device: 64 << 30)
     return monkeypatch
 
 
@@ -262,7 +263,7 @@ def test_refused_where_it_would_be_ignored_or_cannot_fit(tmp_path, monkeypatch):
         fit(tmp_path / "cpu", offload(tmp_path / "cpu", device_memory_budget=1 << 20), steps=1)
     install(monkeypatch)
     monkeypatch.setattr(staging, "staging_for", CountingCuda)
-    monkeypatch.setattr(preflight, "device_free_bytes", lambda device: 5 << 20)
+    monkeypatch.setattr(resources, "device_free_bytes", lambda device: 5 << 20)
     with pytest.raises(ConfigError, match=r"device_memory_budget.*6291456 bytes.*only 5242880 bytes"):
         fit(tmp_path / "big", offload(tmp_path / "big", device_memory_budget=6 << 20), {"checkpointing": True},
             steps=1)

@@ -33,18 +33,18 @@ ROOT = pathlib.Path(lightning_nvme.__file__).parent
 # Bottom to top. Units of one layer are independent of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
     ("constants", "data"),  # units and shared names; the recipes' data
-    # the ConfigError and value checks; atomic file replacement; the allocator; file systems, reflinks; params' stand-in;
-    # placement: the RAM/SSD plan
-    ("config", "atomic", "memory", "fsinfo", "reflink", "placeholder", "placement"),
+    # the ConfigError and the value checks; file systems (atomic replacement, mounts, reflinks); host memory
+    ("checks", "fs", "memory"),
     ("store",),  # the flat store: files, regions, asynchronous I/O
     ("optim",),  # optimizer state in the store, state formats
     ("checkpoint",),  # checkpoint files and the streamed optimizer state / weights beside them
     ("params",),  # parameter offload
     ("settings", "models"),  # the strategies' arguments (ask optim's state-format registry); the recipes' models
-    ("io_profile", "preflight"),  # tuned I/O settings; checks before training
-    # the Lightning strategies; activation offload (independent of Lightning); several disks measured together
-    ("strategies", "activations", "doctor_stripes"),
-    ("callbacks", "launch", "doctor"),  # Lightning callbacks; recipes -> runs; the disk check
+    ("preflight",),  # checks before training: directories, space, memory budgets, the checkpoints a run keeps
+    ("doctor",),  # the disk check and the tuned I/O profile it writes (the strategies read it)
+    # the Lightning strategies and their RAM/GPU placement plans; activation offload (independent of Lightning)
+    ("strategies", "activations"),
+    ("callbacks", "launch"),  # Lightning callbacks; recipes -> runs
     ("cli",),
     ("__main__",),
     ("",),  # lightning_nvme/__init__: the public API, registers the strategies

@@ -16,7 +16,7 @@ TESTS = Path(__file__).resolve().parents[1]
 PACKAGE = Path(lightning_nvme.__file__).parent
 # folders that test something other than one subpackage of lightning_nvme/
 OTHER_FOLDERS = {
-    "toplevel": "the top-level modules (settings, preflight, fsinfo, doctor)",
+    "toplevel": "the top-level modules (settings, memory, checks)",
     "project": "the repository as a whole: import layers, docs, packaging, this layout",
     "benchmarks": "the scripts of benchmarks/",
     "conformance": "Lightning's habits through both strategies, bitwise against strategy='auto'",

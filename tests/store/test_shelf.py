@@ -6,8 +6,8 @@ import pytest
 import torch
 
 from lightning_nvme.constants import GiB
-from lightning_nvme.placement import AUTO_HEADROOM, AUTO_SHARE, block_item, chunk_item, plan_placement, resolve_budget
 from lightning_nvme.store import FlatStore
+from lightning_nvme.strategies.placement import AUTO_HEADROOM, AUTO_SHARE, block_item, chunk_item, plan_placement, resolve_budget
 
 
 @pytest.fixture

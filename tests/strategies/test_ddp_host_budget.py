@@ -8,8 +8,8 @@ from __future__ import annotations
 from test_ddp import assert_bitwise, launch, results, run_spec
 
 from lightning_nvme.constants import GiB
+from lightning_nvme.memory import available_host_memory
 from lightning_nvme.optim import plan_chunks
-from lightning_nvme.placement import available_host_memory
 
 CHUNK = 8 << 10
 

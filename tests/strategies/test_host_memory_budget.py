@@ -18,9 +18,9 @@ from lightning.pytorch import Callback, Trainer
 
 import lightning_nvme  # noqa: F401  (registers the strategies)
 from lightning_nvme import NVMeOffloadStrategy
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import GiB
-from lightning_nvme.placement import available_host_memory
+from lightning_nvme.memory import available_host_memory
 from lightning_nvme.store import FlatStore
 
 STEPS = 8

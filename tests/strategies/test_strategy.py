@@ -187,7 +187,7 @@ def test_preflight_refuses_a_disk_too_small_before_training(tmp_path, monkeypatc
     import shutil
     from collections import namedtuple
 
-    from lightning_nvme.preflight import ConfigError
+    from lightning_nvme.preflight.resources import ConfigError
 
     usage = namedtuple("usage", "total used free")
     monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(10 << 20, 10 << 20, 4096))
@@ -198,10 +198,10 @@ def test_preflight_refuses_a_disk_too_small_before_training(tmp_path, monkeypatc
 
 
 def test_preflight_refuses_missing_parent(tmp_path, monkeypatch):
-    from lightning_nvme import preflight
-    from lightning_nvme.preflight import ConfigError
+    from lightning_nvme.preflight import resources
+    from lightning_nvme.preflight.resources import ConfigError
 
-    monkeypatch.setattr(preflight, "MOUNT_ROOTS", preflight.MOUNT_ROOTS + (str(tmp_path),))
+    monkeypatch.setattr(resources, "MOUNT_ROOTS", resources.MOUNT_ROOTS + (str(tmp_path),))
     strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "not-mounted" / "store"))
     with pytest.raises(ConfigError, match="store_dir"):
         fit(tmp_path, strategy, steps=1)

@@ -15,7 +15,7 @@ from test_param_offload import assert_same_params, fit, reference
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
-from lightning_nvme.preflight import PreflightWarning
+from lightning_nvme.preflight.resources import PreflightWarning
 
 STRIPE = 4 << 10  # every 16 KiB optimizer chunk spans all the disks
 
@@ -80,7 +80,7 @@ def test_shared_device_is_warned_naming_the_stripes(tmp_path):
 
 
 def test_store_dir_list_is_checked():
-    from lightning_nvme.config import ConfigError
+    from lightning_nvme.checks import ConfigError
 
     with pytest.raises(ConfigError, match="store_dir: lists /x twice"):
         NVMeOffloadStrategy(store_dir=["/x", "/y", "/x"])
@@ -122,7 +122,7 @@ def test_activations_get_a_disk_of_their_own_when_asked(tmp_path, own):
 
 
 def test_preflight_names_every_role_on_one_device(tmp_path):
-    from lightning_nvme.preflight import check_store_dirs
+    from lightning_nvme.preflight.resources import check_store_dirs
 
     dirs, ckpts = _dirs(tmp_path, 2), str(tmp_path / "ckpts")
     with pytest.warns(PreflightWarning) as caught:

@@ -12,7 +12,7 @@ import pytest
 from omegaconf import OmegaConf
 
 from lightning_nvme import NVMeOffloadDDPStrategy, NVMeOffloadStrategy
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.settings import DDPOffloadSettings, OffloadSettings, defaults, markdown_table
 
 MiB = 1 << 20

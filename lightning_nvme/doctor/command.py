@@ -1,5 +1,5 @@
 """``lightning-nvme doctor PATH``: is this directory a good home for the store, and how should the
-store be tuned for it? (``doctor DIR DIR ...``: the disks of a striped store, see ``doctor_stripes``.)
+store be tuned for it? (``doctor DIR DIR ...``: the disks of a striped store, see ``striped``.)
 
 Reports the filesystem and mount options, O_DIRECT support, free space against a planned store,
 swap on the same disk, a short measured sequential bandwidth (O_DIRECT, writes timed through
@@ -23,11 +23,12 @@ from dataclasses import asdict, dataclass
 
 import torch
 
-from lightning_nvme import doctor_stripes, fsinfo, reflink
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import GiB, MiB
-from lightning_nvme.io_profile import IOProfile
-from lightning_nvme.preflight import CheckpointPlan, check_checkpoint_space, check_store_dir, check_writable, ensure_dir
+from lightning_nvme.doctor import striped
+from lightning_nvme.doctor.profile import IOProfile
+from lightning_nvme.fs import fsinfo, reflink
+from lightning_nvme.preflight.resources import CheckpointPlan, check_checkpoint_space, check_store_dir, check_writable, ensure_dir
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import StoreError, aligned_empty
 
@@ -84,7 +85,7 @@ def measure_bandwidth(directory: str, nbytes: int, seconds: float, block: int = 
 
 def _trial(directory: str, chunk: int, workers: int, nbytes: int, data) -> tuple[float, float]:
     """Write ``nbytes`` through a fresh FlatStore (durable fence) and read them back; MiB/s each."""
-    return doctor_stripes.trial([directory], OffloadSettings.stripe_bytes, workers, nbytes, data, io_chunk_bytes=chunk,
+    return striped.trial([directory], OffloadSettings.stripe_bytes, workers, nbytes, data, io_chunk_bytes=chunk,
                                 name="doctor-tune")
 
 
@@ -100,9 +101,9 @@ def tune(directory: str, *, nbytes: int = 32 * MiB, seconds: float = 6.0, min_ro
     candidates = sorted({(c, w) for c in chunks for w in workers} | {DEFAULT_SETTING})
     data = aligned_empty(nbytes)
     data.copy_(_random_bytes(nbytes))
-    rounds = doctor_stripes.random_rounds(candidates, lambda cand: _trial(directory, *cand, nbytes, data),
+    rounds = striped.random_rounds(candidates, lambda cand: _trial(directory, *cand, nbytes, data),
                                           seconds=seconds, min_rounds=min_rounds, max_rounds=max_rounds, seed=seed)
-    combined = doctor_stripes.combined  # MiB/s over the bytes moved both ways
+    combined = striped.combined  # MiB/s over the bytes moved both ways
     score = {c: statistics.median(combined(*rd[c]) for rd in rounds) for c in candidates}
     # chosen by the median of per-round ratios to the default (pairs measured close in time), and
     # only when clearly better: a setting within noise of the default is not worth a profile change
@@ -302,14 +303,14 @@ def _stripes(paths: list[str], args: argparse.Namespace, f: Findings) -> None:
         f.data["advice"] += one.data["advice"]
     if f.data["problems"]:
         return
-    for warning in doctor_stripes.device_warnings(paths):
+    for warning in striped.device_warnings(paths):
         f.advise("WARNING", warning)
     free = min(shutil.disk_usage(p).free for p in paths) - args.min_free_bytes
     nbytes = min(args.tune_bytes, max(0, free) // 2) // MiB * MiB
     if nbytes < MiB:
         f.say("bandwidth", "skipped: not enough free space for a measurement")
         return
-    report = doctor_stripes.measure(paths, nbytes)
+    report = striped.measure(paths, nbytes)
     f.data["each"] = [{"path": p, "write_mib_s": round(w, 1), "read_mib_s": round(r, 1)}
                       for p, (w, r) in zip(paths, report.each)]
     f.data["together"] = {"write_mib_s": round(report.together[0], 1), "read_mib_s": round(report.together[1], 1),
@@ -322,18 +323,18 @@ def _stripes(paths: list[str], args: argparse.Namespace, f: Findings) -> None:
     i, cost = report.slowest()
     f.data["slowest"] = {"path": paths[i], "cost": round(cost, 3)}
     if cost > 0.1:
-        f.advise("slowest", doctor_stripes.slowest_disk_note(paths, report) + "; leave it out of store_dir if the "
+        f.advise("slowest", striped.slowest_disk_note(paths, report) + "; leave it out of store_dir if the "
                  "others are enough")
     else:
-        f.say("slowest", doctor_stripes.slowest_disk_note(paths, report))
+        f.say("slowest", striped.slowest_disk_note(paths, report))
     if args.no_tune:
         return
-    profile = doctor_stripes.tune(paths, nbytes=nbytes, seconds=args.seconds * 0.5)
+    profile = striped.tune(paths, nbytes=nbytes, seconds=args.seconds * 0.5)
     profile.disks = f.data["each"]  # what the strategy says at setup about the slowest disk
     f.data["profile"] = asdict(profile)
     f.say("profile", f"stripe_bytes={profile.stripe_bytes} ({(profile.stripe_bytes or 0) // MiB} MiB), io_workers="
                      f"{profile.io_workers} per disk: {profile.speedup_vs_default:.2f}x the default "
-                     f"({_size(doctor_stripes.DEFAULT_STRIPING[0])} x {doctor_stripes.DEFAULT_STRIPING[1]}), "
+                     f"({_size(striped.DEFAULT_STRIPING[0])} x {striped.DEFAULT_STRIPING[1]}), "
                      f"median of {profile.trials[0]['rounds']} rounds")
     if args.write_profile:
         profile.save(args.write_profile)

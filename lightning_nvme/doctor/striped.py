@@ -4,7 +4,7 @@ unit and worker count tuned on the striped store, and what the slowest disk cost
 Why: a striped store's requests are cut round-robin, so every disk moves the same share of the bytes and the
 slowest sets the pace: the set delivers about ``N x slowest``, not the sum. The doctor says how much that is
 below the sum (the price of an unequal disk) and which disk it is, so the user can leave it out or accept it.
-Two stripes on one device gain nothing; that is reported too (``preflight.shared_devices``).
+Two stripes on one device gain nothing; that is reported too (``preflight.resources.shared_devices``).
 """
 
 from __future__ import annotations
@@ -19,10 +19,10 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_nvme import fsinfo
 from lightning_nvme.constants import MiB
-from lightning_nvme.io_profile import IOProfile, slowest_disk
-from lightning_nvme.preflight import shared_devices
+from lightning_nvme.doctor.profile import IOProfile, slowest_disk
+from lightning_nvme.fs import fsinfo
+from lightning_nvme.preflight.resources import shared_devices
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import FlatStore, aligned_empty
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 
-from lightning_nvme import fsinfo
+from lightning_nvme.fs import fsinfo
 
 
 def test_mount_of_picks_longest_prefix_and_last_line(tmp_path):

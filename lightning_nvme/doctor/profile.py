@@ -13,8 +13,8 @@ from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
 
-from lightning_nvme import atomic
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
+from lightning_nvme.fs import atomic
 from lightning_nvme.settings import OffloadSettings, check_values
 
 PROFILE_VERSION = 2

@@ -10,12 +10,12 @@ written to the disk during training (``lightning_nvme.store.shelf``). Pure bookk
 
 from __future__ import annotations
 
-import os
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
 from lightning_nvme.constants import GiB, MiB
+from lightning_nvme.memory import available_host_memory
 
 # ``host_memory_budget="auto"``: this share of the memory available at setup, less a fixed headroom for
 # the data loader, activations, gradients, the offload's own buffers and the OS (docs/shelf.md).
@@ -162,19 +162,6 @@ def plan_placement(items: Iterable[Item], budget: int) -> Placement:
     placement = Placement(budget)
     placement.extend(items)
     return placement
-
-
-def available_host_memory() -> int:
-    """``MemAvailable`` from ``/proc/meminfo`` (what can be allocated without swapping), in bytes; where
-    that file is missing, the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")
 
 
 def resolve_budget(value: int | str, available: int | None = None) -> int:

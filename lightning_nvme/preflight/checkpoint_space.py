@@ -1,12 +1,12 @@
 """The disk space a run plans for before training: its store plus the checkpoints its ``ModelCheckpoint`` callbacks
-keep (``preflight.check_checkpoint_space``), so a full disk is found in the first second, not at the tenth save."""
+keep (``resources.check_checkpoint_space``), so a full disk is found in the first second, not at the tenth save."""
 
 from __future__ import annotations
 
 import lightning.pytorch as pl
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_nvme.preflight import CheckpointPlan, check_checkpoint_space
+from lightning_nvme.preflight.resources import CheckpointPlan, check_checkpoint_space
 
 
 def model_bytes(module: pl.LightningModule) -> int:

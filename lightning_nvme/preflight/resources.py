@@ -22,10 +22,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from lightning_nvme import fsinfo
-from lightning_nvme.config import ConfigError
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import ALIGN, GiB
-from lightning_nvme.placement import available_host_memory
+from lightning_nvme.fs import fsinfo
+from lightning_nvme.memory import available_host_memory
 from lightning_nvme.store.manifest import MAGIC as STORE_MAGIC
 
 

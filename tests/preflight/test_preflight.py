@@ -8,8 +8,9 @@ import shutil
 
 import pytest
 
-from lightning_nvme import fsinfo, preflight
-from lightning_nvme.preflight import ConfigError, PreflightWarning, check_store_dir
+from lightning_nvme.fs import fsinfo
+from lightning_nvme.preflight import resources
+from lightning_nvme.preflight.resources import ConfigError, PreflightWarning, check_store_dir
 
 MiB = 1 << 20
 
@@ -37,9 +38,9 @@ def test_creates_missing_nested_dirs_under_an_ordinary_directory(tmp_path):
 
 def test_missing_mount_point_is_refused_and_not_created(tmp_path, monkeypatch):
     """/mnt/nvme0 missing means the disk is not mounted: refuse rather than fill the root disk."""
-    from lightning_nvme import preflight
+    from lightning_nvme.preflight import resources
 
-    monkeypatch.setattr(preflight, "MOUNT_ROOTS", preflight.MOUNT_ROOTS + (str(tmp_path),))
+    monkeypatch.setattr(resources, "MOUNT_ROOTS", resources.MOUNT_ROOTS + (str(tmp_path),))
     target = tmp_path / "not-mounted" / "run1"
     with pytest.raises(ConfigError) as ei:
         check_store_dir(target, 0, key="store_dir")
@@ -63,14 +64,14 @@ def test_empty_path_names_key():
 
 
 def test_unwritable_dir_is_refused(tmp_path, monkeypatch):
-    real_mkstemp = preflight.tempfile.mkstemp
+    real_mkstemp = resources.tempfile.mkstemp
 
     def refuse(*args, dir=None, **kw):  # what a read-only mount answers, even to root
         if dir == str(tmp_path):
             raise OSError(30, "Read-only file system")
         return real_mkstemp(*args, dir=dir, **kw)
 
-    monkeypatch.setattr(preflight.tempfile, "mkstemp", refuse)
+    monkeypatch.setattr(resources.tempfile, "mkstemp", refuse)
     with pytest.raises(ConfigError) as ei:
         check_store_dir(tmp_path, 0)
     assert "not writable" in str(ei.value) and "Read-only" in str(ei.value) and str(tmp_path) in str(ei.value)
@@ -148,12 +149,12 @@ def test_stale_store_space_counts_as_free_but_live_store_does_not(tmp_path):
 
     live = FlatStore(tmp_path, io_chunk_bytes=MiB, staging_bytes=MiB)
     live.add_region("x", 8 * MiB)
-    assert preflight.stale_store_bytes(str(tmp_path)) == 0  # its lock is held
+    assert resources.stale_store_bytes(str(tmp_path)) == 0  # its lock is held
     live.close()
-    stale = preflight.stale_store_bytes(str(tmp_path))
+    stale = resources.stale_store_bytes(str(tmp_path))
     assert stale >= 8 * MiB
     free = shutil.disk_usage(tmp_path).free
     report = check_store_dir(tmp_path, free + stale // 2)  # fits only by replacing the stale store
     assert report.reclaimable_bytes == stale and report.spare_bytes >= 0
     (tmp_path / "other.json").write_text("{not a store")  # foreign files are ignored
-    assert preflight.stale_store_bytes(str(tmp_path)) == stale
+    assert resources.stale_store_bytes(str(tmp_path)) == stale

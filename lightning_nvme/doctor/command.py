@@ -26,7 +26,7 @@ import torch
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.doctor import striped
-from lightning_nvme.doctor.profile import IOProfile
+from lightning_nvme.doctor.profile import SLOWEST_DISK_FIX, IOProfile, combined
 from lightning_nvme.fs import fsinfo, reflink
 from lightning_nvme.preflight.resources import CheckpointPlan, check_checkpoint_space, check_store_dir, check_writable, ensure_dir
 from lightning_nvme.settings import OffloadSettings
@@ -103,7 +103,6 @@ def tune(directory: str, *, nbytes: int = 32 * MiB, seconds: float = 6.0, min_ro
     data.copy_(_random_bytes(nbytes))
     rounds = striped.random_rounds(candidates, lambda cand: _trial(directory, *cand, nbytes, data),
                                           seconds=seconds, min_rounds=min_rounds, max_rounds=max_rounds, seed=seed)
-    combined = striped.combined  # MiB/s over the bytes moved both ways
     score = {c: statistics.median(combined(*rd[c]) for rd in rounds) for c in candidates}
     # chosen by the median of per-round ratios to the default (pairs measured close in time), and
     # only when clearly better: a setting within noise of the default is not worth a profile change
@@ -323,10 +322,9 @@ def _stripes(paths: list[str], args: argparse.Namespace, f: Findings) -> None:
     i, cost = report.slowest()
     f.data["slowest"] = {"path": paths[i], "cost": round(cost, 3)}
     if cost > 0.1:
-        f.advise("slowest", striped.slowest_disk_note(paths, report) + "; leave it out of store_dir if the "
-                 "others are enough")
+        f.advise("slowest", report.slowest_text(paths) + SLOWEST_DISK_FIX)
     else:
-        f.say("slowest", striped.slowest_disk_note(paths, report))
+        f.say("slowest", report.slowest_text(paths))
     if args.no_tune:
         return
     profile = striped.tune(paths, nbytes=nbytes, seconds=args.seconds * 0.5)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import os
+from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field, fields
 from datetime import datetime, timezone
 from typing import Any
@@ -93,11 +94,29 @@ def io_request(config: OffloadSettings) -> tuple[int, int, int]:
     return config.io_chunk_bytes, config.io_workers, config.stripe_bytes
 
 
+def combined(write_mib_s: float, read_mib_s: float) -> float:
+    """MiB/s over the bytes moved both ways (the harmonic mean: a step writes and reads the same bytes)."""
+    return 2 / (1 / write_mib_s + 1 / read_mib_s)
+
+
 def slowest_disk(speeds: list[float]) -> tuple[int, float]:
     """Striped round-robin, every disk moves the same share, so the set delivers about ``N x slowest``: the
     slowest disk's index, and the fraction of the disks' summed bandwidth that costs (``1 - N x slowest / sum``)."""
     i = min(range(len(speeds)), key=speeds.__getitem__)
     return i, 1 - len(speeds) * speeds[i] / sum(speeds)
+
+
+def slowest_disk_text(dirs: Sequence[str], speeds: list[float], source: str = "") -> str:
+    """What the slowest of ``dirs`` (combined MiB/s ``speeds``, measured ``source``) costs a striped store: the one
+    sentence the doctor prints and the strategy warns with (they add ``SLOWEST_DISK_FIX`` where it costs enough)."""
+    i, cost = slowest_disk(speeds)
+    return (f"the slowest disk {dirs[i]} ({speeds[i]:.0f} MiB/s{source}) sets the pace of the striped store: about "
+            f"{len(dirs)} x {speeds[i]:.0f} = {len(dirs) * speeds[i]:.0f} MiB/s of the {sum(speeds):.0f} MiB/s the "
+            f"disks sum to ({cost:.0%} lost to it)")
+
+
+# what to do about a slowest disk that costs enough to be worth a warning
+SLOWEST_DISK_FIX = ". Fix: leave it out of store_dir if the others are enough."
 
 
 def slowest_disk_note(profile: IOProfile, dirs: list[str], min_cost: float = 0.1) -> str | None:
@@ -107,10 +126,7 @@ def slowest_disk_note(profile: IOProfile, dirs: list[str], min_cost: float = 0.1
     if len(dirs) < 2 or any(os.path.abspath(d) not in measured for d in dirs):
         return None
     rows = [measured[os.path.abspath(d)] for d in dirs]
-    speeds = [2 / (1 / r["write_mib_s"] + 1 / r["read_mib_s"]) for r in rows]
-    i, cost = slowest_disk(speeds)
-    if cost < min_cost:
+    speeds = [combined(r["write_mib_s"], r["read_mib_s"]) for r in rows]
+    if slowest_disk(speeds)[1] < min_cost:
         return None
-    return (f"the slowest disk {dirs[i]} ({speeds[i]:.0f} MiB/s by the I/O profile) sets the pace of the striped "
-            f"store: about {len(dirs)} x {speeds[i]:.0f} = {len(dirs) * speeds[i]:.0f} MiB/s of the {sum(speeds):.0f} "
-            f"MiB/s the disks sum to ({cost:.0%} lost to it). Fix: leave it out of store_dir if the others are enough.")
+    return slowest_disk_text(dirs, speeds, " by the I/O profile") + SLOWEST_DISK_FIX

@@ -20,7 +20,7 @@ from dataclasses import dataclass
 import torch
 
 from lightning_nvme.constants import MiB
-from lightning_nvme.doctor.profile import IOProfile, slowest_disk
+from lightning_nvme.doctor.profile import IOProfile, combined, slowest_disk, slowest_disk_text
 from lightning_nvme.fs import fsinfo
 from lightning_nvme.preflight.resources import shared_devices
 from lightning_nvme.settings import OffloadSettings
@@ -69,11 +69,6 @@ def random_rounds(candidates: list[tuple[int, int]], run: Callable[[tuple[int, i
     return rounds
 
 
-def combined(w: float, r: float) -> float:
-    """MiB/s over the bytes moved both ways."""
-    return 2 / (1 / w + 1 / r)
-
-
 @dataclass
 class StripeReport:
     each: list[tuple[float, float]]  # (write, read) MiB/s of each directory alone, medians
@@ -81,8 +76,16 @@ class StripeReport:
     rounds: int
 
     def slowest(self) -> tuple[int, float]:
-        """The directory with the lowest combined MiB/s, and what it costs (``io_profile.slowest_disk``)."""
-        return slowest_disk([combined(*e) for e in self.each])
+        """The directory with the lowest combined MiB/s, and what it costs (``profile.slowest_disk``)."""
+        return slowest_disk(self.speeds)
+
+    @property
+    def speeds(self) -> list[float]:
+        """Combined MiB/s of each directory alone."""
+        return [combined(*e) for e in self.each]
+
+    def slowest_text(self, dirs: Sequence[str]) -> str:
+        return slowest_disk_text(dirs, self.speeds)
 
     @property
     def scaling(self) -> float:
@@ -132,14 +135,6 @@ def tune(dirs: Sequence[str], *, nbytes: int, seconds: float, min_rounds: int = 
                      default={"stripe_bytes": DEFAULT_STRIPING[0], "io_workers": DEFAULT_STRIPING[1]},
                      path=os.path.abspath(dirs[0]), direct_io=all(fsinfo.probe_direct_io(d)[0] for d in dirs),
                      trials=trials)
-
-
-def slowest_disk_note(dirs: Sequence[str], report: StripeReport) -> str:
-    i, cost = report.slowest()
-    speeds = [combined(*e) for e in report.each]
-    return (f"the slowest disk {dirs[i]} ({speeds[i]:.0f} MiB/s) sets the pace: striped, the set can deliver about "
-            f"{len(dirs)} x {speeds[i]:.0f} = {len(dirs) * speeds[i]:.0f} MiB/s of the {sum(speeds):.0f} MiB/s the "
-            f"disks sum to ({cost:.0%} lost to it)")
 
 
 def device_warnings(dirs: Sequence[str]) -> list[str]:

@@ -137,16 +137,24 @@ def _mmap_threshold_within(threshold: int) -> Iterator[None]:
         _set(libc, M_MMAP_THRESHOLD, fixed)
 
 
-def peak_rss_bytes() -> int:
-    """This process's peak resident set so far (``VmHWM``). Not ``ru_maxrss``: Linux carries that across fork
-    and exec, so a process started by a large parent reports at least the parent's RSS at the fork."""
+def _proc_kib(file: str, field: str) -> int | None:
+    """Bytes of a ``field: N kB`` line of a /proc file; None where the file or the line is missing."""
     try:
-        with open("/proc/self/status") as f:
+        with open(file) as f:
             for line in f:
-                if line.startswith("VmHWM:"):
+                if line.startswith(field):
                     return int(line.split()[1]) * 1024
     except OSError:
         pass
+    return None
+
+
+def peak_rss_bytes() -> int:
+    """This process's peak resident set so far (``VmHWM``). Not ``ru_maxrss``: Linux carries that across fork
+    and exec, so a process started by a large parent reports at least the parent's RSS at the fork."""
+    peak = _proc_kib("/proc/self/status", "VmHWM:")
+    if peak is not None:
+        return peak
     import resource
 
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # no /proc: the best there is
@@ -155,11 +163,7 @@ def peak_rss_bytes() -> int:
 def available_host_memory() -> int:
     """``MemAvailable`` from ``/proc/meminfo`` (what can be allocated without swapping), in bytes; where
     that file is missing, the physical memory."""
-    try:
-        with open("/proc/meminfo") as f:
-            for line in f:
-                if line.startswith("MemAvailable:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
+    available = _proc_kib("/proc/meminfo", "MemAvailable:")
+    if available is not None:
+        return available
     return os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES")

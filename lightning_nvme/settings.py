@@ -226,10 +226,6 @@ def from_arguments(settings: type[D], owner: str, arguments: dict[str, Any]) -> 
     return settings(**arguments)
 
 
-def defaults(settings: type[DataclassInstance]) -> dict[str, Any]:
-    return {f.name: f.default for f in dataclasses.fields(settings)}
-
-
 def docs(settings: type[DataclassInstance]) -> dict[str, str]:
     return {f.name: f.metadata["doc"] for f in dataclasses.fields(settings)}
 

@@ -46,3 +46,14 @@ class TinyGPT(nn.Module):
         if self.ckpt_head:
             return checkpoint(self._loss, x, targets, use_reentrant=self.reentrant)
         return self._loss(x, targets)
+
+
+# What the offloader still holds, read from its private state: only the tests ask (no caller in the package).
+def pending_io(off) -> int:
+    """Requests of the offloader's current step not completed yet (0 once the step has ended)."""
+    return sum(not h.done() for h in off._handles)
+
+
+def held_bytes(off) -> int:
+    """Bytes of activation memory the offloader itself references right now."""
+    return sum(s.nbytes * ((s.data is not None) + (s.host is not None) + (s.prefetch is not None)) for s in off._order)

@@ -182,19 +182,6 @@ class ActivationOffloader:
                 raise first_error
             log.warning("NVMe activation offload: I/O error while cleaning up after an exception: %r", first_error)
 
-    @property
-    def pending_io(self) -> int:
-        """Requests of the current step not completed yet (0 once the step has ended)."""
-        return sum(not h.done() for h in self._handles)
-
-    @property
-    def held_bytes(self) -> int:
-        """Bytes of activation memory the offloader itself references right now."""
-        total = 0
-        for s in self._order:
-            total += s.nbytes * ((s.data is not None) + (s.host is not None) + (s.prefetch is not None))
-        return total
-
     # ---- pack (forward) -----------------------------------------------------------------------
     def _offloadable(self, t: torch.Tensor) -> bool:
         if self._phase != "forward" or torch._C._current_graph_task_id() != -1:

@@ -28,7 +28,6 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import ClassVar
 
 import torch
 
@@ -69,10 +68,6 @@ class BackgroundCopy:
     """Copies each job's targets from ``store`` into their files, then runs the jobs' ``commit`` in order (or every
     uncommitted job's ``abort`` on failure). A later save can ``join`` while the copy runs: its regions are copied
     by the same thread, through the same buffer (a region pending for several saves is read once)."""
-
-    # Test hook: called by the copy thread with a region's name before it copies that region, so a test can hold
-    # the copy while training steps run (and their writes take the copy-before-write path) without sleeps.
-    gate: ClassVar[Callable[[str], None] | None] = None
 
     def __init__(self, store: FlatStore, buffer_bytes: int) -> None:
         self.store = store
@@ -221,9 +216,6 @@ class BackgroundCopy:
     def _run(self) -> None:
         try:
             while (name := self._next()) is not None:
-                gate = BackgroundCopy.gate
-                if gate is not None:
-                    gate(name)
                 self._copy(name)
             self._uninstall()
             if self.error is None:

@@ -88,13 +88,6 @@ def runtime() -> Runtime:
     return _runtime
 
 
-def set_runtime(rt: Runtime | None) -> Runtime | None:
-    """Replace the CUDA runtime (tests); returns the previous one. ``None``: the real one on next use."""
-    global _runtime
-    old, _runtime = _runtime, rt
-    return old
-
-
 def live_registrations() -> int:
     """Host ranges registered by this module and not yet unregistered (0 after a clean shutdown)."""
     with _lock:

@@ -8,7 +8,7 @@ import os
 import lightning.pytorch as pl
 import pytest
 import torch
-from _activation_offload_model import TinyGPT
+from _activation_offload_model import TinyGPT, held_bytes, pending_io
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nvme.callbacks import NVMeActivationOffload
@@ -123,7 +123,7 @@ def test_exception_in_step_leaves_no_io_buffers_or_hooks(tmp_path, where):
     with pytest.raises(RuntimeError, match="boom"):
         fit(LitGPT(TinyGPT(layers=3), fail_at=where), tmp_path, callbacks=[cb, Spy()])
     off = offloaders[-1]
-    assert off.phase == "idle" and off.pending_io == 0 and off.held_bytes == 0
+    assert off.phase == "idle" and pending_io(off) == 0 and held_bytes(off) == 0
     assert not hooks_installed()
     assert cb.nvme_store is None and not os.path.exists(tmp_path / "store" / "activations-rank0.bin")
     assert off.store._engine.alive_threads == 0  # its own store was closed

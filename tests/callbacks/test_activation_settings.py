@@ -11,11 +11,11 @@ from pathlib import Path
 
 import pytest
 from omegaconf import OmegaConf
+from test_settings import defaults
 
 from lightning_nvme.callbacks import NVMeActivationOffload
 from lightning_nvme.callbacks.activation_offload import ActivationOffloadSettings
 from lightning_nvme.checks import ConfigError, default_store_dir, resolve_store_dir
-from lightning_nvme.settings import defaults
 
 CALLBACK_CONFIGS = sorted(p.stem for p in (Path(__file__).resolve().parents[2] / "conf" / "callbacks").glob("*.yaml"))
 # As for the strategies: the store directory follows the run's paths group (itself default_store_dir).

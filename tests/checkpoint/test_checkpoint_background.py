@@ -1,7 +1,7 @@
 """Background checkpoints (``checkpoint_copy="background"``) on the default filesystem: the save returns after a
 fence, the state is copied while training runs, and the checkpoint is still the state of the save, bit for bit.
 
-The race is forced, not hoped for: ``BackgroundCopy.gate`` holds the copy thread before its first region while the
+The race is forced, not hoped for: the ``gate`` fixture holds the copy thread before its first region while the
 test lets training steps run, so every region training rewrites meanwhile takes the copy-before-write path; the gate
 is released by the test, never by a timer."""
 
@@ -36,7 +36,8 @@ from lightning_nvme.fs import reflink
 
 
 class Gate:
-    """``BackgroundCopy.gate``: the copy thread waits here (before its first region) until ``release``."""
+    """The copy thread waits here (each region it takes, before copying it: the fixture wraps
+    ``BackgroundCopy._next``, the thread's only way to its next region) until ``release``."""
 
     def __init__(self) -> None:
         self.open = threading.Event()
@@ -56,7 +57,15 @@ class Gate:
 @pytest.fixture
 def gate(monkeypatch):
     g = Gate()
-    monkeypatch.setattr(BackgroundCopy, "gate", g)
+    take = BackgroundCopy._next
+
+    def gated(self: BackgroundCopy) -> str | None:
+        name = take(self)
+        if name is not None:
+            g(name)
+        return name
+
+    monkeypatch.setattr(BackgroundCopy, "_next", gated)
     yield g
     g.release()  # a failed test must not leave a copy thread waiting
 

@@ -7,13 +7,14 @@ from __future__ import annotations
 import dataclasses
 import inspect
 from pathlib import Path
+from typing import Any
 
 import pytest
 from omegaconf import OmegaConf
 
 from lightning_nvme import NVMeOffloadDDPStrategy, NVMeOffloadStrategy
 from lightning_nvme.checks import ConfigError
-from lightning_nvme.settings import DDPOffloadSettings, OffloadSettings, defaults, markdown_table
+from lightning_nvme.settings import DDPOffloadSettings, OffloadSettings, markdown_table
 
 MiB = 1 << 20
 STRATEGIES = [(NVMeOffloadStrategy, OffloadSettings, "nvme_offload"),
@@ -21,6 +22,11 @@ STRATEGIES = [(NVMeOffloadStrategy, OffloadSettings, "nvme_offload"),
 # The one YAML value that is not the constructor's default: the store directory follows the run's paths group
 # (which itself falls back to $LIGHTNING_NVME_STORE_DIR, as the constructor's None does).
 YAML_INTERPOLATED = {"store_dir": "${paths.store_dir}"}
+
+
+def defaults(settings: type) -> dict[str, Any]:
+    """Each argument's default, as the settings class defines it (what the YAML must hold)."""
+    return {f.name: f.default for f in dataclasses.fields(settings)}
 
 
 @pytest.mark.parametrize(("strategy", "settings", "_"), STRATEGIES)

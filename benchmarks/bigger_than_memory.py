@@ -141,7 +141,7 @@ def child(args: argparse.Namespace) -> dict:
         out["peak_resident_blocks"] = params.peak_resident_blocks
         out["peak_resident_block_MiB"] = params.peak_resident_bytes / MiB
         out["store_wait_s_per_step"] = statistics.median(m.wait_seconds for m in moved)
-        out["placement"] = trainer.strategy.placement.as_dict()  # type: ignore[attr-defined]
+        out["placement"] = trainer.strategy.shelf_plan.as_dict()  # type: ignore[attr-defined]
     return out
 
 
@@ -269,14 +269,14 @@ def _budgets(args: argparse.Namespace, sizes: list[int], empty: int, load: list[
                 runs[b].append(off)
                 print(f"  budget {b}: step {off['step_s']:.2f}s (I/O bound {off['io_bound_s']:.2f}s), "
                       f"{(off['bytes_read_per_step'] + off['bytes_written_per_step']) / 1e9:.2f} GB/step, "
-                      f"{off['placement']['ram_bytes'] / GiB:.2f} GiB in RAM, peak {off['peak_rss_bytes'] / MiB:.0f} MiB",
+                      f"{off['placement']['shelf_bytes'] / GiB:.2f} GiB in RAM, peak {off['peak_rss_bytes'] / MiB:.0f} MiB",
                       file=sys.stderr, flush=True)
         med = statistics.median
         for b, offs in runs.items():
             rec: dict = {
                 "layers": layers, "params": offs[0]["params"], "budget": b,
                 "budget_bytes": offs[0]["placement"]["budget_bytes"],
-                "ram_bytes": offs[0]["placement"]["ram_bytes"], "ssd_bytes": offs[0]["placement"]["ssd_bytes"],
+                "ram_bytes": offs[0]["placement"]["shelf_bytes"], "ssd_bytes": offs[0]["placement"]["ssd_bytes"],
                 "peak_rss_MiB": round(max(o["peak_rss_bytes"] for o in offs) / MiB, 1),
                 "bytes_per_step": med(o["bytes_read_per_step"] + o["bytes_written_per_step"] for o in offs),
                 "planned_bytes_per_step": offs[0]["placement"]["io_bytes_per_step_after"],

@@ -20,7 +20,7 @@ Cases (``--only NAME,...`` runs a subset):
   stream sanitizer raises on an unsynchronized access between streams), 2 steps.
 - ``params_desk`` / ``params_desk_half``: ``params_backward`` with ``device_memory_budget`` holding every block
   (half the free device memory) / half the blocks' bytes: the kept blocks are copied up once at setup and
-  never read, copied or written back during training. Reports the plan (``device_placement``), the blocks
+  never read, copied or written back during training. Reports the plan (``desk_plan``), the blocks
   kept, the block reads and write-backs during training (0 with every block kept; the streamed ones with half),
   the step time beside the plain run's and ``peak_device_MiB``.
 
@@ -252,14 +252,14 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         model = copy.deepcopy(base)
         train(model, args, data, store_dir, [timer, moves], strategy=strategy)
         extra = staging_figures(strategy, timer, args)
-        assert strategy.device_placement is not None
-        plan = strategy.device_placement.as_dict()
-        extra.update(device_placement=plan, **moves.moved)
-        blocks = plan["blocks_on_device"] + plan["blocks_streamed"]
+        assert strategy.desk_plan is not None
+        plan = strategy.desk_plan.as_dict()
+        extra.update(desk_plan=plan, **moves.moved)
+        blocks = plan["blocks_on_desk"] + plan["blocks_streamed"]
         still = moves.moved["block_loads_in_training"] == 0 and moves.moved["writebacks_in_training"] == 0
-        extra["copies_ok"] = bool(moves.moved["kept_blocks"] == plan["blocks_on_device"]
+        extra["copies_ok"] = bool(moves.moved["kept_blocks"] == plan["blocks_on_desk"]
                                   and (plan["blocks_streamed"] == 0 and still if every
-                                       else 0 < plan["blocks_on_device"] < blocks and not still))
+                                       else 0 < plan["blocks_on_desk"] < blocks and not still))
         got = params_of(model)
     elif name == "sanitizer":
         cmd = [sys.executable, os.path.abspath(__file__), "--only", "params_backward", "--steps", "2",

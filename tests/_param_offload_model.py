@@ -9,7 +9,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_nvme.models.gpt import GPT, GPTConfig
-from lightning_nvme.models.lora import add_lora
+from lightning_nvme.models.gpt_lora import add_gpt_lora
 
 OPTIMIZERS = {
     "adamw": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
@@ -50,8 +50,8 @@ class TinyGPT(LightningModule):
     def _build(self, checkpointing: bool, lora: bool, n_layer: int) -> None:
         self.model = GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=n_layer, n_head=4),
                          activation_checkpointing=checkpointing)
-        if lora:  # the package's adapters (lightning_nvme.models.lora), on two projections per block
-            add_lora(self.model, rank=4, targets=("attn.c_attn", "mlp.c_fc"))
+        if lora:  # the package's adapters (lightning_nvme.models.gpt_lora), on two projections per block
+            add_gpt_lora(self.model, rank=4, targets=("attn.c_attn", "mlp.c_fc"))
 
     def training_step(self, batch, batch_idx):
         x, y = batch

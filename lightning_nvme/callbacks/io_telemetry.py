@@ -87,8 +87,8 @@ class IOTelemetry(Callback):
         self.history = StepHistory(self.max_history)
         self.stores: list[tuple[str, Any]] = []
         self.state_format: str | None = None
-        self.placement: dict[str, Any] | None = None
-        self.device_placement: dict[str, Any] | None = None
+        self.shelf_plan: dict[str, Any] | None = None
+        self.desk_plan: dict[str, Any] | None = None
         self._prev: dict[int, IOStats] = {}
         self._t_prev = 0.0
         self._t_val = 0.0
@@ -129,10 +129,10 @@ class IOTelemetry(Callback):
         self._saves_seen = len(getattr(trainer.strategy, "checkpoint_saves", None) or [])
         fmt = getattr(getattr(trainer.strategy, "config", None), "state_format_spec", None)
         self.state_format = fmt.describe() if fmt is not None else None
-        placement = getattr(trainer.strategy, "placement", None)  # host_memory_budget's plan, made at setup
-        self.placement = placement.as_dict() if placement is not None else None
-        desk = getattr(trainer.strategy, "device_placement", None)  # device_memory_budget's plan
-        self.device_placement = desk.as_dict() if desk is not None else None
+        shelf = getattr(trainer.strategy, "shelf_plan", None)  # host_memory_budget's plan, made at setup
+        self.shelf_plan = shelf.as_dict() if shelf is not None else None
+        desk = getattr(trainer.strategy, "desk_plan", None)  # device_memory_budget's plan
+        self.desk_plan = desk.as_dict() if desk is not None else None
         if not self.stores and not self._said_none:
             rank_zero_info("IOTelemetry: no nvme_store on the strategy or the callbacks (plain Lightning strategy?); "
                            "I/O figures will be zero.")
@@ -197,8 +197,8 @@ class IOTelemetry(Callback):
         return {
             "stores": [f"{owner}:{getattr(s, 'path', '?')}" for owner, s in self.stores],
             "state_format": self.state_format,
-            "placement": self.placement,
-            "device_placement": self.device_placement,
+            "shelf_plan": self.shelf_plan,
+            "desk_plan": self.desk_plan,
             "steps": self._steps, "train_seconds": seconds,
             "bytes_read": float(self.read_bytes.compute()) if self._steps else 0.0,
             "bytes_written": float(self.written_bytes.compute()) if self._steps else 0.0,
@@ -264,8 +264,8 @@ def format_summary(s: dict[str, Any], plot_path: str | None, summary_path: str |
     rows = [
         ("stores", ", ".join(s["stores"]) or "none (figures are zero)"),
         ("optimizer state format", s.get("state_format") or "-"),
-        ("in RAM (host_memory_budget)", _placement(s.get("placement"))),
-        ("on the GPU (device_memory_budget)", _device_placement(s.get("device_placement"))),
+        ("on the shelf (host_memory_budget)", _shelf_plan(s.get("shelf_plan"))),
+        ("on the desk (device_memory_budget)", _desk_plan(s.get("desk_plan"))),
         ("steps / train time", f"{s['steps']} steps, {s['train_seconds']:.1f} s"),
         ("read", f"{s['bytes_read'] / GB:.3f} GB ({s['bytes_read'] / steps / 1e6:.1f} MB/step)"),
         ("written", f"{s['bytes_written'] / GB:.3f} GB ({s['bytes_written'] / steps / 1e6:.1f} MB/step)"),
@@ -285,17 +285,17 @@ def format_summary(s: dict[str, Any], plot_path: str | None, summary_path: str |
     return "\n".join(lines)
 
 
-def _placement(p: dict[str, Any] | None) -> str:
+def _shelf_plan(p: dict[str, Any] | None) -> str:
     if not p:
         return "-"
-    return (f"{p['ram_bytes'] / GB:.3f} GB of {p['budget_bytes'] / GB:.3f} GB budget ({p['blocks_in_ram']} blocks, "
-            f"{p['chunks_in_ram']} chunks), {p['ssd_bytes'] / GB:.3f} GB on the SSD; planned disk I/O "
+    return (f"{p['shelf_bytes'] / GB:.3f} GB of {p['budget_bytes'] / GB:.3f} GB budget ({p['blocks_on_shelf']} blocks, "
+            f"{p['chunks_on_shelf']} chunks), {p['ssd_bytes'] / GB:.3f} GB on the SSD; planned disk I/O "
             f"{p['io_bytes_per_step_before'] / 1e6:.1f} -> {p['io_bytes_per_step_after'] / 1e6:.1f} MB/step")
 
 
-def _device_placement(p: dict[str, Any] | None) -> str:
+def _desk_plan(p: dict[str, Any] | None) -> str:
     if not p:
         return "-"
-    return (f"{p['device_bytes'] / GB:.3f} GB of {p['budget_bytes'] / GB:.3f} GB budget ({p['blocks_on_device']} blocks "
+    return (f"{p['desk_bytes'] / GB:.3f} GB of {p['budget_bytes'] / GB:.3f} GB budget ({p['blocks_on_desk']} blocks "
             f"kept), {p['streamed_bytes'] / GB:.3f} GB streamed; planned host <-> device copies "
             f"{p['copy_bytes_per_step_before'] / 1e6:.1f} -> {p['copy_bytes_per_step_after'] / 1e6:.1f} MB/step")

@@ -219,9 +219,9 @@ def export_checkpoint(checkpoint_path: str, directory: str, config: str | None =
     model = build_causal_lm(config)  # meta: names, ties and config only
     hp = checkpoint.get("hyper_parameters") or {}
     if hp.get("lora_rank"):
-        from lightning_nvme.models.peft_lora import add_lora
+        from lightning_nvme.models.peft_lora import add_peft_lora
 
-        model = add_lora(model, hp["lora_rank"], hp.get("lora_alpha"), hp.get("lora_targets"),
+        model = add_peft_lora(model, hp["lora_rank"], hp.get("lora_alpha"), hp.get("lora_targets"),
                          hp.get("lora_dropout", 0.0))
     with WeightReaders() as readers:
         def read(refs: list[BesideWeight]) -> dict[str, torch.Tensor]:

@@ -22,10 +22,9 @@ from torchmetrics.text import Perplexity
 from typing_extensions import override
 
 from lightning_nvme.models.gpt import GPT, GPTConfig, PretrainedWeights
+from lightning_nvme.models.gpt_lora import add_gpt_lora
 from lightning_nvme.models.hf import HubWeights, block_classes, build_causal_lm
-from lightning_nvme.models.lora import add_lora
-from lightning_nvme.models.peft_lora import AdapterNames
-from lightning_nvme.models.peft_lora import add_lora as add_peft_lora
+from lightning_nvme.models.peft_lora import AdapterNames, add_peft_lora
 from lightning_nvme.params.materialize import InitialWeights
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
@@ -148,7 +147,7 @@ class HFCausalLM(CausalLMModule):
         activation_checkpointing: per-block recompute (``gradient_checkpointing_enable`` under transformers).
         lora_rank: ``0``: finetune every weight; ``r > 0``: freeze the model and train rank-``r`` adapters: through
             ``peft`` under transformers (``get_peft_model``; saved in peft's format by
-            ``strategy.export_weights(dir, layout="hf")``), ``lightning_nvme.models.lora`` on the native GPT-2.
+            ``strategy.export_weights(dir, layout="hf")``), ``lightning_nvme.models.gpt_lora`` on the native GPT-2.
         lora_alpha: adapter scale numerator (``alpha / rank``); ``None``: ``rank`` (scale 1).
         lora_targets: module names to adapt (peft's ``target_modules``); ``None``: peft's default for the
             architecture (Llama, Qwen2, Mistral: ``q_proj``, ``v_proj``; GPT-NeoX: ``query_key_value``).
@@ -212,7 +211,7 @@ class HFCausalLM(CausalLMModule):
             if lora_targets or lora_dropout:
                 raise ValueError("model.lora_targets / model.lora_dropout need model.backend=transformers (peft); "
                                  "the native GPT-2 LoRA adapts attn.c_attn, attn.c_proj, mlp.c_fc, mlp.c_proj")
-            add_lora(self.model, lora_rank, lora_alpha)
+            add_gpt_lora(self.model, lora_rank, lora_alpha)
         max_positions = _max_positions(self.model)
         if max_positions is not None and block_size > max_positions:
             raise ValueError(f"model.block_size={block_size} exceeds the checkpoint's maximum of {max_positions} "

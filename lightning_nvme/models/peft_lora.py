@@ -21,7 +21,7 @@ PEFT_PREFIX = "base_model.model."  # where PeftModel keeps the wrapped model
 ADAPTER = "default"
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: list[str] | None = None,
+def add_peft_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: list[str] | None = None,
              dropout: float = 0.0) -> Any:
     """``get_peft_model(model, LoraConfig(...))``: every base parameter frozen, rank-``rank`` adapters on
     ``targets`` (module name suffixes; ``None``: peft's default for the architecture, e.g. ``q_proj``/``v_proj``

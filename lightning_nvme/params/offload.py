@@ -129,7 +129,7 @@ class ParamOffload:
                 self._load_pre_hook(block), with_module=True))
             self._state_hooks.append(block.module.register_load_state_dict_post_hook(self._load_post_hook(block)))
 
-    def keep_on_device(self, regions: set[str]) -> None:
+    def keep_on_desk(self, regions: set[str]) -> None:
         """Keep the blocks of these regions on the device from now on (``device_memory_budget``): each is
         copied up once now and stays bound; the others stream as before."""
         assert self.residency is not None

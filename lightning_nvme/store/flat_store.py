@@ -319,7 +319,7 @@ class FlatStore:
 
     @property
     def stats(self) -> IOStats:
-        return self._stats.snapshot()
+        return self._stats.read()
 
     @property
     def staging_bytes(self) -> int:

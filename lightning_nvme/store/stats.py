@@ -34,6 +34,7 @@ class StatsRecorder:
             for k, v in deltas.items():
                 setattr(self._stats, k, getattr(self._stats, k) + v)
 
-    def snapshot(self) -> IOStats:
+    def read(self) -> IOStats:
+        """A copy of the counters, consistent (taken under the lock the I/O threads add under)."""
         with self._lock:
             return self._stats.copy()

@@ -54,7 +54,7 @@ from lightning_nvme.settings import OffloadSettings, from_arguments, with_settin
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
 from lightning_nvme.strategies.offload import OffloadStrategy
-from lightning_nvme.strategies.placement import DevicePlacement, Item, block_item, device_block_item, plan_device
+from lightning_nvme.strategies.placement import DeskPlan, Item, block_item, desk_block_item, plan_desk
 
 
 @with_settings(OffloadSettings)
@@ -78,7 +78,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                          precision_plugin=precision_plugin)
         self._init_offload(config)
         self.param_offload: ParamOffload | None = None
-        self.device_placement: DevicePlacement | None = None  # blocks kept on the GPU (device_memory_budget)
+        self.desk_plan: DeskPlan | None = None  # blocks kept on the GPU (device_memory_budget)
         self._background: BackgroundCopy | None = None  # the last background save (checkpoint_copy="background")
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
@@ -95,7 +95,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         self.param_offload = None
-        self.device_placement = None
+        self.desk_plan = None
         if self.config.offload_params and trainer.state.fn == TrainerFn.FITTING:
             self._check_param_offload_supported()
             s = self.config
@@ -138,18 +138,18 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                               f"{self.root_device}): it would be ignored. Fix: host_memory_budget keeps blocks in "
                               "host RAM; set device_memory_budget=0 off CUDA.")
         check_device_memory_budget(budget, self.root_device)
-        self.device_placement = plan_device(
-            [device_block_item(b.region, self.nvme_store.region(b.region).capacity, b.trainable)
+        self.desk_plan = plan_desk(
+            [desk_block_item(b.region, self.nvme_store.region(b.region).capacity, b.trainable)
              for b in self.param_offload.blocks], budget)
-        self.param_offload.keep_on_device(self.device_placement.on_device)
-        rank_zero_info(f"{self.strategy_name}: {self.device_placement.summary()}")
+        self.param_offload.keep_on_desk(self.desk_plan.kept)
+        rank_zero_info(f"{self.strategy_name}: {self.desk_plan.summary()}")
 
     @override
     def _shelf_items(self) -> list[Item]:
         items = super()._shelf_items()
         if self.param_offload is not None:
             assert self.nvme_store is not None
-            on_device = self.device_placement.on_device if self.device_placement is not None else set()
+            on_device = self.desk_plan.kept if self.desk_plan is not None else set()
             items += [block_item(b.region, self.nvme_store.region(b.region).capacity, b.writable_offset, b.trainable)
                       for b in self.param_offload.blocks if b.region not in on_device]  # kept: never move
         return items

@@ -44,7 +44,7 @@ from lightning_nvme.preflight.resources import check_host_memory_budget, check_s
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import ALIGN, FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
-from lightning_nvme.strategies.placement import Item, Placement, chunk_item, plan_placement, resolve_budget
+from lightning_nvme.strategies.placement import Item, ShelfPlan, chunk_item, plan_shelf, resolve_budget
 from lightning_nvme.strategies.store_claim import claim_store_name, owner_region
 
 
@@ -66,7 +66,7 @@ class OffloadStrategy(Strategy):
         self.config = config
         self.nvme_store = None
         self.offloaded = []
-        self.placement: Placement | None = None  # what host_memory_budget keeps in RAM (made at setup)
+        self.shelf_plan: ShelfPlan | None = None  # what host_memory_budget keeps in RAM (made at setup)
         self._run_token = uuid.uuid4().hex[:12]  # names this instance's store (see store_claim)
         self.checkpoint_saves: list[snapshot.SaveRecord] = []  # how each save copied the state (telemetry)
 
@@ -114,17 +114,17 @@ class OffloadStrategy(Strategy):
         if self.nvme_store is None:
             return
         items = self._shelf_items()
-        if self.placement is None:
-            self.placement = plan_placement([], self._host_budget())
-        if len(items) == len(self.placement.items):
+        if self.shelf_plan is None:
+            self.shelf_plan = plan_shelf([], self._host_budget())
+        if len(items) == len(self.shelf_plan.items):
             return
-        placed = set(self.placement.extend(items))
+        placed = set(self.shelf_plan.extend(items))
         if placed:
             fresh = {c.region for off in self.offloaded for c in off.chunks
                      if c.region in placed and not any(off.initialized(p) for p in c.pieces)}
             self.nvme_store.shelve([r for r in placed if r not in fresh])  # hold bytes already written
             self.nvme_store.shelve([r for r in placed if r in fresh], load=False)
-        rank_zero_info(f"{self.strategy_name}: {self.placement.summary()}")
+        rank_zero_info(f"{self.strategy_name}: {self.shelf_plan.summary()}")
 
     # ---- setup / teardown -----------------------------------------------------------------------------
     @override

@@ -1,5 +1,6 @@
-"""The placement plan: which store regions (parameter blocks, optimizer chunks) stay in host RAM under
-``host_memory_budget``, and which go to the SSD.
+"""The budget planner: which store regions (parameter blocks, optimizer chunks) stay on the shelf (host RAM)
+under ``host_memory_budget`` and which go to the SSD; which parameter blocks stay on the desk (GPU memory) under
+``device_memory_budget``.
 
 Why a plan and not "whatever fits": RAM is worth most where it saves most disk traffic per byte, so
 regions are taken greedily by the I/O bytes a step spends on them per byte they hold (a trainable block:
@@ -49,7 +50,7 @@ def block_item(region: str, nbytes: int, writable_offset: int, trainable: bool) 
     return Item(region, nbytes, 2, nbytes - writable_offset if trainable else 0, "block")
 
 
-def device_block_item(region: str, nbytes: int, trainable: bool) -> Item:
+def desk_block_item(region: str, nbytes: int, trainable: bool) -> Item:
     """A parameter block as the GPU sees it (``device_memory_budget``): copied up for its forward and its
     backward, and after an update the whole device copy comes back down before the write-back."""
     return Item(region, nbytes, 2, nbytes if trainable else 0, "block")
@@ -61,92 +62,96 @@ def chunk_item(region: str, nbytes: int) -> Item:
 
 
 @dataclass
-class Placement:
-    """The plan: ``budget`` bytes of RAM, the regions placed in it (``in_ram``) and those on the SSD."""
+class TierPlan:
+    """A plan for one near tier of ``budget`` bytes: the regions kept there (``kept``), greedily by the bytes a
+    step would otherwise move per byte they hold; the rest stream through the tier every step. The tiers
+    (docs/shelf.md): the desk (GPU memory, ``DeskPlan``), the shelf (host RAM, ``ShelfPlan``), the warehouse (the
+    SSD store)."""
 
     budget: int
     items: list[Item] = field(default_factory=list)
-    in_ram: set[str] = field(default_factory=set)
+    kept: set[str] = field(default_factory=set)
 
     @property
-    def ram_bytes(self) -> int:
-        return sum(i.nbytes for i in self.items if i.region in self.in_ram)
+    def kept_bytes(self) -> int:
+        return sum(i.nbytes for i in self.items if i.region in self.kept)
 
     @property
-    def ssd_bytes(self) -> int:
-        return sum(i.nbytes for i in self.items if i.region not in self.in_ram)
+    def streamed_bytes(self) -> int:
+        return sum(i.nbytes for i in self.items if i.region not in self.kept)
 
     @property
     def io_before(self) -> int:
-        """Disk bytes per step with nothing on the shelf (``host_memory_budget=0``)."""
+        """Bytes moved per step with nothing kept (a budget of 0)."""
         return sum(i.io_bytes for i in self.items)
 
     @property
     def io_after(self) -> int:
-        """Disk bytes per step with this plan."""
-        return sum(i.io_bytes for i in self.items if i.region not in self.in_ram)
+        """Bytes moved per step with this plan."""
+        return sum(i.io_bytes for i in self.items if i.region not in self.kept)
 
     def extend(self, items: Iterable[Item]) -> list[str]:
-        """Add regions (parameters added mid-run, or planned after setup) and place them greedily in what is
-        left of the budget; returns the regions newly placed in RAM."""
+        """Add regions (parameters added mid-run, or planned after setup) and keep them greedily in what is
+        left of the budget; returns the regions newly kept."""
         known = {i.region for i in self.items}
         new = [i for i in items if i.region not in known]
         self.items.extend(new)
-        left = self.budget - self.ram_bytes
+        left = self.budget - self.kept_bytes
         placed: list[str] = []
         # densest first; stable on ties so the plan is the same on every run of one model
         for item in sorted(new, key=lambda i: -i.density):
             if 0 < item.nbytes <= left and item.io_bytes > 0:
                 placed.append(item.region)
                 left -= item.nbytes
-        self.in_ram.update(placed)
+        self.kept.update(placed)
         return placed
 
-    def count(self, kind: str, in_ram: bool) -> int:
-        return sum(1 for i in self.items if i.kind == kind and (i.region in self.in_ram) == in_ram)
+    def count(self, kind: str, kept: bool) -> int:
+        return sum(1 for i in self.items if i.kind == kind and (i.region in self.kept) == kept)
+
+
+class ShelfPlan(TierPlan):
+    """``host_memory_budget``'s plan: the regions (blocks and chunks) kept on the shelf, in host RAM; the rest are
+    read from and written to the SSD each step."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"budget_bytes": self.budget, "ram_bytes": self.ram_bytes, "ssd_bytes": self.ssd_bytes,
-                "blocks_in_ram": self.count("block", True), "blocks_on_ssd": self.count("block", False),
-                "chunks_in_ram": self.count("chunk", True), "chunks_on_ssd": self.count("chunk", False),
+        return {"budget_bytes": self.budget, "shelf_bytes": self.kept_bytes, "ssd_bytes": self.streamed_bytes,
+                "blocks_on_shelf": self.count("block", True), "blocks_on_ssd": self.count("block", False),
+                "chunks_on_shelf": self.count("chunk", True), "chunks_on_ssd": self.count("chunk", False),
                 "io_bytes_per_step_before": self.io_before, "io_bytes_per_step_after": self.io_after}
 
     def summary(self) -> str:
         d = self.as_dict()
-        return (f"host_memory_budget={_shown(self.budget)}: {_shown(d['ram_bytes'])} in RAM ({d['blocks_in_ram']} "
-                f"blocks, {d['chunks_in_ram']} chunks), {_shown(d['ssd_bytes'])} on the SSD ({d['blocks_on_ssd']} "
-                f"blocks, {d['chunks_on_ssd']} chunks); disk I/O per step {_shown(self.io_before)} -> "
-                f"{_shown(self.io_after)}")
+        return (f"host_memory_budget={_shown(self.budget)}: {_shown(d['shelf_bytes'])} on the shelf in RAM ("
+                f"{d['blocks_on_shelf']} blocks, {d['chunks_on_shelf']} chunks), {_shown(d['ssd_bytes'])} on the SSD "
+                f"({d['blocks_on_ssd']} blocks, {d['chunks_on_ssd']} chunks); disk I/O per step "
+                f"{_shown(self.io_before)} -> {_shown(self.io_after)}")
 
 
-class DevicePlacement(Placement):
-    """``device_memory_budget``'s plan: the parameter blocks kept on the GPU (``in_ram`` holds the near tier's
-    regions, here the device's) by the same rule, host <-> device copy bytes saved per byte of device memory.
-    A block kept there is copied up once and never again until the end of fit: when every block fits, the
-    parameters never leave the device and only the optimizer state streams."""
-
-    @property
-    def on_device(self) -> set[str]:
-        return self.in_ram
+class DeskPlan(TierPlan):
+    """``device_memory_budget``'s plan: the parameter blocks kept on the desk (GPU memory) by the same rule,
+    host <-> device copy bytes saved per byte of device memory. A block kept there is copied up once and never
+    again until the end of fit: when every block fits, the parameters never leave the device and only the
+    optimizer state streams."""
 
     def as_dict(self) -> dict[str, Any]:
-        return {"budget_bytes": self.budget, "device_bytes": self.ram_bytes, "streamed_bytes": self.ssd_bytes,
-                "blocks_on_device": self.count("block", True), "blocks_streamed": self.count("block", False),
+        return {"budget_bytes": self.budget, "desk_bytes": self.kept_bytes, "streamed_bytes": self.streamed_bytes,
+                "blocks_on_desk": self.count("block", True), "blocks_streamed": self.count("block", False),
                 "copy_bytes_per_step_before": self.io_before, "copy_bytes_per_step_after": self.io_after}
 
     def summary(self) -> str:
         d = self.as_dict()
-        return (f"device_memory_budget={_shown(self.budget)}: {_shown(d['device_bytes'])} of parameter blocks kept on "
-                f"the device ({d['blocks_on_device']} blocks), {_shown(d['streamed_bytes'])} streamed "
+        return (f"device_memory_budget={_shown(self.budget)}: {_shown(d['desk_bytes'])} of parameter blocks kept on "
+                f"the desk (GPU memory; {d['blocks_on_desk']} blocks), {_shown(d['streamed_bytes'])} streamed "
                 f"({d['blocks_streamed']} blocks); host <-> device copies per step {_shown(self.io_before)} -> "
                 f"{_shown(self.io_after)}")
 
 
-def plan_device(items: Iterable[Item], budget: int) -> DevicePlacement:
-    """``plan_placement`` for the GPU: blocks only (the optimizer state stays on the host and streams)."""
-    placement = DevicePlacement(budget)
-    placement.extend(i for i in items if i.kind == "block")
-    return placement
+def plan_desk(items: Iterable[Item], budget: int) -> DeskPlan:
+    """``plan_shelf`` for the GPU: blocks only (the optimizer state stays on the host and streams)."""
+    plan = DeskPlan(budget)
+    plan.extend(i for i in items if i.kind == "block")
+    return plan
 
 
 def _shown(n: int) -> str:
@@ -156,12 +161,12 @@ def _shown(n: int) -> str:
     return f"{n} B"
 
 
-def plan_placement(items: Iterable[Item], budget: int) -> Placement:
+def plan_shelf(items: Iterable[Item], budget: int) -> ShelfPlan:
     """Greedy by I/O bytes saved per byte of RAM (the fractional knapsack's order; a region that no longer
     fits is skipped and smaller ones after it may still fit)."""
-    placement = Placement(budget)
-    placement.extend(items)
-    return placement
+    plan = ShelfPlan(budget)
+    plan.extend(items)
+    return plan
 
 
 def resolve_budget(value: int | str, available: int | None = None) -> int:

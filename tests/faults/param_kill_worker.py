@@ -39,7 +39,7 @@ def run(spec: dict) -> None:
         def on_train_start(self, trainer, pl_module):
             inj.store = trainer.strategy.nvme_store
             with open(os.path.join(root, "placement.json"), "w") as f:  # host_memory_budget's plan of this run
-                json.dump(trainer.strategy.placement.as_dict(), f)
+                json.dump(trainer.strategy.shelf_plan.as_dict(), f)
             start = {k: v.detach().clone() for k, v in pl_module.state_dict().items()}
             torch.save({"global_step": trainer.global_step, "state_dict": start}, os.path.join(root, "start.pt"))
 

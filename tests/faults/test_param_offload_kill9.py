@@ -88,7 +88,7 @@ def test_kill9_in_a_partly_resident_run_resumes_bitwise_with_another_budget(tmp_
     killed = _job(tmp_path, kill_step=KILL_STEP, kill_at=3, torn=0.5, host_memory_budget=120_000)
     assert killed.returncode == -signal.SIGKILL, killed.stderr[-3000:]
     plan = json.loads(open(tmp_path / "placement.json").read())
-    assert plan["blocks_in_ram"] >= 1 and plan["blocks_on_ssd"] >= 1, plan
+    assert plan["blocks_on_shelf"] >= 1 and plan["blocks_on_ssd"] >= 1, plan
     assert [e["phase"] for e in map(json.loads, open(tmp_path / "events.jsonl")) if e["event"] == "dying"] == ["params"]
 
     resumed = _job(tmp_path, resume=True, host_memory_budget=0)

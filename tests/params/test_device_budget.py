@@ -23,7 +23,7 @@ from lightning_nvme.params.residency import BlockResidency
 from lightning_nvme.params.staging import CudaStaging
 from lightning_nvme.preflight import resources
 from lightning_nvme.store import FlatStore
-from lightning_nvme.strategies.placement import device_block_item, plan_device
+from lightning_nvme.strategies.placement import desk_block_item, plan_desk
 
 CPU = torch.device("cpu")
 EVERYTHING = 1 << 30
@@ -130,15 +130,15 @@ def test_kept_blocks_never_move_and_results_are_bitwise_equal(tmp_path, tmp_path
     assert_same_params(model0, model)  # the budget-0 path through the same fake CUDA runtime
     assert_same_params(ref, model)  # and in-memory training
 
-    plan = strategy.device_placement
+    plan = strategy.desk_plan
     blocks = strategy.param_offload.blocks
-    kept = [b.index for b in blocks if b.region in plan.on_device]
+    kept = [b.index for b in blocks if b.region in plan.kept]
     streamed = [b.index for b in blocks if b.index not in kept]
     if which == "partial":
         assert kept == [0, 1] and streamed == [2, 3]  # same density: the plan takes them in order while they fit
-        assert plan.ram_bytes <= budget and 0 < plan.io_after < plan.io_before
+        assert plan.kept_bytes <= budget and 0 < plan.io_after < plan.io_before
     else:
-        assert streamed == [] and plan.io_after == 0 and plan.ssd_bytes == 0
+        assert streamed == [] and plan.io_after == 0 and plan.streamed_bytes == 0
     stage = CountingCuda.made[-1]
     assert not set(kept) & set(stage.uploads), "a kept block was copied to the device again during training"
     assert not set(kept) & set(stage.downloads), "a kept block was copied back to the host during training"
@@ -152,8 +152,8 @@ def test_kept_blocks_never_move_and_results_are_bitwise_equal(tmp_path, tmp_path
         assert watch.requests and all(r.startswith("opt") for r in watch.requests), watch.requests
     stats = strategy.param_offload.stats
     assert stats.kept_blocks == 0 and stats.peak_bound_blocks >= len(kept)  # let go at the end of fit
-    summary = telemetry.summary_dict()["device_placement"]
-    assert summary == plan.as_dict() and summary["blocks_on_device"] == len(kept)
+    summary = telemetry.summary_dict()["desk_plan"]
+    assert summary == plan.as_dict() and summary["blocks_on_desk"] == len(kept)
 
 
 class SaveAtEpochEnd(Callback):
@@ -201,7 +201,7 @@ def test_kept_blocks_are_written_back_when_the_weights_stay_in_the_store(tmp_pat
     ref, _ = reference(tmp_path_factory, checkpointing=True)
     strategy = offload(tmp_path, device_memory_budget=EVERYTHING, restore_params=False)
     model, _ = fit(tmp_path, strategy, {"checkpointing": True})
-    assert strategy.device_placement.count("block", False) == 0
+    assert strategy.desk_plan.count("block", False) == 0
     assert all(is_placeholder(s.param) for b in strategy.param_offload.blocks for s in b.slots)
     strategy.export_weights(str(tmp_path / "w.safetensors"))
     exported = load_file(str(tmp_path / "w.safetensors"))
@@ -245,12 +245,12 @@ def test_keep_copies_once_then_reads_the_device_copy_and_writes_it_back_at_unkee
 
 
 def test_device_plan_takes_blocks_by_copies_saved_per_byte():
-    items = [device_block_item("params/frozen", 100, False), device_block_item("params/a", 100, True),
-             device_block_item("params/b", 100, True)]
-    plan = plan_device(items, 250)
-    assert plan.on_device == {"params/a", "params/b"}  # trainable: up twice, down once; frozen: up twice
+    items = [desk_block_item("params/frozen", 100, False), desk_block_item("params/a", 100, True),
+             desk_block_item("params/b", 100, True)]
+    plan = plan_desk(items, 250)
+    assert plan.kept == {"params/a", "params/b"}  # trainable: up twice, down once; frozen: up twice
     assert plan.io_before == 200 + 300 + 300 and plan.io_after == 200
-    assert plan.as_dict()["blocks_on_device"] == 2 and "device_memory_budget=250 B" in plan.summary()
+    assert plan.as_dict()["blocks_on_desk"] == 2 and "device_memory_budget=250 B" in plan.summary()
 
 
 # ---- refusals ------------------------------------------------------------------------------------------------

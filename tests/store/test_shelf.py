@@ -7,7 +7,7 @@ import torch
 
 from lightning_nvme.constants import GiB
 from lightning_nvme.store import FlatStore
-from lightning_nvme.strategies.placement import AUTO_HEADROOM, AUTO_SHARE, block_item, chunk_item, plan_placement, resolve_budget
+from lightning_nvme.strategies.placement import AUTO_HEADROOM, AUTO_SHARE, block_item, chunk_item, plan_shelf, resolve_budget
 
 
 @pytest.fixture
@@ -89,17 +89,17 @@ def test_placement_is_greedy_by_io_per_byte():
     frozen = block_item("params/frozen", 100, 100, False)  # read twice, never written: 2
     chunks = [chunk_item(f"opt/{i}", 60) for i in range(4)]  # read + written: 2
     lora = block_item("params/lora", 100, 96, True)  # frozen head, 4 trainable bytes: 2.04
-    plan = plan_placement([*chunks, frozen, lora, *blocks], 500)
-    assert {f"params/{i}" for i in range(3)} <= plan.in_ram  # densest first
-    assert "params/lora" in plan.in_ram  # 2.04 > 2
-    assert plan.in_ram & {"params/frozen", *(c.region for c in chunks)} == {"opt/0"}  # what still fits after
-    assert plan.ram_bytes == 460 <= plan.budget
+    plan = plan_shelf([*chunks, frozen, lora, *blocks], 500)
+    assert {f"params/{i}" for i in range(3)} <= plan.kept  # densest first
+    assert "params/lora" in plan.kept  # 2.04 > 2
+    assert plan.kept & {"params/frozen", *(c.region for c in chunks)} == {"opt/0"}  # what still fits after
+    assert plan.kept_bytes == 460 <= plan.budget
     assert plan.io_before == 3 * 300 + 200 + 204 + 4 * 120 and plan.io_after == 200 + 3 * 120
-    assert plan_placement(chunks, 0).in_ram == set() and plan_placement(chunks, 0).io_after == 4 * 120
+    assert plan_shelf(chunks, 0).kept == set() and plan_shelf(chunks, 0).io_after == 4 * 120
     new = plan.extend([chunk_item("opt/9", 40), chunk_item("opt/0", 60)])  # added mid-run; known ones kept
-    assert new == ["opt/9"] and plan.ram_bytes == 500
+    assert new == ["opt/9"] and plan.kept_bytes == 500
     d = plan.as_dict()
-    assert d["blocks_in_ram"] == 4 and d["chunks_in_ram"] == 2 and d["chunks_on_ssd"] == 3
+    assert d["blocks_on_shelf"] == 4 and d["chunks_on_shelf"] == 2 and d["chunks_on_ssd"] == 3
     assert "in RAM" in plan.summary()
 
 

@@ -320,8 +320,8 @@ def _train(run: dict, world: int) -> None:
 
         def on_train_end(self, trainer, pl_module):
             s = trainer.strategy
-            if getattr(s, "nvme_store", None) is not None and s.placement is not None:
-                shelf.update(shelf_bytes=s.nvme_store.shelf.nbytes, placement=s.placement.as_dict(),
+            if getattr(s, "nvme_store", None) is not None and s.shelf_plan is not None:
+                shelf.update(shelf_bytes=s.nvme_store.shelf.nbytes, placement=s.shelf_plan.as_dict(),
                              local_ranks=s.num_processes)
 
     callbacks = [Record(), Shelf()] + ([SaveAndKill()] if run.get("save") else [])

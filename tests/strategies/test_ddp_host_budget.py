@@ -45,8 +45,8 @@ def test_ranks_share_the_host_budget_and_equal_plain_ddp(tmp_path):
             plan = r["placement"]
             assert r["local_ranks"] == 2 and plan["budget_bytes"] == share, (name, rank, plan)
             assert 0 < r["shelf_bytes"] <= share, (name, rank, r["shelf_bytes"], share)  # what RAM really held
-            assert r["shelf_bytes"] == plan["ram_bytes"]
-            assert plan["chunks_in_ram"] > 0 and plan["chunks_on_ssd"] > 0, (name, rank, plan)
+            assert r["shelf_bytes"] == plan["shelf_bytes"]
+            assert plan["chunks_on_shelf"] > 0 and plan["chunks_on_ssd"] > 0, (name, rank, plan)
         assert sum(r["shelf_bytes"] for r in got[name]) <= host_budget
     for rank, r in enumerate(got["zero"]):
         assert r["shelf_bytes"] == 0 and r["placement"]["budget_bytes"] == 0

@@ -100,16 +100,16 @@ def test_bitwise_equal_at_every_budget(tmp_path, monkeypatch, offload_params, op
         if name == "zero":
             budget = 0
         elif name == "partial":
-            budget = partial_budget(runs["zero"][1].placement)
+            budget = partial_budget(runs["zero"][1].shelf_plan)
         else:
             budget = EVERYTHING
         disk = DiskRegions(monkeypatch)
         strategy = offload(tmp_path / name, budget, offload_params, state_format=state_format)
         model = fit(tmp_path / name, strategy, optimizer, [disk])
         runs[name] = (model, strategy, disk)
-        plan = strategy.placement
+        plan = strategy.shelf_plan
         assert plan is not None and plan.budget == budget
-        assert not plan.in_ram & disk.regions, "a region kept in RAM was read or written on the disk"
+        assert not plan.kept & disk.regions, "a region kept in RAM was read or written on the disk"
         if reference is not None:
             assert_same(reference, model, f"budget {name}")
         else:
@@ -127,7 +127,7 @@ def test_bitwise_equal_at_every_budget(tmp_path, monkeypatch, offload_params, op
             assert plan.io_after == 0
             assert not any(r.startswith(("opt", "params/")) for r in disk.regions), disk.regions
         elif name == "partial":
-            assert 0 < plan.io_after < plan.io_before and plan.ram_bytes <= budget
+            assert 0 < plan.io_after < plan.io_before and plan.kept_bytes <= budget
 
 
 def test_resume_in_a_new_process_with_another_budget(tmp_path):
@@ -142,8 +142,8 @@ def test_resume_in_a_new_process_with_another_budget(tmp_path):
     ckpt = tmp_path / "epoch1.ckpt"
     first = trainer(tmp_path / "a", offload(tmp_path / "a", 120_000), steps=-1, max_epochs=1)
     first.fit(TinyGPT())
-    assert 0 < first.strategy.placement.ram_bytes < first.strategy.placement.ram_bytes + first.strategy.placement.ssd_bytes
-    assert first.strategy.placement.ssd_bytes > 0
+    assert 0 < first.strategy.shelf_plan.kept_bytes < first.strategy.shelf_plan.kept_bytes + first.strategy.shelf_plan.streamed_bytes
+    assert first.strategy.shelf_plan.streamed_bytes > 0
     first.save_checkpoint(ckpt)
     tests = os.path.dirname(os.path.abspath(__file__))
     script = f"""
@@ -157,7 +157,7 @@ model = TinyGPT()
 t = trainer({str(tmp_path / 'b')!r}, offload(Path({str(tmp_path / 'b')!r}), {EVERYTHING}), steps=32)
 t.fit(model, ckpt_path={str(ckpt)!r})
 torch.save(dict(model.named_parameters()), {str(tmp_path / 'resumed.pt')!r})
-print(json.dumps({{"step": t.global_step, "ssd_bytes": t.strategy.placement.ssd_bytes}}))
+print(json.dumps({{"step": t.global_step, "ssd_bytes": t.strategy.shelf_plan.streamed_bytes}}))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
@@ -214,7 +214,7 @@ def test_close_writes_back_only_what_is_read_again(tmp_path, monkeypatch, restor
     model = fit(tmp_path / "off", strategy, "adamw", [writes])
     blocks = {b.region for b in strategy.param_offload.blocks}
     chunks = {c.region for off in strategy.offloaded for c in off.chunks}
-    assert blocks <= strategy.placement.in_ram and chunks <= strategy.placement.in_ram
+    assert blocks <= strategy.shelf_plan.kept and chunks <= strategy.shelf_plan.kept
     assert chunks <= set(writes.regions)
     assert not blocks & set(writes.regions) if restore else blocks <= set(writes.regions)
     if restore:

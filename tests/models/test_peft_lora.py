@@ -8,8 +8,8 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_gpt_lora import StoreWrites
 from test_hf_any_arch import data, make_checkpoint, offload, recipe_overrides, trainer
-from test_lora import StoreWrites
 
 from lightning_nvme.models import HFCausalLM
 from lightning_nvme.params.layout import BlockLayout

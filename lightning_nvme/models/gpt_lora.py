@@ -1,4 +1,5 @@
-"""Low-rank adapters (LoRA) on a frozen base: ``y = x W^T + b + scale * (x A^T) B^T``, only ``A`` and ``B`` train.
+"""Low-rank adapters (LoRA) of the embedded GPT-2 (``models/gpt.py``; Hugging Face models use ``peft_lora``):
+``y = x W^T + b + scale * (x A^T) B^T``, only ``A`` and ``B`` train.
 
 Why a subclass of ``nn.Linear``: the frozen ``weight``/``bias`` keep their names, so a pretrained
 checkpoint's tensors map onto them unchanged (``PretrainedWeights`` fills them, streamed or in memory),
@@ -53,14 +54,14 @@ class LoRALinear(nn.Linear):
         return F.linear(x, self.weight, self.bias) + self.scale * F.linear(F.linear(x, self.lora_down), self.lora_up)
 
 
-def add_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: tuple[str, ...] = LORA_TARGETS) -> int:
+def add_gpt_lora(model: nn.Module, rank: int, alpha: float | None = None, targets: tuple[str, ...] = LORA_TARGETS) -> int:
     """Freeze every parameter of ``model`` and replace each ``nn.Linear`` whose name ends with one of
     ``targets`` by a ``LoRALinear`` around it; returns how many were adapted."""
     model.requires_grad_(False)
     chosen = [(name, m) for name, m in model.named_modules()
               if type(m) is nn.Linear and any(name == t or name.endswith("." + t) for t in targets)]
     if not chosen:
-        raise ValueError(f"add_lora: no nn.Linear named like {targets} in {type(model).__name__}")
+        raise ValueError(f"add_gpt_lora: no nn.Linear named like {targets} in {type(model).__name__}")
     for name, linear in chosen:
         parent_name, _, child = name.rpartition(".")
         setattr(model.get_submodule(parent_name), child, LoRALinear(linear, rank, alpha))

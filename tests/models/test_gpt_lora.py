@@ -10,7 +10,7 @@ from lightning.pytorch import Callback
 
 from lightning_nvme.launch import build, compose_config
 from lightning_nvme.models import GPT, GPTConfig
-from lightning_nvme.models.lora import LoRALinear
+from lightning_nvme.models.gpt_lora import LoRALinear
 from lightning_nvme.params.layout import BlockLayout
 from lightning_nvme.store import align_up
 

@@ -13,7 +13,7 @@ import pytest
 
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.checks import ConfigError
-from lightning_nvme.doctor import command
+from lightning_nvme.doctor import command, disk
 from lightning_nvme.doctor.profile import IOProfile
 from lightning_nvme.fs import fsinfo
 
@@ -61,19 +61,19 @@ def test_bad_profile_names_key_and_file(tmp_path, content, needle):
 
 # ---- measurements -------------------------------------------------------------------------------
 def test_measure_bandwidth(tmp_path):
-    bw = command.measure_bandwidth(str(tmp_path), 16 * MiB, seconds=5)
+    bw = disk.measure_bandwidth(str(tmp_path), 16 * MiB, seconds=5)
     assert bw.write_mib_s > 0 and bw.read_mib_s > 0 and 0 < bw.nbytes <= 16 * MiB
     assert bw.direct == fsinfo.probe_direct_io(tmp_path)[0]
     assert os.listdir(tmp_path) == []
 
 
 def test_tune_picks_a_measured_candidate_and_cleans_up(tmp_path):
-    prof = command.tune(str(tmp_path), nbytes=2 * MiB, seconds=0.0, chunks=(MiB, 2 * MiB), workers=(1, 2))
+    prof = disk.tune(str(tmp_path), nbytes=2 * MiB, seconds=0.0, chunks=(MiB, 2 * MiB), workers=(1, 2))
     measured = {(t["io_chunk_bytes"], t["io_workers"]) for t in prof.trials}
-    assert measured == {(MiB, 1), (MiB, 2), (2 * MiB, 1), (2 * MiB, 2), command.DEFAULT_SETTING}
+    assert measured == {(MiB, 1), (MiB, 2), (2 * MiB, 1), (2 * MiB, 2), disk.DEFAULT_SETTING}
     assert (prof.io_chunk_bytes, prof.io_workers) in measured
     assert all(t["rounds"] == 2 and t["combined_mib_s"] > 0 for t in prof.trials)
-    if (prof.io_chunk_bytes, prof.io_workers) != command.DEFAULT_SETTING:
+    if (prof.io_chunk_bytes, prof.io_workers) != disk.DEFAULT_SETTING:
         assert prof.speedup_vs_default >= 1.05  # only a confirmed gain replaces the default
     assert os.listdir(tmp_path) == []
 

@@ -32,7 +32,7 @@ from dataclasses import dataclass, field
 import torch
 
 from lightning_nvme.store import FlatStore
-from lightning_nvme.store.buffers import aligned_empty, memview
+from lightning_nvme.store.aligned import aligned_empty, memview
 from lightning_nvme.store.file_io import StoreFile
 
 log = logging.getLogger(__name__)

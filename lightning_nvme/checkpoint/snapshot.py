@@ -38,7 +38,7 @@ from lightning_nvme.checks import ConfigError
 from lightning_nvme.fs import fsinfo, reflink
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.store import FlatStore
-from lightning_nvme.store.buffers import memview
+from lightning_nvme.store.aligned import memview
 
 log = logging.getLogger(__name__)
 

@@ -1,6 +1,6 @@
 """The NVMe flat store: one preallocated file per rank, an offset table, async fenced chunked I/O."""
 
-from lightning_nvme.store.buffers import StagingPool, aligned_empty
+from lightning_nvme.store.aligned import StagingPool, aligned_empty
 from lightning_nvme.store.errors import (
     StoreError,
     StoreFormatError,

@@ -12,7 +12,7 @@ from typing import Protocol
 
 import torch
 
-from lightning_nvme.store.buffers import memview
+from lightning_nvme.store.aligned import memview
 from lightning_nvme.store.handle import IOHandle
 from lightning_nvme.store.layout import Layout
 

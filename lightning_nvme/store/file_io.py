@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import torch
 
-from lightning_nvme.store.buffers import StagingPool, copy_bytes, memview
+from lightning_nvme.store.aligned import StagingPool, copy_bytes, memview
 from lightning_nvme.store.errors import StoreFormatError, StoreIOError, StoreSpaceError
 from lightning_nvme.store.layout import align_up
 

@@ -21,7 +21,7 @@ from collections.abc import Callable, Sequence
 import torch
 
 from lightning_nvme.constants import MiB
-from lightning_nvme.store.buffers import StagingPool, aligned_empty, is_direct_capable
+from lightning_nvme.store.aligned import StagingPool, aligned_empty, is_direct_capable
 from lightning_nvme.store.digest import region_digests
 from lightning_nvme.store.engine import IOEngine
 from lightning_nvme.store.errors import StoreError, StoreIOError, StoreTimeoutError

@@ -16,7 +16,7 @@ from collections.abc import Sequence
 import torch
 
 from lightning_nvme.fs import atomic
-from lightning_nvme.store.buffers import aligned_empty, memview
+from lightning_nvme.store.aligned import aligned_empty, memview
 from lightning_nvme.store.errors import StoreFormatError, StoreIOError
 from lightning_nvme.store.file_io import StoreFile
 from lightning_nvme.store.layout import HEADER_BYTES, STORE_FORMAT_VERSION, Layout

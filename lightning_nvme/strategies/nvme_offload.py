@@ -53,7 +53,7 @@ from lightning_nvme.preflight.resources import check_device_memory_budget
 from lightning_nvme.settings import OffloadSettings, from_arguments, with_settings
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.layout import HEADER_BYTES, align_up
-from lightning_nvme.strategies.offload import OffloadStrategy
+from lightning_nvme.strategies.offload_strategy import OffloadStrategy
 from lightning_nvme.strategies.placement import DeskPlan, Item, block_item, desk_block_item, plan_desk
 
 
@@ -122,7 +122,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             layout = self.param_offload.layout
             rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
                            f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
-                           f"resident ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
+                           f"outside blocks, in memory ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
             self._plan_desk()
 
     def _plan_desk(self) -> None:

@@ -53,7 +53,7 @@ from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_byt
 from lightning_nvme.preflight.resources import check_host_memory_budget
 from lightning_nvme.settings import DDPOffloadSettings, from_arguments, with_settings
 from lightning_nvme.store import FlatStore
-from lightning_nvme.strategies.offload import OffloadStrategy
+from lightning_nvme.strategies.offload_strategy import OffloadStrategy
 from lightning_nvme.strategies.param_broadcast import ParamBroadcast, plan_items
 from lightning_nvme.strategies.placement import resolve_budget
 

@@ -167,8 +167,8 @@ def test_the_checker_sees_what_it_must() -> None:
     # checkpoint/paired.py imports lightning_nvme.checkpoint.streamed: the module, not its own package
     assert "lightning_nvme.checkpoint.streamed" in graph["lightning_nvme.checkpoint.paired"]
     assert "lightning_nvme.checkpoint" not in graph["lightning_nvme.checkpoint.paired"]
-    # strategies/offload.py imports lightning_nvme.store.layout...: the store package's __init__ runs too
-    assert "lightning_nvme.store" in graph["lightning_nvme.strategies.offload"]
+    # strategies/offload_strategy.py imports lightning_nvme.store.layout...: the store package's __init__ runs too
+    assert "lightning_nvme.store" in graph["lightning_nvme.strategies.offload_strategy"]
     # cli.py imports the launch package inside a function
     assert "lightning_nvme.launch" in graph["lightning_nvme.cli"]
     assert _cycle({"a": {"b": 1}, "b": {"c": 2}, "c": {"a": 3}}) == ["a", "b", "c", "a"]

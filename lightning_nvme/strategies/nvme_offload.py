@@ -149,9 +149,9 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         items = super()._shelf_items()
         if self.param_offload is not None:
             assert self.nvme_store is not None
-            on_device = self.desk_plan.kept if self.desk_plan is not None else set()
+            on_desk = self.desk_plan.kept if self.desk_plan is not None else set()
             items += [block_item(b.region, self.nvme_store.region(b.region).capacity, b.writable_offset, b.trainable)
-                      for b in self.param_offload.blocks if b.region not in on_device]  # kept: never move
+                      for b in self.param_offload.blocks if b.region not in on_desk]  # kept: never move
         return items
 
     def _check_param_offload_supported(self) -> None:

@@ -93,7 +93,7 @@ def test_kill9_in_a_partly_resident_run_resumes_bitwise_with_another_budget(tmp_
 
     resumed = _job(tmp_path, resume=True, host_memory_budget=0)
     assert resumed.returncode == 0, resumed.stderr[-3000:]
-    assert json.loads(open(tmp_path / "placement.json").read())["ram_bytes"] == 0
+    assert json.loads(open(tmp_path / "placement.json").read())["shelf_bytes"] == 0
     start = torch.load(tmp_path / "start.pt")
     assert start["global_step"] == EVERY
     for name, value in at_checkpoint.items():

@@ -56,6 +56,7 @@ class CausalLMModule(pl.LightningModule):
         with _plain_tensors():  # tiny fp32 states, also inside trainer.init_module() (meta device, bf16 default)
             self.train_ppl = Perplexity()
             self.val_ppl = Perplexity()
+            self.test_ppl = Perplexity()
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -87,6 +88,18 @@ class CausalLMModule(pl.LightningModule):
         loss = self._loss(batch, self.val_ppl)
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", self.val_ppl, prog_bar=True)  # accumulated over the validation epoch
+
+    @override
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch, self.test_ppl)
+        self.log("test/loss", loss)
+        self.log("test/ppl", self.test_ppl)
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """The logits of the batch's inputs (``(input_ids, targets)`` or ``input_ids``)."""
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x)
 
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:

@@ -47,8 +47,18 @@ from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_hf
 from lightning_nvme.optim import UpdateListener
-from lightning_nvme.params import ParamOffload
-from lightning_nvme.params.materialize import has_meta_tensors, materialize
+from lightning_nvme.params import ParamOffload, is_placeholder
+from lightning_nvme.params.materialize import copy_checked, has_meta_tensors, initial_weights, materialize
+from lightning_nvme.params.stream import (
+    BesideSource,
+    BlockSource,
+    ForwardStream,
+    MappingSource,
+    StoreBlocks,
+    StreamStats,
+    TensorBlocks,
+    check_streamable,
+)
 from lightning_nvme.placement import DevicePlacement, Item, block_item, device_block_item, plan_device
 from lightning_nvme.preflight import check_device_memory_budget
 from lightning_nvme.settings import OffloadSettings, from_arguments, with_settings
@@ -80,6 +90,10 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         self.param_offload: ParamOffload | None = None
         self.device_placement: DevicePlacement | None = None  # blocks kept on the GPU (device_memory_budget)
         self._background: BackgroundCopy | None = None  # the last background save (checkpoint_copy="background")
+        self.eval_stream: ForwardStream | None = None  # streamed evaluation (offload_params outside fit)
+        self.eval_stats: StreamStats | None = None  # the last streamed evaluation's reads (kept after it)
+        self._eval_from: ParamOffload | None = None  # the fit's offload whose store holds the weights, or None
+        self._eval_store: FlatStore | None = None
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices
@@ -94,15 +108,21 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     # ---- parameter offload -------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        fitted = self.param_offload
         self.param_offload = None
         self.device_placement = None
+        self._eval_from, self.eval_stream = None, None
+        if self.config.offload_params and trainer.state.fn != TrainerFn.FITTING:
+            self._check_param_offload_supported()
+            if fitted is not None and fitted.active and fitted.model is trainer.lightning_module and self.offloaded:
+                self.param_offload = self._eval_from = fitted  # after fit (restore_params=False): the store has them
         if self.config.offload_params and trainer.state.fn == TrainerFn.FITTING:
             self._check_param_offload_supported()
             s = self.config
             classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
             self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device)
         super().setup(trainer)
-        if self.param_offload is not None and self.nvme_store is None:
+        if self.param_offload is not None and self.nvme_store is None and self._eval_from is None:
             self.param_offload = None  # no optimizer: nothing trains, nothing to offload
 
     @override
@@ -181,7 +201,10 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.param_offload is not None and (has_meta_tensors(self.model) or self.root_device.type != "cpu"):
+        assert self.lightning_module is not None
+        if self.config.offload_params and self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self._start_eval_stream()
+        elif self.param_offload is not None and (has_meta_tensors(self.model) or self.root_device.type != "cpu"):
             assert self.lightning_module is not None
             store = self._open_new_store(self.lightning_module.trainer, HEADER_BYTES + self._extra_store_bytes())
             if has_meta_tensors(self.model):
@@ -191,6 +214,93 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         elif has_meta_tensors(self.model):  # not fitting: the model is needed in memory anyway
             materialize(self.model, self.root_device)
         super().model_to_device()
+
+    # ---- streamed evaluation (validate / test / predict with offload_params) -----------------------------
+    def _start_eval_stream(self) -> None:
+        """Outside fit, a model whose blocks are not in memory is evaluated block by block (``params.stream``):
+        from the store a fit left them in (``restore_params=False``), or, for a model built on the meta device,
+        from its own initial weights (a safetensors directory read in place) or the checkpoint loaded next
+        (``ckpt_path``: ``load_model_state_dict`` sets the source). Only the parameters outside the blocks are
+        materialized. A model in memory is evaluated in memory (nothing to stream)."""
+        module = self.lightning_module
+        assert module is not None
+        s = self.config
+        classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
+        source: BlockSource | None = None
+        if self._eval_from is not None:
+            store = self.offloaded[0].store_ref.open()  # closed at teardown; read only
+            for off in self.offloaded:
+                off.attach(store)
+            self._attach_store(store)
+            self._eval_store = store
+            layout = self._eval_from.layout
+            source = StoreBlocks(self._eval_from.read_block, f"the store {store.path}")
+        elif has_meta_tensors(module) or any(is_placeholder(p) for p in module.parameters()):  # (an earlier stream's)
+            layout = ParamOffload(module, classes, s.param_prefetch, self.root_device).layout
+            streamed = {id(slot.param) for b in layout.blocks for slot in b.slots}
+            check_streamable(module, layout)
+            materialize(module, self.root_device, skip=streamed)  # the parameters outside the blocks only
+            initial = initial_weights(module)
+            if initial is not None:
+                blocks = TensorBlocks(initial, f"{type(module).__name__}.initial_weights()")
+                missing = blocks.missing(layout.blocks)
+                if not missing:
+                    source = blocks
+        else:
+            return
+        ckpt_path = getattr(module.trainer, "ckpt_path", None)
+        self.eval_stream = ForwardStream(
+            layout.blocks, source, s.param_prefetch, self.root_device,
+            unsourced=f"{self.strategy_name}: {type(module).__name__} was built on the meta device (offload_params) "
+                      "and nothing gives its block weights: no initial_weights() covering them and no ckpt_path. "
+                      "Pass ckpt_path=... to validate/test/predict, or build the model in memory.")
+        for block in layout.blocks:
+            self.eval_stream.unbind(block)  # placeholders on the device the blocks run on
+        self.eval_stream.install()
+        rank_zero_info(f"{self.strategy_name}: streamed evaluation of {len(layout.blocks)} blocks "
+                       f"({layout.offloaded_bytes / MiB:.1f} MiB) from "
+                       f"{'the checkpoint ' + str(ckpt_path) if ckpt_path else (source.describe() if source else '?')}; "
+                       f"param_prefetch={s.param_prefetch}")
+
+    def _end_eval_stream(self) -> None:
+        if self.eval_stream is not None:
+            self.eval_stream.remove()
+            self.eval_stats, self.eval_stream = self.eval_stream.stats, None
+        if self._eval_store is not None:
+            self._eval_store.close()
+            self._eval_store = None
+
+    def _load_for_eval(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        """A checkpoint for streamed evaluation: the block weights become the stream's source (read per forward from
+        the beside file, or from the dict when inline); the others are copied into the module. Not through
+        ``load_state_dict``: its hooks would bring the blocks into memory."""
+        stream, module = self.eval_stream, self.lightning_module
+        assert stream is not None and module is not None
+        state = checkpoint["state_dict"]
+        streamed = {slot.name for b in stream.blocks for slot in b.slots}
+        targets = {**dict(module.named_buffers(remove_duplicate=False)),
+                   **dict(module.named_parameters(remove_duplicate=False))}
+        missing = sorted(n for n in streamed if n not in state)
+        missing += sorted(n for n, p in module.named_parameters(remove_duplicate=False) if n not in state
+                          and n not in streamed)
+        unexpected = sorted(k for k in state if k not in targets)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
+                               f"{missing[:8]}, unexpected keys {unexpected[:8]}")
+        with weights.WeightReaders() as readers, torch.no_grad():
+            for key, value in state.items():
+                if key in streamed or key not in targets:
+                    continue
+                tensor = readers.read(value) if isinstance(value, weights.BesideWeight) else value
+                copy_checked(key, tensor.to(targets[key].device), targets[key])
+        source = BesideSource(state) if weights.has_refs(checkpoint) else MappingSource(state)
+        stream.source = TensorBlocks(source, f"the checkpoint {getattr(module.trainer, 'ckpt_path', '')}")
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.eval_stream is not None:
+            return self._load_for_eval(checkpoint, strict)
+        return super().load_model_state_dict(checkpoint, strict=strict)
 
     @property
     @override
@@ -237,13 +347,16 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 self._background.report()
         finally:
             try:
-                if self.param_offload is not None:
+                if self.eval_stream is not None or self._eval_store is not None:
+                    self._end_eval_stream()  # the fit's offload (if any) stopped at the end of fit already
+                elif self.param_offload is not None:
                     self.param_offload.stop(restore=self.config.restore_params)
             finally:
                 super().teardown()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_background": None}  # its thread and locks stay with this instance
+        # their threads, locks and open files stay with this instance
+        return {**super().__getstate__(), "_background": None, "eval_stream": None, "_eval_store": None}
 
     # ---- background saves (checkpoint_copy="background", lightning_nvme.checkpoint.background) -----------
     @override

@@ -1,0 +1,203 @@
+"""Streamed evaluation (``offload_params=True`` outside fit, ``lightning_nvme.params.stream``): ``validate``,
+``test`` and ``predict`` read each block's weights for its forward only, from the store after fit
+(``restore_params=False``), from a streamed checkpoint's beside weights (``ckpt_path``) and from a safetensors
+directory read in place; their outputs (losses, logged metrics, predictions) are bitwise those of the same model
+evaluated in memory by Lightning's default strategy, for the project's GPT and two Hugging Face architectures;
+nothing is written; at most ``param_prefetch + 1`` blocks are in memory."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+import torch
+from _param_offload_model import TinyGPT, tokens
+from lightning.pytorch import Trainer
+from torch import nn
+from torch.utils.data import DataLoader
+
+import lightning_nvme  # noqa: F401  (registers the strategies)
+from lightning_nvme import NVMeOffloadStrategy
+from lightning_nvme.models import HFCausalLM
+from lightning_nvme.models.gpt import GPT, GPTConfig
+from lightning_nvme.params import is_placeholder
+
+STEPS = 4
+
+
+class EvalGPT(TinyGPT):
+    """``TinyGPT`` with a validation, test and predict step (its loss logged; predict returns the logits)."""
+
+    def _loss(self, batch):
+        x, y = batch
+        return nn.functional.cross_entropy(self.model(x).flatten(0, 1).float(), y.flatten())
+
+    def validation_step(self, batch, batch_idx):
+        self.log("val/loss", self._loss(batch))
+
+    def test_step(self, batch, batch_idx):
+        self.log("test/loss", self._loss(batch))
+
+    def predict_step(self, batch, batch_idx):
+        return self.model(batch[0])
+
+
+def loader(n: int = 24, vocab: int = 64, seed: int = 11) -> DataLoader:
+    return DataLoader(tokens(n=n, vocab=vocab, seed=seed), batch_size=4)
+
+
+def trainer(root, strategy, steps: int = STEPS) -> Trainer:
+    return Trainer(default_root_dir=str(root), strategy=strategy, accelerator="cpu", devices=1, max_steps=steps,
+                   logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                   num_sanity_val_steps=0)
+
+
+def offload(root, **kwargs) -> NVMeOffloadStrategy:
+    kwargs.setdefault("overlap", "backward")
+    return NVMeOffloadStrategy(store_dir=str(root / "store"), chunk_bytes=64 << 10, offload_params=True, **kwargs)
+
+
+def evaluate(t: Trainer, model, data, **kwargs) -> dict:
+    """validate, test and predict: their logged metrics and predictions."""
+    return {"validate": t.validate(model, data, verbose=False, **kwargs),
+            "test": t.test(model, data, verbose=False, **kwargs),
+            "predict": t.predict(model, data, **kwargs)}
+
+
+def assert_same(got: dict, want: dict) -> None:
+    for what in ("validate", "test"):
+        assert got[what][0].keys() == want[what][0].keys(), what
+        for key, value in want[what][0].items():
+            assert torch.equal(torch.as_tensor(got[what][0][key]), torch.as_tensor(value)), (what, key)
+    assert len(got["predict"]) == len(want["predict"])
+    for a, b in zip(got["predict"], want["predict"]):
+        assert torch.equal(a, b)
+
+
+def streamed(t: Trainer) -> None:
+    """The last evaluation streamed every block, one forward at a time."""
+    stats = t.strategy.eval_stats
+    assert stats is not None and stats.reads > 0 and stats.peak_bound_blocks == 1
+    assert stats.peak_blocks_in_memory <= t.strategy.config.param_prefetch + 1
+
+
+def test_gpt_from_the_store_after_fit(tmp_path):
+    ref = EvalGPT()
+    ref_trainer = trainer(tmp_path / "ref", "auto")
+    ref_trainer.fit(ref, loader())
+    want = evaluate(ref_trainer, ref, loader())
+
+    model = EvalGPT()
+    t = trainer(tmp_path / "off", offload(tmp_path, restore_params=False))
+    t.fit(model, loader())
+    store = t.strategy.param_offload.residency.store.path
+    before = os.path.getmtime(store) if os.path.isfile(store) else None
+    got = evaluate(t, model, loader())
+    streamed(t)
+    assert_same(got, want)
+    assert t.strategy.eval_stats.reads == len(t.strategy.param_offload.blocks) * 6  # once per batch (6 batches)
+    assert is_placeholder(model.model.transformer.h[0].mlp.c_fc.weight)  # still in the store only
+    if before is not None:
+        assert os.path.getmtime(store) == before  # nothing written
+
+
+@pytest.mark.parametrize("beside", [True, False], ids=["beside", "inline"])
+def test_gpt_from_a_checkpoint(tmp_path, beside):
+    ref = EvalGPT()
+    ref_trainer = trainer(tmp_path / "ref", "auto")
+    ref_trainer.fit(ref, loader())
+    want = evaluate(ref_trainer, ref, loader())
+
+    t = trainer(tmp_path / "off", offload(tmp_path, restore_params=False, inline_weights_bytes=0 if beside else 1 << 30))
+    t.fit(EvalGPT(), loader())
+    ckpt = str(tmp_path / "fit.ckpt")
+    t.save_checkpoint(ckpt)
+
+    t2 = trainer(tmp_path / "eval", offload(tmp_path / "eval"))
+    with t2.init_module(empty_init=True):
+        model = EvalGPT(in_configure_model=True)
+        model.configure_model()
+    assert all(p.is_meta for p in model.parameters())
+    got = evaluate(t2, model, loader(), ckpt_path=ckpt)
+    streamed(t2)
+    assert_same(got, want)
+    assert not os.path.exists(tmp_path / "eval" / "store")  # no store made: nothing written
+
+
+def test_meta_model_without_weights_is_refused_by_name(tmp_path):
+    t = trainer(tmp_path, offload(tmp_path))
+    with t.init_module(empty_init=True):
+        model = EvalGPT(in_configure_model=True)
+        model.configure_model()
+    with pytest.raises(RuntimeError, match="ckpt_path"):
+        t.validate(model, loader(), verbose=False)
+
+
+def test_grad_enabled_is_refused(tmp_path):
+    t = trainer(tmp_path, offload(tmp_path))
+    directory = tmp_path / "gpt2"
+    GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=2, n_head=4)).save_pretrained(directory)
+
+    class GradEval(HFCausalLM):
+        def validation_step(self, batch, batch_idx):
+            with torch.enable_grad():
+                return super().validation_step(batch, batch_idx)
+
+    with t.init_module(empty_init=True):
+        model = GradEval(str(directory), block_size=16)
+    with pytest.raises(RuntimeError, match="forward only"):
+        t.validate(model, loader(), verbose=False)
+
+
+# ---- Hugging Face: the project's GPT-2 (native), Llama and Qwen2 (transformers), read in place ---------------
+def hf_checkpoint(directory, arch: str) -> str:
+    if arch == "gpt2":
+        GPT(GPTConfig(vocab_size=64, n_positions=16, n_embd=32, n_layer=3, n_head=4)).save_pretrained(directory)
+        return str(directory)
+    from test_hf_any_arch import make_checkpoint
+
+    return make_checkpoint(directory, arch)
+
+
+@pytest.mark.parametrize("arch", ["gpt2", "llama", "qwen2"])
+def test_safetensors_directory_read_in_place(tmp_path, arch):
+    if arch != "gpt2":
+        pytest.importorskip("transformers")
+    path = hf_checkpoint(tmp_path / arch, arch)
+    backend = "native" if arch == "gpt2" else "transformers"  # what a meta-device build streams
+    ref = HFCausalLM(path, block_size=16, backend=backend)
+    want = evaluate(trainer(tmp_path / "ref", "auto"), ref, loader())
+
+    t = trainer(tmp_path / "off", offload(tmp_path))
+    with t.init_module(empty_init=True):
+        model = HFCausalLM(path, block_size=16)
+    assert all(p.is_meta for p in model.parameters()) and model.backend == backend
+    got = evaluate(t, model, loader())
+    streamed(t)
+    assert_same(got, want)
+    assert not os.path.exists(tmp_path / "store")  # read where it lies: no store
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_hf_from_the_store_and_from_a_streamed_checkpoint(tmp_path, arch):
+    pytest.importorskip("transformers")
+    path = hf_checkpoint(tmp_path / arch, arch)
+    ref = HFCausalLM(path, block_size=16)
+    ref_trainer = trainer(tmp_path / "ref", "auto")
+    ref_trainer.fit(ref, loader())
+    want = evaluate(ref_trainer, ref, loader())
+
+    t = trainer(tmp_path / "off", offload(tmp_path, restore_params=False, inline_weights_bytes=0))
+    with t.init_module(empty_init=True):
+        model = HFCausalLM(path, block_size=16)
+    t.fit(model, loader())
+    assert_same(evaluate(t, model, loader()), want)  # from the store
+    streamed(t)
+    ckpt = str(tmp_path / "fit.ckpt")
+    t.save_checkpoint(ckpt)
+
+    t2 = trainer(tmp_path / "eval", offload(tmp_path / "eval"))
+    with t2.init_module(empty_init=True):
+        fresh = HFCausalLM(path, block_size=16)
+    assert_same(evaluate(t2, fresh, loader(), ckpt_path=ckpt), want)  # from the checkpoint's beside weights
+    streamed(t2)

@@ -32,6 +32,7 @@ from lightning_nvme.checkpoint.weights import BesideWeight, WeightReaders
 from lightning_nvme.params.layout import BlockLayout, ParamLayout
 from lightning_nvme.params.materialize import InitialWeights
 from lightning_nvme.placeholder import placeholder
+from lightning_nvme.store import aligned_empty
 
 TensorSource = InitialWeights  # read-only, tensor by tensor: ``name in source``, ``source.get(name)``
 
@@ -113,16 +114,21 @@ class TensorBlocks:
         return [s.name for b in blocks for s in b.slots if s.name not in self.source]
 
     def read(self, block: BlockLayout) -> dict[str, torch.Tensor]:
+        """The block's values in one page-aligned buffer laid out as in the store (``slot.offset``): an anonymous
+        mapping, returned to the OS when the block is dropped (not a heap hole a later block may not fit), each value
+        copied in with ``copy_`` (dtype conversion and layout exactly as loading an in-memory model does)."""
+        buf = aligned_empty(block.nbytes)
         out = {}
-        for slot in block.slots:
-            value = self.source.get(slot.name)
-            if tuple(value.shape) != tuple(slot.shape):
-                value = value.view(slot.shape) if value.numel() == slot.shape.numel() else value
-            if tuple(value.shape) != tuple(slot.shape):
-                raise ValueError(f"{slot.name}: {self.what} holds shape {tuple(value.shape)}, the model "
-                                 f"{tuple(slot.shape)} (weights of another model?)")
-            value = value.to(slot.dtype) if value.dtype != slot.dtype else value
-            out[slot.name] = value.contiguous()  # as ``copy_`` into an in-memory parameter lays it out
+        with torch.no_grad():
+            for slot in block.slots:
+                value = self.source.get(slot.name)
+                if value.numel() != slot.shape.numel():
+                    raise ValueError(f"{slot.name}: {self.what} holds shape {tuple(value.shape)}, the model "
+                                     f"{tuple(slot.shape)} (weights of another model?)")
+                view = buf[slot.offset:slot.offset + slot.nbytes].view(slot.dtype).view(slot.shape)
+                view.copy_(value.view(slot.shape) if tuple(value.shape) != tuple(slot.shape) else value)
+                del value
+                out[slot.name] = view
         return out
 
 

@@ -45,6 +45,7 @@ from lightning_nvme.checkpoint.background import BackgroundCopy
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
 from lightning_nvme.config import ConfigError
 from lightning_nvme.constants import MiB
+from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_hf
 from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload, is_placeholder
@@ -248,6 +249,9 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                     source = blocks
         else:
             return
+        threshold = s.mmap_threshold()
+        if threshold is not None:
+            release_freed_memory(threshold)  # each block's buffers go back to the OS when dropped (memory.py)
         ckpt_path = getattr(module.trainer, "ckpt_path", None)
         self.eval_stream = ForwardStream(
             layout.blocks, source, s.param_prefetch, self.root_device,

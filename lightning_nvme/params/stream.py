@@ -20,8 +20,9 @@ store: ``HubWeights`` and ``PretrainedWeights`` (a safetensors directory, each t
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Iterator, Mapping
 from concurrent.futures import Future, ThreadPoolExecutor
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any, Protocol
 
@@ -181,6 +182,15 @@ class ForwardStream:
         self._handles: list[Any] = []
         self._bound: set[int] = set()
         self.on_read: Callable[[BlockLayout], None] | None = None  # a test counts reads
+        self._paused = False  # the hooks do nothing (a layer-major window binds the blocks itself)
+
+    @contextmanager
+    def paused(self) -> Iterator[None]:
+        was, self._paused = self._paused, True
+        try:
+            yield
+        finally:
+            self._paused = was
 
     def install(self) -> None:
         for block in self.blocks:
@@ -249,6 +259,8 @@ class ForwardStream:
 
     def _pre(self, block: BlockLayout) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any) -> None:
+            if self._paused:
+                return
             if torch.is_grad_enabled():
                 raise RuntimeError(NOT_FORWARD_ONLY.format(block=block.name))
             self.bind(block)
@@ -259,5 +271,6 @@ class ForwardStream:
 
     def _post(self, block: BlockLayout) -> Callable[..., Any]:
         def hook(module: nn.Module, args: Any, output: Any) -> None:
-            self.unbind(block)
+            if not self._paused:
+                self.unbind(block)
         return hook

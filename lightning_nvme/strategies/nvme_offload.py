@@ -21,8 +21,11 @@ weights from the store into a safetensors file beside it (``lightning_nvme.check
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -60,6 +63,7 @@ from lightning_nvme.params.stream import (
     TensorBlocks,
     check_streamable,
 )
+from lightning_nvme.params.window import LayerMajorWindow
 from lightning_nvme.placement import DevicePlacement, Item, block_item, device_block_item, plan_device
 from lightning_nvme.preflight import check_device_memory_budget
 from lightning_nvme.settings import OffloadSettings, from_arguments, with_settings
@@ -95,6 +99,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         self.eval_stats: StreamStats | None = None  # the last streamed evaluation's reads (kept after it)
         self._eval_from: ParamOffload | None = None  # the fit's offload whose store holds the weights, or None
         self._eval_store: FlatStore | None = None
+        self.eval_window: LayerMajorWindow | None = None  # eval_window > 1: blocks read once per window of batches
+        self._windows: deque[list[Any]] = deque()  # windows of raw batches read ahead (``_WindowLookahead``)
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices
@@ -261,12 +267,17 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         for block in layout.blocks:
             self.eval_stream.unbind(block)  # placeholders on the device the blocks run on
         self.eval_stream.install()
+        self._windows.clear()
+        if s.eval_window > 1:
+            self.eval_window = LayerMajorWindow(self.eval_stream, s.eval_window, s.eval_activation_bytes)
         rank_zero_info(f"{self.strategy_name}: streamed evaluation of {len(layout.blocks)} blocks "
                        f"({layout.offloaded_bytes / MiB:.1f} MiB) from "
                        f"{'the checkpoint ' + str(ckpt_path) if ckpt_path else (source.describe() if source else '?')}; "
                        f"param_prefetch={s.param_prefetch}")
 
     def _end_eval_stream(self) -> None:
+        self.eval_window = None
+        self._windows.clear()
         if self.eval_stream is not None:
             self.eval_stream.remove()
             self.eval_stats, self.eval_stream = self.eval_stream.stats, None
@@ -299,6 +310,56 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 copy_checked(key, tensor.to(targets[key].device), targets[key])
         source = BesideSource(state) if weights.has_refs(checkpoint) else MappingSource(state)
         stream.source = TensorBlocks(source, f"the checkpoint {getattr(module.trainer, 'ckpt_path', '')}")
+
+    # ---- the layer-major window (eval_window > 1, lightning_nvme.params.window) ---------------------------
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)
+        if self.eval_window is None:
+            return dataloader
+        return _WindowLookahead(dataloader, self.eval_window.window, self._windows)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._windowed(super().validation_step, self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._windowed(super().test_step, self.precision_plugin.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._windowed(super().predict_step, self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _windowed(self, step: Callable[..., Any], context: Callable[[], AbstractContextManager[Any]],
+                  args: tuple, kwargs: dict) -> Any:
+        """A batch's step; the first of a window first computes the whole window block by block."""
+        window = self.eval_window
+        if window is None or not args:
+            return step(*args, **kwargs)
+        if not window.serving:
+            window.clear()
+            raw = self._windows.popleft() if self._windows else [args[0]]
+            batch, index, rest = args[0], args[1] if len(args) > 1 else 0, args[2:]
+            dataloader_idx = rest[0] if rest else 0
+            batches = [batch] + [self._transfer(b, dataloader_idx) for b in raw[1:]]
+            for j, b in enumerate(batches):
+                window.capture(functools.partial(step, b, index + j, *rest, **kwargs) if len(args) > 1
+                               else functools.partial(step, b, **kwargs))
+            with context():
+                window.compute()
+        with window.serve():
+            out = step(*args, **kwargs)
+        window.finish_step()
+        return out
+
+    def _transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """What the loop does to a batch before its step (Lightning's ``_evaluation_step``)."""
+        module = self.lightning_module
+        assert module is not None
+        batch = self.precision_plugin.convert_input(batch)
+        batch = module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+        return self.batch_to_device(batch, dataloader_idx=dataloader_idx)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
@@ -360,7 +421,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
 
     def __getstate__(self) -> dict[str, Any]:
         # their threads, locks and open files stay with this instance
-        return {**super().__getstate__(), "_background": None, "eval_stream": None, "_eval_store": None}
+        return {**super().__getstate__(), "_background": None, "eval_stream": None, "_eval_store": None,
+                "eval_window": None}
 
     # ---- background saves (checkpoint_copy="background", lightning_nvme.checkpoint.background) -----------
     @override
@@ -514,3 +576,31 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 return
             read_block = params.read_block if params is not None else None
             export_hf(path, self.lightning_module, state, read_block, max_shard_bytes, merge_adapters)
+
+
+class _WindowLookahead:
+    """An evaluation dataloader read a window ahead: each window's raw batches are queued for the strategy (its step
+    computes the window's batches block by block at the window's first batch), then yielded one by one."""
+
+    def __init__(self, dataloader: Any, window: int, queue: deque[list[Any]]) -> None:
+        self.dataloader = dataloader
+        self.window = window
+        self.queue = queue
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, batch_size, dataset, ...: the dataloader's
+        if name == "dataloader":
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.queue.clear()
+        batches = iter(self.dataloader)
+        while True:
+            window = list(itertools.islice(batches, self.window))
+            if not window:
+                return
+            self.queue.append(window)
+            yield from window

@@ -267,3 +267,60 @@ def test_peak_memory_of_a_streamed_validate_is_a_few_blocks(tmp_path):
     assert streamed_run["stats"]["reads"] == 16 * 4 and streamed_run["stats"]["peak_bound_blocks"] == 1
     assert grew <= 3 * block_bytes + activations + constant, (grew, block_bytes)
     assert in_memory["peak"] - in_memory["base"] >= model_bytes  # the in-memory build does hold the model
+
+
+# ---- the layer-major window ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("arch", ["gpt2", "llama"])
+def test_layer_major_window_reads_each_block_once_per_window(tmp_path, arch):
+    """``eval_window=4`` over 6 batches (7 with the predict's odd one): the same outputs as batch by batch, bitwise,
+    and each block read once per window (2 windows per pass), counted by the stream."""
+    if arch != "gpt2":
+        pytest.importorskip("transformers")
+    path = hf_checkpoint(tmp_path / arch, arch)
+    backend = "native" if arch == "gpt2" else "transformers"
+    want = evaluate(trainer(tmp_path / "ref", "auto"), HFCausalLM(path, block_size=16, backend=backend), loader())
+
+    t = trainer(tmp_path / "off", offload(tmp_path, eval_window=4))
+    with t.init_module(empty_init=True):
+        model = HFCausalLM(path, block_size=16)
+    reads = []
+    for what in ("validate", "test", "predict"):
+        got = getattr(t, what)(model, loader(), **({} if what == "predict" else {"verbose": False}))
+        want_what = want[what]
+        if what == "predict":
+            assert all(torch.equal(a, b) for a, b in zip(got, want_what)) and len(got) == len(want_what)
+        else:
+            assert got[0].keys() == want_what[0].keys()
+            assert all(torch.equal(torch.as_tensor(got[0][k]), torch.as_tensor(v)) for k, v in want_what[0].items())
+        stats = t.strategy.eval_stats
+        reads.append(stats.reads_per_block)
+    n_blocks = 3
+    assert reads == [{i: 2 for i in range(n_blocks)}] * 3  # 6 batches in windows of 4: two reads of each block
+
+
+def test_window_over_its_activation_budget_is_refused_by_name(tmp_path):
+    path = hf_checkpoint(tmp_path / "gpt2", "gpt2")
+    t = trainer(tmp_path / "off", offload(tmp_path, eval_window=4, eval_activation_bytes=1024))
+    with t.init_module(empty_init=True):
+        model = HFCausalLM(path, block_size=16)
+    with pytest.raises(lightning_nvme.config.ConfigError, match="eval_activation_bytes"):
+        t.validate(model, loader(), verbose=False)
+
+
+def test_a_model_that_is_not_sequential_over_its_blocks_is_refused_by_name(tmp_path):
+    """Block 1 fed something else than block 0's output: the window refuses rather than serve other numbers."""
+    path = hf_checkpoint(tmp_path / "gpt2", "gpt2")
+
+    class Skips(HFCausalLM):
+        def logits(self, input_ids):
+            m = self.model
+            x = m.transformer["wte"](input_ids) + m.transformer["wpe"](torch.arange(input_ids.shape[1]))
+            for block in m.transformer["h"]:
+                x = block(x) * 1.0  # a computation between blocks
+            return m.lm_head(m.transformer["ln_f"](x))
+
+    t = trainer(tmp_path / "off", offload(tmp_path, eval_window=2))
+    with t.init_module(empty_init=True):
+        model = Skips(path, block_size=16)
+    with pytest.raises(lightning_nvme.config.ConfigError, match="eval_window=2"):
+        t.validate(model, loader(), verbose=False)

@@ -251,6 +251,60 @@ class HFCausalLM(CausalLMModule):
         return out.logits
 
 
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+                 source: InitialWeights | None = None, prefetch: int = 1, **kwargs: Any) -> GenerationResult:
+        """Greedy decoding (transformers' ``generate``, ``do_sample=False``) of a batch of prompts. A model whose
+        blocks are not in memory (built on the meta device with ``offload_params``, or left as placeholders by a
+        streamed evaluation) reads each block's weights from ``source`` (default: its checkpoint directory, read in
+        place) for each decoding step's forward, once for the whole batch; the KV cache stays in memory. ``kwargs``
+        go to transformers' ``generate``. Returns the sequences with the figures (tokens/s, bytes read per token)."""
+        if self.backend != "transformers":
+            raise ValueError(f"HFCausalLM.generate needs model.backend='transformers' (this model: {self.backend!r}); "
+                             "the native GPT-2 has no KV cache. Load it with backend='transformers'.")
+        import time
+
+        from lightning_nvme.params.stream import streamed_blocks
+
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with streamed_blocks(self, source if source is not None else self._initial, prefetch) as stream:
+                start = time.perf_counter()
+                out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                          max_new_tokens=max_new_tokens, **kwargs)
+                seconds = time.perf_counter() - start
+        finally:
+            self.model.train(was_training)
+        new = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+        read = stream.stats.bytes_read if stream is not None else 0
+        steps = stream.stats.reads // max(1, len(stream.blocks)) if stream is not None else 0
+        return GenerationResult(out, new, seconds, read, steps)
+
+
+class GenerationResult:
+    """What ``HFCausalLM.generate`` returns: the sequences (prompts + new tokens) and its figures."""
+
+    def __init__(self, sequences: torch.Tensor, new_tokens: int, seconds: float, bytes_read: int, steps: int) -> None:
+        self.sequences = sequences
+        self.new_tokens = new_tokens  # over the batch
+        self.seconds = seconds
+        self.bytes_read = bytes_read  # block weights read (0: the model was in memory)
+        self.block_passes = steps  # forwards through all blocks (decoding steps, each shared by the batch)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_read / self.new_tokens if self.new_tokens else 0.0
+
+    def figures(self) -> dict[str, Any]:
+        return {"new_tokens": self.new_tokens, "seconds": round(self.seconds, 4),
+                "tokens_per_s": round(self.tokens_per_s, 3), "bytes_read": self.bytes_read,
+                "bytes_read_per_token": round(self.bytes_per_token, 1), "block_passes": self.block_passes}
+
+
 def _auto_backend(path: str, on_meta: bool) -> str:
     """transformers for any architecture but GPT-2; GPT-2 natively when streamed (or without transformers)."""
     import json

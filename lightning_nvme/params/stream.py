@@ -32,7 +32,7 @@ from torch import nn
 from lightning_nvme.checkpoint.weights import BesideWeight, WeightReaders
 from lightning_nvme.params.layout import BlockLayout, ParamLayout
 from lightning_nvme.params.materialize import InitialWeights
-from lightning_nvme.placeholder import placeholder
+from lightning_nvme.placeholder import is_placeholder, placeholder
 from lightning_nvme.store import aligned_empty
 
 TensorSource = InitialWeights  # read-only, tensor by tensor: ``name in source``, ``source.get(name)``
@@ -274,3 +274,37 @@ class ForwardStream:
             if not self._paused:
                 self.unbind(block)
         return hook
+
+
+@contextmanager
+def streamed_blocks(model: nn.Module, source: TensorSource | None, prefetch: int = 1,
+                    device: torch.device | None = None, block_classes: Any = None) -> Iterator[ForwardStream | None]:
+    """Inside, ``model``'s blocks whose parameters are not in memory (meta, or placeholders) are read from ``source``
+    for each forward (``ForwardStream``); its other meta parameters are materialized first (from ``source``, or the
+    model's ``initial_weights()``). Yields the stream (its ``stats`` count the reads), or ``None`` for a model in memory
+    (nothing to stream). Used outside Lightning's loops: ``HFCausalLM.generate``."""
+    from lightning_nvme.params.materialize import has_meta_tensors, materialize
+    from lightning_nvme.params.offload import ParamOffload  # the layout's planner (its store is never started)
+
+    if not has_meta_tensors(model) and not any(is_placeholder(p) for p in model.parameters()):
+        yield None
+        return
+    device = device or torch.device("cpu")
+    layout = ParamOffload(model, block_classes, prefetch, device).layout
+    check_streamable(model, layout)
+    materialize(model, device, skip={id(s.param) for b in layout.blocks for s in b.slots})
+    if source is None:
+        raise ValueError(f"{type(model).__name__}: its block weights are not in memory and no source gives them "
+                         "(initial_weights() or a checkpoint)")
+    blocks = TensorBlocks(source, type(source).__name__)
+    missing = blocks.missing(layout.blocks)
+    if missing:
+        raise ValueError(f"{type(source).__name__} does not hold {missing[:4]} (weights of another model?)")
+    stream = ForwardStream(layout.blocks, blocks, prefetch, device)
+    for block in layout.blocks:
+        stream.unbind(block)
+    stream.install()
+    try:
+        yield stream
+    finally:
+        stream.remove()

@@ -11,7 +11,7 @@ import importlib.util
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -270,7 +270,7 @@ class HFCausalLM(CausalLMModule):
         try:
             with streamed_blocks(self, source if source is not None else self._initial, prefetch) as stream:
                 start = time.perf_counter()
-                out = self.model.generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                out = cast(Any, self.model).generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
                                           max_new_tokens=max_new_tokens, **kwargs)
                 seconds = time.perf_counter() - start
         finally:

@@ -283,7 +283,7 @@ def streamed_blocks(model: nn.Module, source: TensorSource | None, prefetch: int
     for each forward (``ForwardStream``); its other meta parameters are materialized first (from ``source``, or the
     model's ``initial_weights()``). Yields the stream (its ``stats`` count the reads), or ``None`` for a model in memory
     (nothing to stream). Used outside Lightning's loops: ``HFCausalLM.generate``."""
-    from lightning_nvme.params.materialize import has_meta_tensors, materialize
+    from lightning_nvme.params.materialize import copy_checked, has_meta_tensors, initial_weights, materialize
     from lightning_nvme.params.offload import ParamOffload  # the layout's planner (its store is never started)
 
     if not has_meta_tensors(model) and not any(is_placeholder(p) for p in model.parameters()):
@@ -292,7 +292,13 @@ def streamed_blocks(model: nn.Module, source: TensorSource | None, prefetch: int
     device = device or torch.device("cpu")
     layout = ParamOffload(model, block_classes, prefetch, device).layout
     check_streamable(model, layout)
-    materialize(model, device, skip={id(s.param) for b in layout.blocks for s in b.slots})
+    streamed = {id(s.param) for b in layout.blocks for s in b.slots}
+    materialize(model, device, skip=streamed)
+    if source is not None and source is not initial_weights(model):  # a checkpoint: its values outside the blocks too
+        with torch.no_grad():
+            for name, t in [*model.named_parameters(remove_duplicate=False), *model.named_buffers()]:
+                if id(t) not in streamed and name in source:
+                    copy_checked(name, source.get(name), t)
     if source is None:
         raise ValueError(f"{type(model).__name__}: its block weights are not in memory and no source gives them "
                          "(initial_weights() or a checkpoint)")

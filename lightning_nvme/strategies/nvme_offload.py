@@ -125,6 +125,11 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 self.param_offload = self._eval_from = fitted  # after fit (restore_params=False): the store has them
         if self.config.offload_params and trainer.state.fn == TrainerFn.FITTING:
             self._check_param_offload_supported()
+            if (fitted is None or not fitted.active) and any(is_placeholder(p) for p in trainer.lightning_module.parameters()):
+                raise ValueError(f"{self.strategy_name}: {type(trainer.lightning_module).__name__}'s block parameters are "
+                                 "placeholders left by a streamed evaluation (validate/test/predict with offload_params): "
+                                 "their values were never in this module. Build the model again (on the meta device, "
+                                 "with its initial weights) or pass ckpt_path=... to fit.")
             s = self.config
             classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
             self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device)
@@ -417,7 +422,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 elif self.param_offload is not None:
                     self.param_offload.stop(restore=self.config.restore_params)
             finally:
-                super().teardown()
+                with _meta_stays(self.lightning_module):
+                    super().teardown()
 
     def __getstate__(self) -> dict[str, Any]:
         # their threads, locks and open files stay with this instance
@@ -604,3 +610,17 @@ class _WindowLookahead:
                 return
             self.queue.append(window)
             yield from window
+
+
+@contextmanager
+def _meta_stays(module: torch.nn.Module | None) -> Iterator[None]:
+    """Lightning's teardown moves the module to the CPU: a model still on the meta device (a setup that refused it
+    before anything was read) cannot be copied, and that error would hide the refusal. Inside, it stays where it is."""
+    if module is None or not has_meta_tensors(module):
+        yield
+        return
+    module.cpu = lambda: module  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.cpu

@@ -324,3 +324,22 @@ def test_a_model_that_is_not_sequential_over_its_blocks_is_refused_by_name(tmp_p
         model = Skips(path, block_size=16)
     with pytest.raises(lightning_nvme.config.ConfigError, match="eval_window=2"):
         t.validate(model, loader(), verbose=False)
+
+
+def test_refusals_before_anything_is_read(tmp_path):
+    """A block holding a buffer still on the meta device, and fit on a model whose blocks a streamed evaluation left
+    as placeholders: each refused by name."""
+    path = hf_checkpoint(tmp_path / "gpt2", "gpt2")
+    t = trainer(tmp_path / "a", offload(tmp_path / "a"))
+    with t.init_module(empty_init=True):
+        model = HFCausalLM(path, block_size=16)
+        model.model.transformer["h"][1].register_buffer("scale", torch.empty(3))
+    with pytest.raises(ValueError, match=r"transformer\.h\.1\.scale.*meta device"):
+        t.validate(model, loader(), verbose=False)
+
+    t = trainer(tmp_path / "b", offload(tmp_path / "b"))
+    with t.init_module(empty_init=True):
+        model = HFCausalLM(path, block_size=16)
+    t.validate(model, loader(), verbose=False)
+    with pytest.raises(ValueError, match="placeholders left by a streamed evaluation"):
+        trainer(tmp_path / "c", offload(tmp_path / "c")).fit(model, loader())

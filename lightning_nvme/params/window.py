@@ -20,6 +20,7 @@ read per scored token fall by W. What it needs from the model, checked rather th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -78,6 +79,8 @@ class LayerMajorWindow:
         self.budget = budget
         self.windows = 0  # windows computed
         self.peak_activation_bytes = 0
+        self.compute_s = 0.0  # seconds in the blocks' forwards (what a window costs without its reads)
+        self.read_wait_s = 0.0  # seconds waiting for a block's read (the rest overlaps the compute)
         self._calls: list[_Call] = []
         self._final: list[Any] = []
         self._rest: list[tuple[Any, list[Any]]] = []  # per block: its output's structure and non-tensor leaves
@@ -120,13 +123,17 @@ class LayerMajorWindow:
         self._rest = []
         outputs: list[Any] = []
         for block in blocks:
+            t0 = time.perf_counter()
             self.stream.bind(block)
             for ahead in blocks[block.index + 1:block.index + 1 + self.stream.prefetch]:
                 self.stream.request(ahead)
+            t1 = time.perf_counter()
             outputs = []
             with self.stream.paused():
                 for h, call in zip(hidden, self._calls):
                     outputs.append(block.module(h, *call.args[1:], **call.kwargs))
+            self.read_wait_s += t1 - t0
+            self.compute_s += time.perf_counter() - t1
             self.stream.unbind(block)
             self.stream.stats.forwards += len(outputs)
             leaves, spec = tree_flatten(outputs[0])

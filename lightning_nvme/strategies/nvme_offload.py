@@ -100,6 +100,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         self._eval_from: ParamOffload | None = None  # the fit's offload whose store holds the weights, or None
         self._eval_store: FlatStore | None = None
         self.eval_window: LayerMajorWindow | None = None  # eval_window > 1: blocks read once per window of batches
+        self.last_eval_window: LayerMajorWindow | None = None
         self._windows: deque[list[Any]] = deque()  # windows of raw batches read ahead (``_WindowLookahead``)
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
@@ -281,6 +282,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                        f"param_prefetch={s.param_prefetch}")
 
     def _end_eval_stream(self) -> None:
+        if self.eval_window is not None:
+            self.last_eval_window = self.eval_window  # its figures (windows, compute and read-wait seconds) stay
         self.eval_window = None
         self._windows.clear()
         if self.eval_stream is not None:
@@ -428,7 +431,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     def __getstate__(self) -> dict[str, Any]:
         # their threads, locks and open files stay with this instance
         return {**super().__getstate__(), "_background": None, "eval_stream": None, "_eval_store": None,
-                "eval_window": None}
+                "eval_window": None, "last_eval_window": None}
 
     # ---- background saves (checkpoint_copy="background", lightning_nvme.checkpoint.background) -----------
     @override

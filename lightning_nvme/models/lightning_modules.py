@@ -263,8 +263,14 @@ class HFCausalLM(CausalLMModule):
                              "the native GPT-2 has no KV cache. Load it with backend='transformers'.")
         import time
 
-        from lightning_nvme.params.stream import streamed_blocks
+        from lightning_nvme.params import is_placeholder
+        from lightning_nvme.params.stream import FROM_INITIAL, streamed_blocks
 
+        if source is None and not getattr(self, FROM_INITIAL, False) and any(is_placeholder(p) for p in self.parameters()):
+            raise ValueError("HFCausalLM.generate: the block weights are placeholders for values this module does not "
+                             "hold (a streamed evaluation from a checkpoint, or a fit with restore_params=False): pass "
+                             "source=lightning_nvme.params.stream.BesideSource(checkpoint['state_dict']) (or generate "
+                             "from the checkpoint: lightning-nvme generate CKPT).")
         was_training = self.model.training
         self.model.eval()
         try:

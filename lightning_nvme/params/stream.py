@@ -35,6 +35,10 @@ from lightning_nvme.params.materialize import InitialWeights
 from lightning_nvme.placeholder import is_placeholder, placeholder
 from lightning_nvme.store import aligned_empty
 
+# set on a module whose block placeholders stand for its initial_weights() (a later evaluation may read them again);
+# placeholders standing for other values (a checkpoint's, a fit's store) must not be served from there
+FROM_INITIAL = "_lightning_nvme_blocks_are_initial_weights"
+
 TensorSource = InitialWeights  # read-only, tensor by tensor: ``name in source``, ``source.get(name)``
 
 NOT_FORWARD_ONLY = (

@@ -54,6 +54,7 @@ from lightning_nvme.optim import UpdateListener
 from lightning_nvme.params import ParamOffload, is_placeholder
 from lightning_nvme.params.materialize import copy_checked, has_meta_tensors, initial_weights, materialize
 from lightning_nvme.params.stream import (
+    FROM_INITIAL,
     BesideSource,
     BlockSource,
     ForwardStream,
@@ -252,13 +253,17 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             layout = ParamOffload(module, classes, s.param_prefetch, self.root_device).layout
             streamed = {id(slot.param) for b in layout.blocks for slot in b.slots}
             check_streamable(module, layout)
+            fresh = any(slot.param.is_meta for b in layout.blocks for slot in b.slots)  # never initialized
             materialize(module, self.root_device, skip=streamed)  # the parameters outside the blocks only
             initial = initial_weights(module)
-            if initial is not None:
+            # A block never initialized (meta), or left as placeholders by a stream from these same initial weights:
+            # they are its values. Placeholders for other values (a checkpoint's, a fit's store) are not served from
+            # them: that would be other numbers.
+            if initial is not None and (fresh or getattr(module, FROM_INITIAL, False)):
                 blocks = TensorBlocks(initial, f"{type(module).__name__}.initial_weights()")
-                missing = blocks.missing(layout.blocks)
-                if not missing:
+                if not blocks.missing(layout.blocks):
                     source = blocks
+            setattr(module, FROM_INITIAL, source is not None)
         else:
             return
         threshold = s.mmap_threshold()
@@ -267,9 +272,11 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         ckpt_path = getattr(module.trainer, "ckpt_path", None)
         self.eval_stream = ForwardStream(
             layout.blocks, source, s.param_prefetch, self.root_device,
-            unsourced=f"{self.strategy_name}: {type(module).__name__} was built on the meta device (offload_params) "
-                      "and nothing gives its block weights: no initial_weights() covering them and no ckpt_path. "
-                      "Pass ckpt_path=... to validate/test/predict, or build the model in memory.")
+            unsourced=f"{self.strategy_name}: the block weights of {type(module).__name__} are not in memory (built on "
+                      "the meta device, or placeholders left by an earlier streamed evaluation from a checkpoint or by a "
+                      "fit in another trainer with restore_params=False) and nothing here gives them: no "
+                      "initial_weights() covering them and no ckpt_path. Pass ckpt_path=... to validate/test/predict "
+                      "(trainer.save_checkpoint of the fit), or build the model in memory.")
         for block in layout.blocks:
             self.eval_stream.unbind(block)  # placeholders on the device the blocks run on
         self.eval_stream.install()
@@ -317,6 +324,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 tensor = readers.read(value) if isinstance(value, weights.BesideWeight) else value
                 copy_checked(key, tensor.to(targets[key].device), targets[key])
         source = BesideSource(state) if weights.has_refs(checkpoint) else MappingSource(state)
+        setattr(module, FROM_INITIAL, False)  # its placeholders stand for the checkpoint's values from now on
         stream.source = TensorBlocks(source, f"the checkpoint {getattr(module.trainer, 'ckpt_path', '')}")
 
     # ---- the layer-major window (eval_window > 1, lightning_nvme.params.window) ---------------------------

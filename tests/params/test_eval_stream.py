@@ -201,6 +201,11 @@ def test_hf_from_the_store_and_from_a_streamed_checkpoint(tmp_path, arch):
         fresh = HFCausalLM(path, block_size=16)
     assert_same(evaluate(t2, fresh, loader(), ckpt_path=ckpt), want)  # from the checkpoint's beside weights
     streamed(t2)
+    # its placeholders now stand for the checkpoint's weights: never served from the base directory again
+    with pytest.raises(RuntimeError, match="ckpt_path"):
+        t2.validate(fresh, loader(), verbose=False)
+    with pytest.raises(ValueError, match="placeholders"):
+        fresh.generate(torch.zeros(1, 2, dtype=torch.long), 1)
 
 
 # ---- peak memory ---------------------------------------------------------------------------------------------

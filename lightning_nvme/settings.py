@@ -143,6 +143,13 @@ class OffloadSettings:
                  "plain Lightning checkpoint; memory: that much); larger ones stream from the store into "
                  "``<file>.optim/<save id>/weights.safetensors``, one block in memory at a time.",
         nbytes(0, typical="0 to always stream the weights beside the file"))
+    eval_window: int = setting(
+        1, "With ``offload_params`` outside fit: batches that pass through each block before the next block is read "
+           "(layer-major, docs/params.md): each block is read once per window instead of once per batch.",
+        count(1, "1 (batch by batch), or 8-64 to read each block once for that many batches"))
+    eval_activation_bytes: int = setting(
+        2 * GiB, "With ``eval_window`` > 1: bytes the window's activations between blocks may take in RAM; a "
+                 "window needing more is refused by name.", nbytes(1, typical="2 GiB"))
     checkpoint_copy: str = setting(
         "auto", "How a checkpoint copies the optimizer state out of the store (each rank its shard): ``\"reflink\"`` "
                 "clones the store's extents (XFS/btrfs, checkpoint on the store's filesystem; refused elsewhere), "

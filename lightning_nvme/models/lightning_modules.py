@@ -11,7 +11,7 @@ import importlib.util
 import os
 from collections.abc import Callable, Iterable, Iterator
 from contextlib import contextmanager
-from typing import Any
+from typing import Any, cast
 
 import lightning.pytorch as pl
 import torch
@@ -55,6 +55,7 @@ class CausalLMModule(pl.LightningModule):
         with _plain_tensors():  # tiny fp32 states, also inside trainer.init_module() (meta device, bf16 default)
             self.train_ppl = Perplexity()
             self.val_ppl = Perplexity()
+            self.test_ppl = Perplexity()
 
     def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
         raise NotImplementedError
@@ -86,6 +87,18 @@ class CausalLMModule(pl.LightningModule):
         loss = self._loss(batch, self.val_ppl)
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", self.val_ppl, prog_bar=True)  # accumulated over the validation epoch
+
+    @override
+    def test_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+        loss = self._loss(batch, self.test_ppl)
+        self.log("test/loss", loss)
+        self.log("test/ppl", self.test_ppl)
+
+    @override
+    def predict_step(self, batch: Any, batch_idx: int, dataloader_idx: int = 0) -> torch.Tensor:
+        """The logits of the batch's inputs (``(input_ids, targets)`` or ``input_ids``)."""
+        x = batch[0] if isinstance(batch, (tuple, list)) else batch
+        return self(x)
 
     @override
     def configure_optimizers(self) -> OptimizerLRScheduler:
@@ -235,6 +248,66 @@ class HFCausalLM(CausalLMModule):
             return self.model(input_ids)
         out: Any = self.model(input_ids=input_ids, use_cache=False)
         return out.logits
+
+
+    def generate(self, input_ids: torch.Tensor, max_new_tokens: int, attention_mask: torch.Tensor | None = None,
+                 source: InitialWeights | None = None, prefetch: int = 1, **kwargs: Any) -> GenerationResult:
+        """Greedy decoding (transformers' ``generate``, ``do_sample=False``) of a batch of prompts. A model whose
+        blocks are not in memory (built on the meta device with ``offload_params``, or left as placeholders by a
+        streamed evaluation) reads each block's weights from ``source`` (default: its checkpoint directory, read in
+        place) for each decoding step's forward, once for the whole batch; the KV cache stays in memory. ``kwargs``
+        go to transformers' ``generate``. Returns the sequences with the figures (tokens/s, bytes read per token)."""
+        if self.backend != "transformers":
+            raise ValueError(f"HFCausalLM.generate needs model.backend='transformers' (this model: {self.backend!r}); "
+                             "the native GPT-2 has no KV cache. Load it with backend='transformers'.")
+        import time
+
+        from lightning_nvme.params import is_placeholder
+        from lightning_nvme.params.stream import FROM_INITIAL, streamed_blocks
+
+        if source is None and not getattr(self, FROM_INITIAL, False) and any(is_placeholder(p) for p in self.parameters()):
+            raise ValueError("HFCausalLM.generate: the block weights are placeholders for values this module does not "
+                             "hold (a streamed evaluation from a checkpoint, or a fit with restore_params=False): pass "
+                             "source=lightning_nvme.params.stream.BesideSource(checkpoint['state_dict']) (or generate "
+                             "from the checkpoint: lightning-nvme generate CKPT).")
+        was_training = self.model.training
+        self.model.eval()
+        try:
+            with streamed_blocks(self, source if source is not None else self._initial, prefetch) as stream:
+                start = time.perf_counter()
+                out = cast(Any, self.model).generate(input_ids=input_ids, attention_mask=attention_mask, do_sample=False,
+                                          max_new_tokens=max_new_tokens, **kwargs)
+                seconds = time.perf_counter() - start
+        finally:
+            self.model.train(was_training)
+        new = (out.shape[1] - input_ids.shape[1]) * out.shape[0]
+        read = stream.stats.bytes_read if stream is not None else 0
+        steps = stream.stats.reads // max(1, len(stream.blocks)) if stream is not None else 0
+        return GenerationResult(out, new, seconds, read, steps)
+
+
+class GenerationResult:
+    """What ``HFCausalLM.generate`` returns: the sequences (prompts + new tokens) and its figures."""
+
+    def __init__(self, sequences: torch.Tensor, new_tokens: int, seconds: float, bytes_read: int, steps: int) -> None:
+        self.sequences = sequences
+        self.new_tokens = new_tokens  # over the batch
+        self.seconds = seconds
+        self.bytes_read = bytes_read  # block weights read (0: the model was in memory)
+        self.block_passes = steps  # forwards through all blocks (decoding steps, each shared by the batch)
+
+    @property
+    def tokens_per_s(self) -> float:
+        return self.new_tokens / self.seconds if self.seconds else 0.0
+
+    @property
+    def bytes_per_token(self) -> float:
+        return self.bytes_read / self.new_tokens if self.new_tokens else 0.0
+
+    def figures(self) -> dict[str, Any]:
+        return {"new_tokens": self.new_tokens, "seconds": round(self.seconds, 4),
+                "tokens_per_s": round(self.tokens_per_s, 3), "bytes_read": self.bytes_read,
+                "bytes_read_per_token": round(self.bytes_per_token, 1), "block_passes": self.block_passes}
 
 
 def _auto_backend(path: str, on_meta: bool) -> str:

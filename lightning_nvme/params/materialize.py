@@ -16,12 +16,14 @@ initialized by ``reset_parameters()`` as above.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from typing import Protocol
 
 import torch
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
 from torch import nn
+
+from lightning_nvme.optim.plan import placeholder
 
 
 class InitialWeights(Protocol):
@@ -51,14 +53,16 @@ def has_meta_tensors(model: nn.Module) -> bool:
     return _has_meta_device_parameters_or_buffers(model)
 
 
-def materialize(model: nn.Module, device: torch.device, after_module: Callable[[], None] | None = None) -> None:
+def materialize(model: nn.Module, device: torch.device, after_module: Callable[[], None] | None = None,
+                skip: Collection[int] = ()) -> None:
     """Initialize every meta tensor of ``model`` on ``device`` (from ``initial_weights(model)`` where it
     has them); ``after_module`` runs after each module (a parameter offload places the blocks that are
-    now complete)."""
+    now complete). Parameters whose ``id`` is in ``skip`` get placeholders instead, never a value (streamed
+    evaluation reads them per forward: ``lightning_nvme.params.stream``)."""
     source = initial_weights(model)
     for prefix, module in model.named_modules():
         if _has_meta_device_parameters_or_buffers(module, recurse=False):
-            _initialize(module, prefix + "." if prefix else "", device, source)
+            _initialize(module, prefix + "." if prefix else "", device, source, skip)
         if after_module is not None:
             after_module()
 
@@ -75,7 +79,30 @@ def empty_meta(module: nn.Module, device: torch.device) -> None:
             module._buffers[name] = torch.empty_like(b, device=device)
 
 
-def _initialize(module: nn.Module, prefix: str, device: torch.device, source: InitialWeights | None) -> None:
+def _skip(module: nn.Module, prefix: str, device: torch.device, skip: Collection[int],
+          source: InitialWeights | None) -> None:
+    """The meta parameters of ``module`` in ``skip`` swapped for placeholders (the same objects); refused by name
+    where its other meta tensors would need its ``reset_parameters()``, which would write into the placeholders."""
+    skipped = [n for n, p in module._parameters.items() if p is not None and p.is_meta and id(p) in skip]
+    for n in skipped:
+        p = module._parameters[n]
+        assert p is not None
+        torch.utils.swap_tensors(p, nn.Parameter(placeholder(p.shape, p.dtype, device), requires_grad=p.requires_grad))
+    left = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
+    uncovered = [n for n in left if source is None or prefix + n not in source]
+    if skipped and uncovered:
+        raise ValueError(f"{prefix.rstrip('.')}: streamed evaluation reads {[prefix + n for n in skipped]} per block "
+                         f"forward, but {[prefix + n for n in uncovered]} of the same module would need its "
+                         "reset_parameters(), which also writes the streamed ones. Give the model initial weights "
+                         "covering them (initial_weights()), or evaluate with offload_params=False.")
+
+
+def _initialize(module: nn.Module, prefix: str, device: torch.device, source: InitialWeights | None,
+                skip: Collection[int] = ()) -> None:
+    if skip:
+        _skip(module, prefix, device, skip, source)
+        if not _has_meta_device_parameters_or_buffers(module, recurse=False):
+            return
     own = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
     given = [n for n in own if source is not None and prefix + n in source]
     empty_meta(module, device)

@@ -21,8 +21,11 @@ weights from the store into a safetensors file beside it (``lightning_nvme.check
 
 from __future__ import annotations
 
+import functools
+import itertools
 import os
 import time
+from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
@@ -45,10 +48,23 @@ from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.fs import reflink
+from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_hf
 from lightning_nvme.optim import UpdateListener
-from lightning_nvme.params import ParamOffload
-from lightning_nvme.params.materialize import has_meta_tensors, materialize
+from lightning_nvme.params import ParamOffload, is_placeholder
+from lightning_nvme.params.materialize import copy_checked, has_meta_tensors, initial_weights, materialize
+from lightning_nvme.params.stream import (
+    FROM_INITIAL,
+    BesideSource,
+    BlockSource,
+    ForwardStream,
+    MappingSource,
+    StoreBlocks,
+    StreamStats,
+    TensorBlocks,
+    check_streamable,
+)
+from lightning_nvme.params.window import LayerMajorWindow
 from lightning_nvme.preflight.resources import check_device_memory_budget
 from lightning_nvme.settings import OffloadSettings, from_arguments, with_settings
 from lightning_nvme.store import FlatStore
@@ -80,6 +96,13 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         self.param_offload: ParamOffload | None = None
         self.desk_plan: DeskPlan | None = None  # blocks kept on the GPU (device_memory_budget)
         self._background: BackgroundCopy | None = None  # the last background save (checkpoint_copy="background")
+        self.eval_stream: ForwardStream | None = None  # streamed evaluation (offload_params outside fit)
+        self.eval_stats: StreamStats | None = None  # the last streamed evaluation's reads (kept after it)
+        self._eval_from: ParamOffload | None = None  # the fit's offload whose store holds the weights, or None
+        self._eval_store: FlatStore | None = None
+        self.eval_window: LayerMajorWindow | None = None  # eval_window > 1: blocks read once per window of batches
+        self.last_eval_window: LayerMajorWindow | None = None
+        self._windows: deque[list[Any]] = deque()  # windows of raw batches read ahead (``_WindowLookahead``)
         self._device_given = device is not None
         # Set by the accelerator connector when built from a string, so the device follows `accelerator=`.
         self.parallel_devices = parallel_devices
@@ -94,15 +117,26 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     # ---- parameter offload -------------------------------------------------------------------------------
     @override
     def setup(self, trainer: pl.Trainer) -> None:
+        fitted = self.param_offload
         self.param_offload = None
         self.desk_plan = None
+        self._eval_from, self.eval_stream = None, None
+        if self.config.offload_params and trainer.state.fn != TrainerFn.FITTING:
+            self._check_param_offload_supported()
+            if fitted is not None and fitted.active and fitted.model is trainer.lightning_module and self.offloaded:
+                self.param_offload = self._eval_from = fitted  # after fit (restore_params=False): the store has them
         if self.config.offload_params and trainer.state.fn == TrainerFn.FITTING:
             self._check_param_offload_supported()
+            if (fitted is None or not fitted.active) and any(is_placeholder(p) for p in trainer.lightning_module.parameters()):
+                raise ValueError(f"{self.strategy_name}: {type(trainer.lightning_module).__name__}'s block parameters are "
+                                 "placeholders left by a streamed evaluation (validate/test/predict with offload_params): "
+                                 "their values were never in this module. Build the model again (on the meta device, "
+                                 "with its initial weights) or pass ckpt_path=... to fit.")
             s = self.config
             classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
             self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device)
         super().setup(trainer)
-        if self.param_offload is not None and self.nvme_store is None:
+        if self.param_offload is not None and self.nvme_store is None and self._eval_from is None:
             self.param_offload = None  # no optimizer: nothing trains, nothing to offload
 
     @override
@@ -181,7 +215,10 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def model_to_device(self) -> None:
         assert self.model is not None
-        if self.param_offload is not None and (has_meta_tensors(self.model) or self.root_device.type != "cpu"):
+        assert self.lightning_module is not None
+        if self.config.offload_params and self.lightning_module.trainer.state.fn != TrainerFn.FITTING:
+            self._start_eval_stream()
+        elif self.param_offload is not None and (has_meta_tensors(self.model) or self.root_device.type != "cpu"):
             assert self.lightning_module is not None
             store = self._open_new_store(self.lightning_module.trainer, HEADER_BYTES + self._extra_store_bytes())
             if has_meta_tensors(self.model):
@@ -191,6 +228,160 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         elif has_meta_tensors(self.model):  # not fitting: the model is needed in memory anyway
             materialize(self.model, self.root_device)
         super().model_to_device()
+
+    # ---- streamed evaluation (validate / test / predict with offload_params) -----------------------------
+    def _start_eval_stream(self) -> None:
+        """Outside fit, a model whose blocks are not in memory is evaluated block by block (``params.stream``):
+        from the store a fit left them in (``restore_params=False``), or, for a model built on the meta device,
+        from its own initial weights (a safetensors directory read in place) or the checkpoint loaded next
+        (``ckpt_path``: ``load_model_state_dict`` sets the source). Only the parameters outside the blocks are
+        materialized. A model in memory is evaluated in memory (nothing to stream)."""
+        module = self.lightning_module
+        assert module is not None
+        s = self.config
+        classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
+        source: BlockSource | None = None
+        if self._eval_from is not None:
+            store = self.offloaded[0].store_ref.open()  # closed at teardown; read only
+            for off in self.offloaded:
+                off.attach(store)
+            self._attach_store(store)
+            self._eval_store = store
+            layout = self._eval_from.layout
+            source = StoreBlocks(self._eval_from.read_block, f"the store {store.path}")
+        elif has_meta_tensors(module) or any(is_placeholder(p) for p in module.parameters()):  # (an earlier stream's)
+            layout = ParamOffload(module, classes, s.param_prefetch, self.root_device).layout
+            streamed = {id(slot.param) for b in layout.blocks for slot in b.slots}
+            check_streamable(module, layout)
+            fresh = any(slot.param.is_meta for b in layout.blocks for slot in b.slots)  # never initialized
+            materialize(module, self.root_device, skip=streamed)  # the parameters outside the blocks only
+            initial = initial_weights(module)
+            # A block never initialized (meta), or left as placeholders by a stream from these same initial weights:
+            # they are its values. Placeholders for other values (a checkpoint's, a fit's store) are not served from
+            # them: that would be other numbers.
+            if initial is not None and (fresh or getattr(module, FROM_INITIAL, False)):
+                blocks = TensorBlocks(initial, f"{type(module).__name__}.initial_weights()")
+                if not blocks.missing(layout.blocks):
+                    source = blocks
+            setattr(module, FROM_INITIAL, source is not None)
+        else:
+            return
+        threshold = s.mmap_threshold()
+        if threshold is not None:
+            release_freed_memory(threshold)  # each block's buffers go back to the OS when dropped (memory.py)
+        ckpt_path = getattr(module.trainer, "ckpt_path", None)
+        self.eval_stream = ForwardStream(
+            layout.blocks, source, s.param_prefetch, self.root_device,
+            unsourced=f"{self.strategy_name}: the block weights of {type(module).__name__} are not in memory (built on "
+                      "the meta device, or placeholders left by an earlier streamed evaluation from a checkpoint or by a "
+                      "fit in another trainer with restore_params=False) and nothing here gives them: no "
+                      "initial_weights() covering them and no ckpt_path. Pass ckpt_path=... to validate/test/predict "
+                      "(trainer.save_checkpoint of the fit), or build the model in memory.")
+        for block in layout.blocks:
+            self.eval_stream.unbind(block)  # placeholders on the device the blocks run on
+        self.eval_stream.install()
+        self._windows.clear()
+        if s.eval_window > 1:
+            self.eval_window = LayerMajorWindow(self.eval_stream, s.eval_window, s.eval_activation_bytes)
+        rank_zero_info(f"{self.strategy_name}: streamed evaluation of {len(layout.blocks)} blocks "
+                       f"({layout.offloaded_bytes / MiB:.1f} MiB) from "
+                       f"{'the checkpoint ' + str(ckpt_path) if ckpt_path else (source.describe() if source else '?')}; "
+                       f"param_prefetch={s.param_prefetch}")
+
+    def _end_eval_stream(self) -> None:
+        if self.eval_window is not None:
+            self.last_eval_window = self.eval_window  # its figures (windows, compute and read-wait seconds) stay
+        self.eval_window = None
+        self._windows.clear()
+        if self.eval_stream is not None:
+            self.eval_stream.remove()
+            self.eval_stats, self.eval_stream = self.eval_stream.stats, None
+        if self._eval_store is not None:
+            self._eval_store.close()
+            self._eval_store = None
+
+    def _load_for_eval(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        """A checkpoint for streamed evaluation: the block weights become the stream's source (read per forward from
+        the beside file, or from the dict when inline); the others are copied into the module. Not through
+        ``load_state_dict``: its hooks would bring the blocks into memory."""
+        stream, module = self.eval_stream, self.lightning_module
+        assert stream is not None and module is not None
+        state = checkpoint["state_dict"]
+        streamed = {slot.name for b in stream.blocks for slot in b.slots}
+        targets = {**dict(module.named_buffers(remove_duplicate=False)),
+                   **dict(module.named_parameters(remove_duplicate=False))}
+        missing = sorted(n for n in streamed if n not in state)
+        missing += sorted(n for n, p in module.named_parameters(remove_duplicate=False) if n not in state
+                          and n not in streamed)
+        unexpected = sorted(k for k in state if k not in targets)
+        if strict and (missing or unexpected):
+            raise RuntimeError(f"Error(s) in loading state_dict for {type(module).__name__}: missing keys "
+                               f"{missing[:8]}, unexpected keys {unexpected[:8]}")
+        with weights.WeightReaders() as readers, torch.no_grad():
+            for key, value in state.items():
+                if key in streamed or key not in targets:
+                    continue
+                tensor = readers.read(value) if isinstance(value, weights.BesideWeight) else value
+                copy_checked(key, tensor.to(targets[key].device), targets[key])
+        source = BesideSource(state) if weights.has_refs(checkpoint) else MappingSource(state)
+        setattr(module, FROM_INITIAL, False)  # its placeholders stand for the checkpoint's values from now on
+        stream.source = TensorBlocks(source, f"the checkpoint {getattr(module.trainer, 'ckpt_path', '')}")
+
+    # ---- the layer-major window (eval_window > 1, lightning_nvme.params.window) ---------------------------
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        dataloader = super().process_dataloader(dataloader)
+        if self.eval_window is None:
+            return dataloader
+        return _WindowLookahead(dataloader, self.eval_window.window, self._windows)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._windowed(super().validation_step, self.precision_plugin.val_step_context, args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._windowed(super().test_step, self.precision_plugin.test_step_context, args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        return self._windowed(super().predict_step, self.precision_plugin.predict_step_context, args, kwargs)
+
+    def _windowed(self, step: Callable[..., Any], context: Callable[[], AbstractContextManager[Any]],
+                  args: tuple, kwargs: dict) -> Any:
+        """A batch's step; the first of a window first computes the whole window block by block."""
+        window = self.eval_window
+        if window is None or not args:
+            return step(*args, **kwargs)
+        if not window.serving:
+            window.clear()
+            raw = self._windows.popleft() if self._windows else [args[0]]
+            batch, index, rest = args[0], args[1] if len(args) > 1 else 0, args[2:]
+            dataloader_idx = rest[0] if rest else 0
+            batches = [batch] + [self._transfer(b, dataloader_idx) for b in raw[1:]]
+            for j, b in enumerate(batches):
+                window.capture(functools.partial(step, b, index + j, *rest, **kwargs) if len(args) > 1
+                               else functools.partial(step, b, **kwargs))
+            with context():
+                window.compute()
+        with window.serve():
+            out = step(*args, **kwargs)
+        window.finish_step()
+        return out
+
+    def _transfer(self, batch: Any, dataloader_idx: int) -> Any:
+        """What the loop does to a batch before its step (Lightning's ``_evaluation_step``)."""
+        module = self.lightning_module
+        assert module is not None
+        batch = self.precision_plugin.convert_input(batch)
+        batch = module._on_before_batch_transfer(batch, dataloader_idx=dataloader_idx)
+        return self.batch_to_device(batch, dataloader_idx=dataloader_idx)
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if self.eval_stream is not None:
+            return self._load_for_eval(checkpoint, strict)
+        return super().load_model_state_dict(checkpoint, strict=strict)
 
     @property
     @override
@@ -237,13 +428,18 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 self._background.report()
         finally:
             try:
-                if self.param_offload is not None:
+                if self.eval_stream is not None or self._eval_store is not None:
+                    self._end_eval_stream()  # the fit's offload (if any) stopped at the end of fit already
+                elif self.param_offload is not None:
                     self.param_offload.stop(restore=self.config.restore_params)
             finally:
-                super().teardown()
+                with _meta_stays(self.lightning_module):
+                    super().teardown()
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_background": None}  # its thread and locks stay with this instance
+        # their threads, locks and open files stay with this instance
+        return {**super().__getstate__(), "_background": None, "eval_stream": None, "_eval_store": None,
+                "eval_window": None, "last_eval_window": None}
 
     # ---- background saves (checkpoint_copy="background", lightning_nvme.checkpoint.background) -----------
     @override
@@ -397,3 +593,45 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 return
             read_block = params.read_block if params is not None else None
             export_hf(path, self.lightning_module, state, read_block, max_shard_bytes, merge_adapters)
+
+
+class _WindowLookahead:
+    """An evaluation dataloader read a window ahead: each window's raw batches are queued for the strategy (its step
+    computes the window's batches block by block at the window's first batch), then yielded one by one."""
+
+    def __init__(self, dataloader: Any, window: int, queue: deque[list[Any]]) -> None:
+        self.dataloader = dataloader
+        self.window = window
+        self.queue = queue
+
+    def __len__(self) -> int:
+        return len(self.dataloader)
+
+    def __getattr__(self, name: str) -> Any:  # sampler, batch_size, dataset, ...: the dataloader's
+        if name == "dataloader":
+            raise AttributeError(name)
+        return getattr(self.dataloader, name)
+
+    def __iter__(self) -> Iterator[Any]:
+        self.queue.clear()
+        batches = iter(self.dataloader)
+        while True:
+            window = list(itertools.islice(batches, self.window))
+            if not window:
+                return
+            self.queue.append(window)
+            yield from window
+
+
+@contextmanager
+def _meta_stays(module: torch.nn.Module | None) -> Iterator[None]:
+    """Lightning's teardown moves the module to the CPU: a model still on the meta device (a setup that refused it
+    before anything was read) cannot be copied, and that error would hide the refusal. Inside, it stays where it is."""
+    if module is None or not has_meta_tensors(module):
+        yield
+        return
+    module.cpu = lambda: module  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        del module.cpu

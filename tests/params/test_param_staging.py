@@ -64,9 +64,10 @@ def test_cuda_staging_orders_copies_with_events(tmp_path, monkeypatch):
     res.release(block, "forward")
     # the download stream (side1, not the uploads') waits for the compute stream's work (the update), then
     # copies device -> host;
+    # the device copy is recorded on the download stream (the allocator must not reuse it while the copy reads it);
     # the store write waits for that copy: not issued while its event has not completed
     assert ops.log == [("record", 3, "compute"), ("wait", "side1", 3), ("record", 4, "side1"),
-                       ("record", 5, "side1")]
+                       ("record", 5, "side1"), ("record_stream", "side1")]
     assert is_placeholder(weight)
     ops.log.clear()
     res.prefetch(block)  # reading it back: the write-back goes first, after its copy completed
@@ -83,6 +84,29 @@ def test_cuda_staging_orders_copies_with_events(tmp_path, monkeypatch):
     res.staging.close()
     assert rt.live == {}  # the pool is unregistered
     assert stats.h2d_bytes == 2 * block_capacity(store, block) and stats.d2h_bytes == 2 * block_capacity(store, block)
+
+
+def test_device_copy_is_protected_on_the_stream_that_copies_it_back(tmp_path, monkeypatch):
+    """Issue #33, defect 1: a dirty block's device copy is read by the device -> host copy on the download
+    stream after the residency drops its last reference. The caching allocator only waits for the streams
+    it knows (the upload stream it was made on, and ``record_stream``), so without the download stream among
+    them the next upload could be handed that memory while the copy still reads it: the store would receive
+    another block's bytes."""
+    install(monkeypatch)
+    ops = FakeOps()
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=3, ops=ops))
+    for block in blocks:
+        res.acquire(block, "forward")
+        with torch.no_grad():
+            model[block.index].weight.add_(1)
+        res.mark_dirty(block)
+        res.release(block, "forward")  # evicted: the copy back is queued on ``down``, the device copy dropped
+    assert len(ops.device_buffers) == len(blocks) and any(s == "side1" for s, *_ in ops.copies)
+    try:
+        assert ops.unprotected_uses() == []
+    finally:
+        res.drain()
+        store.close()
 
 
 def block_capacity(store: FlatStore, block) -> int:
@@ -170,6 +194,7 @@ def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_facto
     assert stats.peak_bound_blocks <= 1 + 2  # device copies: param_prefetch + 2 blocks at most
     assert 0 < stats.staging.pinned_buffers <= 1 + 2 + 2 and stats.staging.pageable_buffers == 0  # the pool's size
     assert stats.staging.h2d_bytes > 0 and stats.staging.d2h_bytes > 0
+    assert made[0].ops.unprotected_uses() == []  # every device copy protected on each stream that used it
 
 
 def test_blocks_placed_before_the_model_moves(tmp_path):

@@ -9,7 +9,8 @@ Cases (``--only NAME,...`` runs a subset):
 
 - ``activation_offload``: ``NVMeActivationOffload`` against the plain run.
 - ``params_backward`` / ``params_step``: ``offload_params=True`` with ``overlap="backward"`` / ``"step"``.
-- ``params_bf16``: ``precision="bf16-true"``, against a bf16-true baseline.
+- ``params_bf16``: ``precision="bf16-true"``, against a bf16-true baseline whose AdamW keeps fp32 masters in
+  memory (``RoundTripOptimizer`` with the exact format), as the offloaded run does.
 - ``params_resume``: a checkpoint saved mid-fit (``ModelCheckpoint`` at the end of epoch 1, the blocks
   gathered from the store), resumed by a new Trainer to the last step.
 - ``params_keep``: ``restore_params=False``: the weights stay in the store, exported with
@@ -68,10 +69,23 @@ CASES = ("activation_offload", "params_backward", "params_step", "params_bf16", 
 
 
 class AdamGPT(GPT):
-    """The activation benchmark's GPT with AdamW: parameter offload needs per-parameter optimizer state."""
+    """The activation benchmark's GPT with AdamW: parameter offload needs per-parameter optimizer state.
+
+    ``reference_format`` (a baseline's): the optimizer wrapped in the in-memory ``RoundTripOptimizer`` of
+    that (state, master) format, what an offloaded run with the format must equal. Why for bf16-true even
+    with exact state: the offloaded run keeps fp32 masters of bf16 parameters (``optim/plan.py``), plain
+    AdamW on bf16 parameters does not; ``RoundTripOptimizer(opt, StateFormat())`` keeps them in memory
+    (``tests/params/test_param_offload.py``'s fp32-master reference)."""
+
+    reference_format: tuple[str, str] | None = None
 
     def configure_optimizers(self):
-        return torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+        opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
+        if self.reference_format is not None:
+            from lightning_nvme.optim.state_format import RoundTripOptimizer, StateFormat
+
+            RoundTripOptimizer(opt, StateFormat(*self.reference_format))
+        return opt
 
 
 class StepTimer(pl.Callback):
@@ -83,11 +97,11 @@ class StepTimer(pl.Callback):
         self.store_stats: Any = None
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
-        torch.cuda.synchronize()
+        sync()
         self.t0 = time.perf_counter()
 
     def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx) -> None:
-        torch.cuda.synchronize()
+        sync()
         self.times.append(time.perf_counter() - self.t0)
 
     def on_train_end(self, trainer, pl_module) -> None:
@@ -116,16 +130,27 @@ def params_of(model: torch.nn.Module) -> dict[str, torch.Tensor]:
     return {k: v.detach().cpu().clone() for k, v in model.state_dict().items()}
 
 
-def peak_MiB() -> float:
-    return round(torch.cuda.max_memory_allocated() / MiB, 1)
+def on_device() -> bool:
+    """A CUDA context is up (``main`` makes one first): false when a test runs a case's body on CPU."""
+    return torch.cuda.is_initialized()
+
+
+def sync() -> None:
+    if on_device():
+        torch.cuda.synchronize()
+
+
+def peak_MiB() -> float | None:
+    return round(torch.cuda.max_memory_allocated() / MiB, 1) if on_device() else None
 
 
 def train(model: pl.LightningModule, args: argparse.Namespace, data: Tokens, root: str, callbacks=(),
           strategy: Any = "auto", precision: str = "32-true", ckpt_path: str | None = None) -> pl.Trainer:
     gc.collect()
-    torch.cuda.empty_cache()
-    torch.cuda.reset_peak_memory_stats()
-    trainer = pl.Trainer(max_steps=args.steps, accelerator="gpu", devices=1, logger=False,
+    if on_device():
+        torch.cuda.empty_cache()
+        torch.cuda.reset_peak_memory_stats()
+    trainer = pl.Trainer(max_steps=args.steps, accelerator=args.accelerator, devices=1, logger=False,
                          enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
                          enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
                          default_root_dir=root, deterministic=True, strategy=strategy, precision=precision)
@@ -139,18 +164,26 @@ class Baselines:
 
     def __init__(self, args: argparse.Namespace, base: pl.LightningModule, data: Tokens, root: str) -> None:
         self.args, self.base, self.data, self.root = args, base, data, root
-        self._runs: dict[str, tuple[dict, dict, float, float | None]] = {}
+        self._runs: dict[str, tuple[dict, dict, float | None, float | None]] = {}
 
-    def get(self, precision: str = "32-true") -> tuple[dict, dict, float, float | None]:
-        if precision not in self._runs:
+    def get(self, precision: str = "32-true",
+            reference_format: tuple[str, str] | None = None) -> tuple[dict, dict, float | None, float | None]:
+        """Plain runs at ``precision``; with ``reference_format``, the optimizer is that format's in-memory
+        reference (``AdamGPT.reference_format``)."""
+        key = f"{precision}/{reference_format}"
+        if key not in self._runs:
             timer = StepTimer()
-            a = copy.deepcopy(self.base)
-            train(a, self.args, self.data, self.root, [timer], precision=precision)
+            a = self._run(precision, reference_format, [timer])
             peak = peak_MiB()
-            a2 = copy.deepcopy(self.base)
-            train(a2, self.args, self.data, self.root, precision=precision)
-            self._runs[precision] = (params_of(a), params_of(a2), peak, timer.step_s)
-        return self._runs[precision]
+            a2 = self._run(precision, reference_format, [])
+            self._runs[key] = (params_of(a), params_of(a2), peak, timer.step_s)
+        return self._runs[key]
+
+    def _run(self, precision: str, reference_format: tuple[str, str] | None, callbacks: list) -> pl.LightningModule:
+        model = copy.deepcopy(self.base)
+        model.reference_format = reference_format
+        train(model, self.args, self.data, self.root, callbacks, precision=precision)
+        return model
 
 
 def gbps(nbytes: float, seconds: float) -> float | None:
@@ -211,7 +244,8 @@ def staging_figures(strategy: NVMeOffloadStrategy, timer: StepTimer, args: argpa
 def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_dir: str) -> dict[str, Any]:
     base, data = baselines.base, baselines.data
     precision = "bf16-true" if name == "params_bf16" else "32-true"
-    ref, again, ref_peak, ref_step = baselines.get(precision)
+    # bf16-true: the offloaded run keeps fp32 masters, so its reference does too (not plain bf16 AdamW)
+    ref, again, ref_peak, ref_step = baselines.get(precision, ("exact", "fp32") if name == "params_bf16" else None)
     timer = StepTimer()
     extra: dict[str, Any] = {}
     if name == "activation_offload":
@@ -293,8 +327,8 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
     return result
 
 
-def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser()
+def parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--store-dir", default=os.environ.get("LIGHTNING_NVME_STORE_DIR"))
     p.add_argument("--only", default=",".join(CASES), help=f"comma-separated cases of {CASES}")
     p.add_argument("--steps", type=int, default=6)  # two epochs of steps // 2 batches
@@ -305,6 +339,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--param-prefetch", type=int, default=1)
     p.add_argument("--chunk-mib", type=int, default=16)  # optimizer chunks about a block's state
     p.add_argument("--delay-cycles", type=int, default=2_000_000)  # about 1 ms of GPU spin before each copy
+    p.add_argument("--accelerator", default="gpu", help=argparse.SUPPRESS)  # "cpu": a test runs the bodies on CPU
+    return p
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = parser()
     args = p.parse_args(argv)
     only = [c for c in args.only.split(",") if c]
     unknown = sorted(set(only) - set(CASES))
@@ -314,6 +354,7 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps({"ok": False, "skipped": "no CUDA device", "cases": only, "torch": torch.__version__,
                           "torch_cuda": torch.version.cuda}))
         return 0
+    torch.cuda.init()  # on_device(): the context exists before the first case
     store_dir = args.store_dir or tempfile.mkdtemp(prefix="nvme-gpu-check-")
     t0 = time.perf_counter()
     torch.manual_seed(0)

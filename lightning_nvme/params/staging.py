@@ -13,8 +13,8 @@ Why one object with two implementations: ``BlockResidency`` makes the same calls
   stream (after the update), copies device -> host and records an event; the residency issues the store
   write once that event has completed (it polls ``query`` and synchronizes only when it must: the compute
   stream never waits for the disk). The device buffer is ``record_stream``-ed on each stream that uses it
-  (compute, down), so the allocator does not reuse it while a copy back still reads it. Bound blocks, and the blocks read ahead whose upload started early
-  (at most ``prefetch``), have a device copy.
+  (compute, down), so the allocator does not reuse it while a copy back still reads it. Bound blocks, and
+  the blocks read ahead whose upload started early (at most ``prefetch``), have a device copy.
 
 Host buffers on CUDA: a pool of ``pool_size`` page-aligned buffers (anonymous mmap, as the store's own,
 so O_DIRECT moves them without a staging copy), each registered once with CUDA (``store.pinned``: portable,

@@ -42,3 +42,51 @@ def test_a_match_counts_only_against_a_deterministic_baseline(monkeypatch):
     assert verdict(a, a, b) == {"bitwise_equal": False, "baseline_deterministic": True, "max_abs_diff": 0.5,
                                 "ok": False}
     assert verdict(a, a, {})["ok"] is False  # a missing parameter is no match
+
+
+def _gpu_check(monkeypatch):
+    monkeypatch.setenv("CUBLAS_WORKSPACE_CONFIG", os.environ.get("CUBLAS_WORKSPACE_CONFIG", ":4096:8"))
+    monkeypatch.syspath_prepend(os.path.join(ROOT, "benchmarks"))
+    return importlib.import_module("gpu_check")
+
+
+def _on_fake_cuda(monkeypatch):
+    """The offload strategy's staging is ``CudaStaging``'s logic over ``fake_cuda`` (device copies are separate CPU
+    buffers, every copy and event recorded), as on a GPU."""
+    from fake_cuda import FakeOps, install
+
+    from lightning_nvme.params import staging
+
+    rt = install(monkeypatch)
+    made = []
+
+    def fake(device, buffer_bytes, pool_size):
+        made.append(staging.CudaStaging(device, buffer_bytes, pool_size, ops=FakeOps()))
+        return made[-1]
+
+    monkeypatch.setattr(staging, "staging_for", fake)
+    return rt, made
+
+
+def _small(gc_mod, tmp_path, *extra: str):
+    args = gc_mod.parser().parse_args(["--accelerator", "cpu", "--steps", "4", "--layers", "2", "--d-model", "64",
+                                       "--seq", "32", "--batch", "4", "--chunk-mib", "1", "--store-dir",
+                                       str(tmp_path), *extra])
+    torch.manual_seed(0)
+    base = gc_mod.AdamGPT(vocab=256, d=args.d_model, heads=4, layers=args.layers, mlp=4)
+    data = gc_mod.Tokens(max(1, args.steps // 2), args.batch, args.seq, 256)
+    return args, gc_mod.Baselines(args, base, data, str(tmp_path / "base"))
+
+
+def test_bf16_case_compares_against_the_fp32_master_reference(monkeypatch, tmp_path):
+    """Issue #33, defect 2: the offloaded bf16-true run keeps fp32 masters; ``params_bf16``'s baseline does too
+    (plain bf16 AdamW differs from it, so the old baseline failed correct code). Run on CPU through the fake CUDA."""
+    gc_mod = _gpu_check(monkeypatch)
+    rt, made = _on_fake_cuda(monkeypatch)
+    args, baselines = _small(gc_mod, tmp_path)
+    result = gc_mod.run_case("params_bf16", args, baselines, str(tmp_path / "store"))
+    assert made and result["bitwise_equal"] and result["baseline_deterministic"], result
+    plain, _, _, _ = baselines.get("bf16-true")  # what the case compared against before
+    masters, _, _, _ = baselines.get("bf16-true", ("exact", "fp32"))
+    assert any(not torch.equal(plain[k], masters[k]) for k in plain)
+    assert rt.live == {}

@@ -8,7 +8,9 @@ SDPA on its math kernel, ``deterministic=True``): otherwise equality would prove
 Cases (``--only NAME,...`` runs a subset):
 
 - ``activation_offload``: ``NVMeActivationOffload`` against the plain run.
-- ``params_backward`` / ``params_step``: ``offload_params=True`` with ``overlap="backward"`` / ``"step"``.
+- ``params_backward``: ``offload_params=True`` with ``overlap="backward"``.
+- ``params_step``: ``overlap="step"``: on CUDA refused at setup naming ``overlap="backward"`` (every gradient
+  would stay on the device until the step); on CPU (a test) trained and compared.
 - ``params_bf16``: ``precision="bf16-true"``, against a bf16-true baseline whose AdamW keeps fp32 masters in
   memory (``RoundTripOptimizer`` with the exact format), as the offloaded run does.
 - ``params_resume``: a checkpoint saved mid-fit (``ModelCheckpoint`` at the end of epoch 1, the blocks
@@ -305,6 +307,15 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         case = inner.get("params_backward", {})
         return {"ok": bool(proc.returncode == 0 and case.get("ok")), "returncode": proc.returncode,
                 "bitwise_equal": case.get("bitwise_equal"), "stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}
+    elif name == "params_step" and args.accelerator == "gpu":
+        # on CUDA, overlap="step" with offload_params is refused (every gradient would stay on the device)
+        from lightning_nvme.config import ConfigError
+
+        try:
+            train(copy.deepcopy(base), args, data, store_dir, strategy=offload(args, store_dir, overlap="step"))
+        except ConfigError as e:
+            return {"ok": "overlap='backward'" in str(e), "refused": str(e)[:400]}
+        return {"ok": False, "refused": None}
     else:
         kwargs = {"overlap": "step"} if name == "params_step" else {}
         strategy = offload(args, store_dir, **kwargs)

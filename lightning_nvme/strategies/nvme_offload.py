@@ -164,6 +164,14 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                              "(precision='16-mixed'): its unscale and skipped steps are not verified against "
                              "in-memory training. Use precision='bf16-mixed', 'bf16-true' or '32-true', or "
                              "offload_params=False.")
+        if device.type == "cuda" and self.config.overlap != "backward":
+            # overlap="step" keeps every block's gradient on the device until the step: device memory then
+            # grows with the whole model, which is what parameter offload is there to avoid (issue #33).
+            raise ConfigError("overlap", f"{self.strategy_name}: offload_params=True on CUDA with "
+                              f"overlap={self.config.overlap!r} keeps every block's gradient in device memory "
+                              "until the optimizer step (as much memory as the parameters themselves). Fix: "
+                              "overlap='backward' (each block updated, written back and its gradient freed "
+                              "during backward), or offload_params=False.")
 
     @override
     @contextmanager

@@ -227,7 +227,19 @@ def test_device_types_refused(tmp_path):
                                    precision_plugin=MixedPrecision("16-mixed", "cuda", scaler))
     with pytest.raises(ValueError, match="loss scaler"):
         strategy._check_param_offload_supported()
-    NVMeOffloadStrategy(device="cuda:0", offload_params=True)._check_param_offload_supported()  # 32-true: fine
+    NVMeOffloadStrategy(device="cuda:0", offload_params=True,
+                        overlap="backward")._check_param_offload_supported()  # 32-true: fine
+
+
+def test_overlap_step_with_offloaded_params_on_cuda_is_refused_naming_backward():
+    """Issue #33, item 6: overlap='step' keeps every block's gradient on the device until the step, so device
+    memory grows with the model: refused on CUDA, naming overlap='backward' (on CPU the gradients live in
+    host memory beside the blocks, and overlap='step' stays allowed)."""
+    from lightning_nvme.config import ConfigError
+
+    with pytest.raises(ConfigError, match="overlap.*overlap='backward'"):
+        NVMeOffloadStrategy(device="cuda:0", offload_params=True)._check_param_offload_supported()
+    NVMeOffloadStrategy(device="cpu", offload_params=True)._check_param_offload_supported()
 
 
 def test_upload_starts_when_the_read_ahead_completes_and_compute_waits_only_at_acquire(tmp_path, monkeypatch):

@@ -98,6 +98,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         self.device_placement = None
         if self.config.offload_params and trainer.state.fn == TrainerFn.FITTING:
             self._check_param_offload_supported()
+            self._refuse_compiled(trainer.lightning_module)
             s = self.config
             classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
             self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device)
@@ -172,6 +173,24 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                               "until the optimizer step (as much memory as the parameters themselves). Fix: "
                               "overlap='backward' (each block updated, written back and its gradient freed "
                               "during backward), or offload_params=False.")
+
+    def _refuse_compiled(self, module: torch.nn.Module) -> None:
+        """``torch.compile`` (and the CUDA graphs of its ``mode="reduce-overhead"``) is refused with offloaded
+        parameters. Why: every bind points a block's parameters at a new buffer (the host buffer or a fresh
+        device copy), and between uses they are expanded placeholders (stride 0). A compiled graph guards on
+        strides (recompiling at every bind, up to its limit, then falling back) and a CUDA graph replays the
+        addresses it captured: reads of freed memory, silently wrong numbers. Neither is tested here."""
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        compiled = getattr(module, "_compiler_ctx", None) is not None  # Lightning's trainer.fit(torch.compile(m))
+        inner = [name for name, m in module.named_modules() if isinstance(m, OptimizedModule)]
+        if compiled or inner:
+            what = "the LightningModule" if compiled else f"submodule {inner[0]!r}"
+            raise ConfigError("offload_params", f"{self.strategy_name}: {what} is compiled with torch.compile, "
+                              "but offload_params=True re-points each block's parameters at a new buffer at every "
+                              "load (placeholders between uses): a compiled graph would recompile at every load "
+                              "and a CUDA graph (mode='reduce-overhead') would replay freed addresses. Fix: pass "
+                              "the module uncompiled, or offload_params=False to compile it.")
 
     @override
     @contextmanager

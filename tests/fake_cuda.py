@@ -133,6 +133,11 @@ class FakeStream:
         self.log.append(("wait", self.name, event.n))
 
 
+def _is_of(t: torch.Tensor | None, buf: torch.Tensor) -> bool:
+    """``t`` is ``buf`` or a view of it."""
+    return t is not None and (t is buf or t._base is buf)
+
+
 class FakeOps:
     """Records the CUDA calls of ``CudaStaging``; the copies themselves run on CPU tensors. ``delay_s``:
     sleep before each copy (as ``gpu_check``'s injected delay does on a real device)."""
@@ -174,6 +179,7 @@ class FakeOps:
     def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
         """``CudaStaging`` records each device copy on the compute stream: that is where it is seen."""
         self.log.append(("record_stream", stream.name))
+        t = t if t._base is None else t._base  # a view records its whole allocation, as the allocator does
         if not any(t is d for d in self.device_buffers):
             self.device_buffers.append(t)
         self.recorded.setdefault(id(t), set()).add(stream.name)
@@ -193,7 +199,7 @@ class FakeOps:
         still be reading or writing it."""
         found = []
         for i, buf in enumerate(self.device_buffers):
-            uses = [s for s, dst, src in self.copies if dst() is buf or src() is buf]
+            uses = [s for s, *ends in self.copies for end in ends if _is_of(end(), buf)]
             known = set(uses[:1]) | self.recorded.get(id(buf), set())
             found += [(i, s) for s in uses if s not in known]
         return found

@@ -238,8 +238,12 @@ class BlockResidency:
                 self.staging.to_host(st.device, st.buffer).synchronize()
         elif st.dirty:
             assert not (st.base and st.dirty_whole), "a whole-block write of a tail-only block (a bug)"
-            ready = self.staging.to_host(st.device, st.buffer) if st.device is not None else DONE
-            self._write(block, st.buffer, 0 if st.dirty_whole else block.writable_offset, ready, st.base)
+            start = 0 if st.dirty_whole else block.writable_offset
+            ready = DONE
+            if st.device is not None:  # only what is written back comes back (a LoRA block: its adapters, not its head)
+                lo = max(start - st.base, 0)
+                ready = self.staging.to_host(st.device[lo:], st.buffer[lo:])
+            self._write(block, st.buffer, start, ready, st.base)
         else:
             self.staging.recycle(st.buffer)
         self._unbind(block)

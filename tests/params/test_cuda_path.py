@@ -115,6 +115,47 @@ def test_registration_is_portable(monkeypatch):
     assert rt.flags == [1, 1]
 
 
+def test_unregistered_under_the_device_that_registered_it_on_any_thread(monkeypatch):
+    """Issue #33, item 11: the last reference to a pinned buffer may go on a thread that never set a device
+    (an I/O worker, the garbage collector's); CUDA makes device 0 current there, which on a rank bound to
+    another GPU creates a context on a device it does not own. ``CudaRuntime`` unregisters under the device
+    current at registration. (A thread-local current device stands in for CUDA's.)"""
+    import threading
+    from contextlib import contextmanager
+
+    from lightning_nvme.store.pinned import SUCCESS, CudaRuntime
+
+    rt = install(monkeypatch)
+    current = threading.local()
+    seen: list[int] = []
+
+    def current_device() -> int:
+        return getattr(current, "device", 0)  # a fresh thread: device 0, as CUDA's runtime
+
+    @contextmanager
+    def device(index: int):
+        before, current.device = current_device(), index
+        try:
+            yield
+        finally:
+            current.device = before
+
+    binding = rt.binding()
+    unregister = binding.cudaHostUnregister
+    binding.cudaHostUnregister = lambda ptr: seen.append(current_device()) or unregister(ptr)  # type: ignore[method-assign]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: binding)
+    monkeypatch.setattr(torch.cuda, "current_device", current_device)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    cuda = CudaRuntime()
+    buf = aligned_empty(8192)
+    current.device = 1  # this rank's GPU
+    assert cuda.register(buf.data_ptr(), 8192, 1) == SUCCESS
+    worker = threading.Thread(target=cuda.unregister, args=(buf.data_ptr(),))
+    worker.start()
+    worker.join()
+    assert seen == [1] and rt.live == {}
+
+
 # ---- 3 and 4. the end of fit on an accelerator -------------------------------------------------------------
 CUDA = torch.device("cuda", 0)
 

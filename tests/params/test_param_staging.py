@@ -327,3 +327,41 @@ def test_update_reads_only_the_trainable_tail(tmp_path, monkeypatch, device):
     assert torch.equal(values["1.1.weight"], original["1.1.weight"] + 1)
     assert torch.equal(values["1.1.bias"], original["1.1.bias"] + 2)
     store.close()
+
+
+def test_dirty_tail_copies_only_the_tail_back(tmp_path, monkeypatch):
+    """Issue #33, item 11: a block bound whole whose trainable tail changed (a LoRA block after its update)
+    copies only that tail device -> host: the frozen head is not written back, so it does not come back."""
+    install(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)) for _ in range(2)))
+    for block in model:
+        block[0].requires_grad_(False)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    layout = plan_layout(model, find_blocks(model, None))
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
+    try:
+        store.add_regions([(b.region, b.nbytes) for b in layout.blocks])
+        capacity = max(store.region(b.region).capacity for b in layout.blocks)
+        stager = CudaStaging(CPU, capacity, pool_size=3, ops=FakeOps())
+        res = BlockResidency(store, layout.blocks, max_pending_writes=2, staging=stager)
+        for block in layout.blocks:
+            res.place(block)
+        res.drain()
+        block = layout.blocks[0]
+        res.acquire(block, "forward")
+        with torch.no_grad():
+            model[0][1].weight.add_(1)
+        res.mark_dirty(block)
+        stager.collect(wait=True)
+        before = stager.stats.d2h_bytes
+        res.release(block, "forward")
+        res.drain()
+        stager.collect(wait=True)
+        tail = store.region(block.region).capacity - block.writable_offset
+        assert 0 < tail < capacity and stager.stats.d2h_bytes - before == tail
+        values = res.read_values(block)  # from the store: the updated tail, the head unchanged
+        assert torch.equal(values["0.1.weight"], original["0.1.weight"] + 1)
+        assert torch.equal(values["0.0.weight"], original["0.0.weight"])
+    finally:
+        store.close()

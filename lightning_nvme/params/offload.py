@@ -150,8 +150,10 @@ class ParamOffload:
         if self.residency is None:
             return
         if self.scheduler is not None:  # None: setup failed before the hooks were installed
-            self.scheduler.finish_step()
             self.scheduler.remove()
+        # Every hold is dropped: after an exception inside a step (forward, backward, an update) the holder never
+        # released its block; a normal end of fit has none left (``finish_step`` ran).
+        self.residency.release_all()
         # Into host memory on every device: a copy to an accelerator would need the whole model there (an
         # out-of-memory exactly when offload was needed), and Lightning's teardown moves the model to the CPU
         # next. Without ``restore``, placeholders on the CPU: ``.cpu()`` of an expanded device placeholder

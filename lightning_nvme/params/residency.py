@@ -256,6 +256,20 @@ class BlockResidency:
         st.uploaded = None  # an early copy never used: the allocator frees it after its stream's copy
         st.refs.clear()
 
+    def release_all(self) -> list[str]:
+        """Drop every hold and evict every block in memory (kept blocks stay kept, for ``unkeep``). For the end of
+        fit after an exception inside a step: a forward, backward or update that raised never released its
+        block, which would stay in memory with its pool buffer and device copy. Returns the blocks that were
+        held. A changed block is written back as after any use: its values are what the module holds now."""
+        held = []
+        for block in self.blocks:
+            st = self._state[block.index]
+            if +st.refs:
+                held.append(block.name)
+                st.refs.clear()
+            self.evict(block)
+        return held
+
     def evict_unheld(self) -> None:
         """Drop prefetched blocks nobody holds (end of a pass whose order differed from the prediction)."""
         for block in self.blocks:

@@ -167,6 +167,7 @@ class BlockResidency:
         if st.kept is not None:  # bound already, nothing moves
             st.refs[why] += 1
             return
+        self.upload_ready(but=block)  # reads ahead that completed meanwhile: their copies start before this wait
         if st.base and not tail:  # only the tail is in memory: write it back if changed, then read it all
             refs = Counter(st.refs)
             self.evict(block)
@@ -198,12 +199,21 @@ class BlockResidency:
         self.stats.bytes_read += st.buffer.numel()
         self._count(block, +1)
 
-    def upload_ready(self) -> None:
+    def upload_ready(self, but: BlockLayout | None = None) -> None:
         """Start the device copy of every block read ahead whose read has completed (none on CPU): it then
-        overlaps the compute before the block is needed. Device memory: at most the blocks read ahead."""
+        overlaps the compute before the block is needed. Device memory: at most the blocks read ahead.
+
+        Called at each block's pre- and post-forward, pre- and post-backward and at the top of ``acquire``
+        (``but`` the block acquired: its copy is not early). Why so often: at ``param_prefetch=1`` the next
+        block's read is issued at a block's pre-forward, just before the check there; the post-forward check
+        finds it completed, one block's compute before it is needed."""
+        if not self.staging.device_copies:
+            return
         for block in self.blocks:
             st = self._state[block.index]
-            if st.buffer is None or st.bound or st.uploaded is not None or (st.read is not None and not st.read.done()):
+            if block is but or st.buffer is None or st.bound or st.uploaded is not None:
+                continue
+            if st.read is not None and not st.read.done():
                 continue
             self._wait_read(block)  # completed: only collects it
             st.uploaded = self.staging.upload(st.buffer)

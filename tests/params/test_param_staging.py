@@ -365,3 +365,44 @@ def test_dirty_tail_copies_only_the_tail_back(tmp_path, monkeypatch):
         assert torch.equal(values["0.0.weight"], original["0.0.weight"])
     finally:
         store.close()
+
+
+def test_early_upload_fires_at_the_default_prefetch(tmp_path, monkeypatch):
+    """Issue #33, item 4: at ``param_prefetch=1`` the next block's read is issued at a block's pre-forward, right
+    before the upload check there, so that check never found it complete and the block was bound before the
+    next check: no early upload at all. A read here completes during the block's compute (``done()`` is False
+    when first asked, right after it was issued); the post-forward check (and the ones at the top of ``acquire``
+    and post-backward) starts its copy one block's compute before it is needed."""
+    from lightning_nvme.params.schedule import BlockScheduler
+
+    install(monkeypatch)
+    ops = FakeOps()
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=4, ops=ops))
+    read = store.read
+
+    def read_completing_during_compute(region, t, offset=0):
+        handle = read(region, t, offset)
+        asked = []
+
+        def done() -> bool:
+            if not asked:
+                asked.append(True)
+                return False  # just issued
+            store.wait(handle)
+            return True
+        handle.done = done
+        return handle
+
+    store.read = read_completing_during_compute
+    scheduler = BlockScheduler(res, prefetch=1)
+    scheduler.install()
+    try:
+        with torch.no_grad():
+            model(torch.randn(2, 64))
+        scheduler.finish_step()
+        assert res.stats.early_uploads == len(blocks) - 1  # every block after the first
+        assert res.stats.peak_bound_blocks <= 1 + 2
+    finally:
+        scheduler.remove()
+        res.drain()
+        store.close()

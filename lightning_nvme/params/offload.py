@@ -141,7 +141,11 @@ class ParamOffload:
         if self.scheduler is not None:
             self.scheduler.finish_step()
         if self.residency is not None:
-            self.residency.issue_writes()  # a checkpoint after the step must find them in the store
+            # Write-backs whose device -> host copy has completed go to the store; the others stay queued
+            # (bounded by ``max_pending_writes``, polled at every block operation). No forced drain: waiting
+            # here would stall the host on the GPU every step. Whoever needs them in the store asks
+            # (``issue_writes``: a checkpoint, a background save, ``read_values``; ``stop`` drains).
+            self.residency.poll_writes()
             self.residency.staging.finish_step()
 
     def stop(self, restore: bool) -> None:

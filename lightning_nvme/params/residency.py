@@ -286,6 +286,11 @@ class BlockResidency:
             if not +self._state[block.index].refs:
                 self.evict(block)
 
+    def poll_writes(self) -> None:
+        """Hand the write-backs whose device -> host copy has completed to the store (waits for nothing beyond
+        the ``max_pending_writes`` bound)."""
+        self._issue_writes()
+
     def issue_writes(self) -> None:
         """Issue every write-back still waiting for its device -> host copy (end of a step: a fence or a
         checkpoint after it must see them)."""

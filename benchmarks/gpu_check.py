@@ -5,8 +5,9 @@ Every case trains the same small GPT (every block under non-reentrant checkpoint
 for ``--steps`` steps over two epochs and compares all parameters and the per-step loss bitwise with
 ``strategy="auto"`` trained the same way (bf16 and int8 against the in-memory ``RoundTripOptimizer`` of their
 format). A case is started only if the time left exceeds the longest case so far; otherwise it is reported
-skipped (``skipped_cases``), never killed mid-run. ``ok`` needs every baseline run twice and found deterministic first (cuBLAS workspace pinned,
-SDPA on its math kernel, ``deterministic=True``): otherwise equality would prove nothing.
+skipped (``skipped_cases``), never killed mid-run. ``ok`` needs every baseline run twice and found
+deterministic first (cuBLAS workspace pinned, SDPA on its math kernel, ``deterministic=True``): otherwise
+equality would prove nothing.
 
 Cases (``--only NAME,...`` runs a subset):
 

@@ -18,7 +18,8 @@ Cases (``--only NAME,...`` runs a subset):
 - ``params_bf16``: ``precision="bf16-true"``, against a bf16-true baseline whose AdamW keeps fp32 masters in
   memory (``RoundTripOptimizer`` with the exact format), as the offloaded run does.
 - ``params_resume``: a checkpoint saved mid-fit (``ModelCheckpoint`` at the end of epoch 1, the blocks
-  gathered from the store), resumed by a new Trainer to the last step.
+  gathered from the store), resumed by a new Trainer to the last step; against plain Lightning saved and
+  resumed the same way (a resumed run is not bitwise the uninterrupted one even in memory).
 - ``params_keep``: ``restore_params=False``: the weights stay in the store, exported with
   ``export_weights`` (streamed block by block) and compared from the file.
 - ``params_delayed``: ``params_backward`` with a delay before every host <-> device copy (the ``CudaOps.copy``
@@ -35,7 +36,7 @@ Cases (``--only NAME,...`` runs a subset):
 - ``params_exception``: an exception injected in a block's forward at step 2: it propagates, host
   registrations are back to their level and ``memory_allocated`` to its level before (plus cuBLAS workspaces).
 - ``params_compile``: ``torch.compile`` with ``offload_params`` is refused by name.
-- ``ddp_smoke``: ``nvme_offload_ddp`` on NCCL with ``devices=1``, bitwise against the plain run.
+- ``ddp_smoke``: ``nvme_offload_ddp`` on NCCL with ``devices=1``, bitwise against Lightning's DDP (one process).
 - ``params_desk`` / ``params_desk_half``: ``params_backward`` with ``device_memory_budget`` holding every block
   (half the free device memory) / half the blocks' bytes: the kept blocks are copied up once at setup and
   never read, copied or written back during training. Reports the plan (``device_placement``), the blocks
@@ -63,6 +64,7 @@ import subprocess
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from typing import Any
 
 os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
@@ -201,24 +203,33 @@ class Baselines:
         self.args, self.base, self.data, self.root = args, base, data, root
         self._runs: dict[str, tuple[dict, dict, float | None, float | None]] = {}
 
-    def get(self, precision: str = "32-true",
-            reference_format: tuple[str, str] | None = None) -> tuple[dict, dict, float | None, float | None]:
+    def get(self, precision: str = "32-true", reference_format: tuple[str, str] | None = None,
+            ddp: bool = False) -> tuple[dict, dict, float | None, float | None]:
         """Plain runs at ``precision``; with ``reference_format``, the optimizer is that format's in-memory
-        reference (``AdamGPT.reference_format``)."""
-        key = f"{precision}/{reference_format}"
+        reference (``AdamGPT.reference_format``); with ``ddp``, Lightning's own DDP (one process)."""
+        key = f"{precision}/{reference_format}/{ddp}"
         if key not in self._runs:
             timer, timer2 = StepTimer(), StepTimer()
-            a = self._run(precision, reference_format, [timer])
+            a = self._run(precision, reference_format, [timer], ddp)
             peak = peak_MiB()
-            a2 = self._run(precision, reference_format, [timer2])
+            a2 = self._run(precision, reference_format, [timer2], ddp)
             self._runs[key] = ({**params_of(a), **losses_of(timer)}, {**params_of(a2), **losses_of(timer2)}, peak,
                                timer.step_s)
         return self._runs[key]
 
-    def _run(self, precision: str, reference_format: tuple[str, str] | None, callbacks: list) -> pl.LightningModule:
+    def _run(self, precision: str, reference_format: tuple[str, str] | None, callbacks: list,
+             ddp: bool = False) -> pl.LightningModule:
         model = copy.deepcopy(self.base)
         model.reference_format = reference_format
-        train(model, self.args, self.data, self.root, callbacks, precision=precision)
+        strategy: Any = "auto"
+        if ddp:
+            from lightning.pytorch.strategies import DDPStrategy
+
+            strategy = DDPStrategy(process_group_backend=backend(self.args))
+        try:
+            train(model, self.args, self.data, self.root, callbacks, strategy=strategy, precision=precision)
+        finally:
+            end_process_group()
         return model
 
 
@@ -277,6 +288,18 @@ def staging_figures(strategy: NVMeOffloadStrategy, timer: StepTimer, args: argpa
     return out
 
 
+def backend(args: argparse.Namespace) -> str:
+    return "nccl" if args.accelerator == "gpu" else "gloo"
+
+
+def end_process_group() -> None:
+    """A DDP run in this process leaves its default group: the next one must make its own."""
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 class InjectedError(RuntimeError):
     """Raised by ``params_exception`` inside a block's forward at step 2."""
 
@@ -330,7 +353,8 @@ def run_unchecked(name: str, args: argparse.Namespace, base: pl.LightningModule,
            "--store-dir", store_dir, "--layers", str(max(2, args.layers // 2)), "--accelerator", args.accelerator,
            "--deadline-min", str(max(0.5, deadline_s / 60))]
     try:
-        proc = subprocess.run(cmd, env={**os.environ, "TORCH_CUDA_SANITIZER": "1"}, capture_output=True, text=True,
+        env = {**os.environ, "TORCH_CUDA_SANITIZER": "1"} if args.accelerator == "gpu" else dict(os.environ)
+        proc = subprocess.run(cmd, env=env, capture_output=True, text=True,
                               timeout=max(30.0, deadline_s))
     except subprocess.TimeoutExpired:
         return {"ok": False, "error": f"the sanitizer's child ran past the deadline ({deadline_s:.0f} s)"}
@@ -352,7 +376,8 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         ref = again = {}
         ref_peak = ref_step = None
     else:
-        ref, again, ref_peak, ref_step = baselines.get(precision, fmt)
+        # ddp_smoke against Lightning's own DDP: its sampler and the gradient all-reduce are the same
+        ref, again, ref_peak, ref_step = baselines.get(precision, fmt, ddp=name == "ddp_smoke")
     timer = StepTimer()
     extra: dict[str, Any] = {}
     losses = True  # one continuous fit: its per-step losses are compared too
@@ -375,16 +400,24 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         trainer.strategy.export_weights(path)
         got = load_file(path)
     elif name == "params_resume":
-        from lightning.pytorch.callbacks import ModelCheckpoint
+        # Against plain Lightning resumed the same way: a run resumed from an end-of-epoch checkpoint is not
+        # bitwise the uninterrupted run even in memory (measured on CPU), so the continuous baseline would fail
+        # correct code.
+        def saved_and_resumed(make_strategy: Callable[[], Any], callbacks: list) -> pl.LightningModule:
+            from lightning.pytorch.callbacks import ModelCheckpoint
 
-        ckpt_dir = tempfile.mkdtemp(dir=store_dir)
-        saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
-        strategy = offload(args, store_dir)
-        train(copy.deepcopy(base), args, data, store_dir, [saver, timer], strategy=strategy)
-        first = os.path.join(ckpt_dir, "epoch=0.ckpt")
-        model = copy.deepcopy(base)
-        train(model, args, data, store_dir, strategy=offload(args, store_dir), ckpt_path=first)
-        extra = staging_figures(strategy, timer, args)
+            ckpt_dir = tempfile.mkdtemp(dir=store_dir)
+            saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
+            train(copy.deepcopy(base), args, data, store_dir, [saver, *callbacks], strategy=make_strategy())
+            model = copy.deepcopy(base)
+            train(model, args, data, store_dir, strategy=make_strategy(), ckpt_path=os.path.join(ckpt_dir, "epoch=0.ckpt"))
+            return model
+
+        if not args.no_baselines:
+            ref, again = (params_of(saved_and_resumed(lambda: "auto", [])) for _ in range(2))
+        strategies: list[NVMeOffloadStrategy] = []
+        model = saved_and_resumed(lambda: strategies.append(offload(args, store_dir)) or strategies[-1], [timer])
+        extra = staging_figures(strategies[0], timer, args)
         got = params_of(model)
     elif name in ("params_desk", "params_desk_half"):
         every = name == "params_desk"
@@ -409,15 +442,12 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         from lightning_nvme import NVMeOffloadDDPStrategy
 
         strategy = NVMeOffloadDDPStrategy(store_dir=store_dir, chunk_bytes=args.chunk_mib * MiB,
-                                          process_group_backend="nccl" if args.accelerator == "gpu" else "gloo")
+                                          process_group_backend=backend(args))
         model = copy.deepcopy(base)
         try:
             train(model, args, data, store_dir, [timer], strategy=strategy)
         finally:
-            import torch.distributed as dist
-
-            if dist.is_initialized():
-                dist.destroy_process_group()
+            end_process_group()
         got = params_of(model)
     elif name == "params_step" and args.accelerator == "gpu":
         # on CUDA, overlap="step" with offload_params is refused (every gradient would stay on the device)
@@ -444,7 +474,9 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
                 real_copy(self, dst, src)
             staging.CudaOps.copy = delayed  # type: ignore[method-assign]
         if name == "params_stress":  # a pool of 2: each buffer reused as soon as the rules allow
-            staging.staging_for = lambda device, nbytes, pool: real_for(device, nbytes, 2)  # type: ignore[assignment]
+            def small_pool(device: torch.device, buffer_bytes: int, pool_size: int) -> staging.Staging:
+                return real_for(device, buffer_bytes, 2)
+            staging.staging_for = small_pool
         try:
             train(model, args, data, store_dir, [timer], strategy=strategy, precision=precision)
         finally:

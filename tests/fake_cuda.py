@@ -8,13 +8,18 @@
   ``cudart()`` bindings and ``lightning_nvme.store.pinned``'s runtime to one fake.
 - ``FakeOps``: streams and events recorded in a log (``CudaStaging``'s ``ops`` seam); an event completes
   only when synchronized, so nothing may rely on a copy having run. Device buffers are CPU tensors it
-  sees (``record_stream``) and can count while alive.
+  sees (``record_stream``) and can count while alive. It also keeps what PyTorch's caching allocator
+  knows of each device buffer (the stream it was made on, the streams it was ``record_stream``-ed on)
+  and which stream each copy ran on: ``unprotected_uses`` lists the copies that read or wrote a device
+  buffer on a stream the allocator does not wait for before handing its memory to the next allocation.
 """
 
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
+import weakref
+from collections.abc import Iterator
+from contextlib import contextmanager
 
 import torch
 
@@ -128,6 +133,11 @@ class FakeStream:
         self.log.append(("wait", self.name, event.n))
 
 
+def _is_of(t: torch.Tensor | None, buf: torch.Tensor) -> bool:
+    """``t`` is ``buf`` or a view of it."""
+    return t is not None and (t is buf or t._base is buf)
+
+
 class FakeOps:
     """Records the CUDA calls of ``CudaStaging``; the copies themselves run on CPU tensors. ``delay_s``:
     sleep before each copy (as ``gpu_check``'s injected delay does on a real device)."""
@@ -139,6 +149,9 @@ class FakeOps:
         self.streams: list[FakeStream] = []
         self.device_buffers: list[torch.Tensor] = []
         self.delay_s = delay_s
+        self._on: list[FakeStream] = []  # the streams entered with ``on`` (innermost last)
+        self.copies: list[tuple[str, weakref.ref, weakref.ref]] = []  # (stream, dst, src) of every copy
+        self.recorded: dict[int, set[str]] = {}  # id of a device buffer -> streams it was record_stream-ed on
 
     def stream(self, device: torch.device) -> FakeStream:
         self.streams.append(FakeStream(self.log, f"side{len(self.streams)}"))  # in the order made
@@ -147,8 +160,17 @@ class FakeOps:
     def current_stream(self, device: torch.device) -> FakeStream:
         return self.compute
 
-    def on(self, stream: FakeStream) -> nullcontext:
-        return nullcontext()
+    @contextmanager
+    def on(self, stream: FakeStream) -> Iterator[FakeStream]:
+        self._on.append(stream)
+        try:
+            yield stream
+        finally:
+            self._on.pop()
+
+    def current(self) -> FakeStream:
+        """The stream work is queued on now (``on``'s, else the compute stream)."""
+        return self._on[-1] if self._on else self.compute
 
     def event(self, timing: bool = False) -> FakeEvent:
         self.events += 1
@@ -157,13 +179,30 @@ class FakeOps:
     def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
         """``CudaStaging`` records each device copy on the compute stream: that is where it is seen."""
         self.log.append(("record_stream", stream.name))
+        t = t if t._base is None else t._base  # a view records its whole allocation, as the allocator does
         if not any(t is d for d in self.device_buffers):
             self.device_buffers.append(t)
+        self.recorded.setdefault(id(t), set()).add(stream.name)
 
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
+        self.copies.append((self.current().name, weakref.ref(dst), weakref.ref(src)))
         dst.copy_(src, non_blocking=True)
+
+    def unprotected_uses(self) -> list[tuple[int, str]]:
+        """(device buffer index, stream) of each copy that used a device buffer on a stream its memory is not
+        protected on. The caching allocator protects a buffer on the stream it was allocated on (the stream of
+        its first copy: ``CudaStaging.upload`` allocates and fills it on the upload stream) and on every stream
+        it was ``record_stream``-ed on; once the last reference goes, the memory may be handed to the next
+        allocation as soon as *those* streams reach that point, while a copy queued on another stream may
+        still be reading or writing it."""
+        found = []
+        for i, buf in enumerate(self.device_buffers):
+            uses = [s for s, *ends in self.copies for end in ends if _is_of(end(), buf)]
+            known = set(uses[:1]) | self.recorded.get(id(buf), set())
+            found += [(i, s) for s in uses if s not in known]
+        return found
 
     def live_device_buffers(self) -> int:
         """Device buffers something besides this list still references (autograd's saved tensors count). A

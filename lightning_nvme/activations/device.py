@@ -19,14 +19,31 @@ import torch
 
 from lightning_nvme.store import align_up, aligned_empty
 
+_pinned_used = False  # a pinned buffer was handed out since the last ``release_pinned_cache``
+
 
 def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
     """A uint8 host tensor of ``nbytes`` whose storage is page-aligned and 4 KiB-padded, so the store
     reads into / writes from it with O_DIRECT and no staging copy. Pinned buffers come from torch's
-    caching host allocator (reused across steps, and safe with async copies)."""
+    caching host allocator (reused across steps, and safe with async copies; ``release_pinned_cache``
+    hands them back at the end of fit)."""
+    global _pinned_used
     if not pinned:
         return aligned_empty(nbytes)
+    _pinned_used = True
     return torch.empty(align_up(max(nbytes, 1)), dtype=torch.uint8, pin_memory=True)[:nbytes]
+
+
+def release_pinned_cache() -> bool:
+    """Give the pinned blocks torch's caching host allocator keeps for reuse back to the system (the end of
+    fit). Why: they stay pinned (locked RAM, counted against the host) for the life of the process otherwise,
+    sized by the largest step's activations. Returns whether anything had been handed out."""
+    global _pinned_used
+    if not _pinned_used:
+        return False
+    _pinned_used = False
+    torch.accelerator.empty_host_cache()
+    return True
 
 
 class CudaCopies:

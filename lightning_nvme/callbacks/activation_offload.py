@@ -22,6 +22,7 @@ from lightning.pytorch.callbacks import Callback
 from typing_extensions import override
 
 from lightning_nvme.activations import ActivationOffloader, ActivationSettings, OffloadStats, ResidencyMeter
+from lightning_nvme.activations.device import release_pinned_cache
 from lightning_nvme.checks import boolean, check_fields, count, directories, nbytes, resolve_store_dirs, setting
 from lightning_nvme.constants import ALIGN, STORE_DIR_ENV
 from lightning_nvme.preflight.resources import PreflightWarning, shared_devices
@@ -107,6 +108,7 @@ class NVMeActivationOffload(Callback):
             if offloader is not None:
                 offloader.end_step() if clean else offloader.abort(exc)
         finally:
+            release_pinned_cache()  # the activations' pinned host buffers, cached by torch, back to the system
             if owned and store is not None:
                 store.close(delete=True)
 

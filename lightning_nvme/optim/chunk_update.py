@@ -95,9 +95,15 @@ class ChunkUpdater(OffloadedCore):
         self.reads.prefetch(self._order, self._done)
         chunk = self.chunks[c]
         touched = list({id(p.param): p.param for p in chunk.pieces if p.param.grad is not None}.values())
-        if self.listener is not None:
-            self.listener.before_update(touched)
-        changed = self._run_inner_step(chunk, buf)
+        try:
+            if self.listener is not None:
+                self.listener.before_update(touched)
+            changed = self._run_inner_step(chunk, buf)
+        except BaseException:
+            # The buffer goes back to the ring, never written (its state may be half updated): a failed update
+            # must not cost the ring one of its buffers. The blocks it held are let go at the end of fit.
+            self.reads.release(buf, None)
+            raise
         handle = self._live_store().write(chunk.region, buf.data[:self.capacity[c]]) if changed else None
         self.reads.release(buf, handle)
         finished = [p for p in touched if all(other.index in self._done for other, _ in self.pieces_of[

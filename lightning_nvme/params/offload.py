@@ -141,7 +141,11 @@ class ParamOffload:
         if self.scheduler is not None:
             self.scheduler.finish_step()
         if self.residency is not None:
-            self.residency.issue_writes()  # a checkpoint after the step must find them in the store
+            # Write-backs whose device -> host copy has completed go to the store; the others stay queued
+            # (bounded by ``max_pending_writes``, polled at every block operation). No forced drain: waiting
+            # here would stall the host on the GPU every step. Whoever needs them in the store asks
+            # (``issue_writes``: a checkpoint, a background save, ``read_values``; ``stop`` drains).
+            self.residency.poll_writes()
             self.residency.staging.finish_step()
 
     def stop(self, restore: bool) -> None:
@@ -150,8 +154,10 @@ class ParamOffload:
         if self.residency is None:
             return
         if self.scheduler is not None:  # None: setup failed before the hooks were installed
-            self.scheduler.finish_step()
             self.scheduler.remove()
+        # Every hold is dropped: after an exception inside a step (forward, backward, an update) the holder never
+        # released its block; a normal end of fit has none left (``finish_step`` ran).
+        self.residency.release_all()
         # Into host memory on every device: a copy to an accelerator would need the whole model there (an
         # out-of-memory exactly when offload was needed), and Lightning's teardown moves the model to the CPU
         # next. Without ``restore``, placeholders on the CPU: ``.cpu()`` of an expanded device placeholder

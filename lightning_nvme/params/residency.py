@@ -167,6 +167,7 @@ class BlockResidency:
         if st.kept is not None:  # bound already, nothing moves
             st.refs[why] += 1
             return
+        self.upload_ready(but=block)  # reads ahead that completed meanwhile: their copies start before this wait
         if st.base and not tail:  # only the tail is in memory: write it back if changed, then read it all
             refs = Counter(st.refs)
             self.evict(block)
@@ -198,12 +199,21 @@ class BlockResidency:
         self.stats.bytes_read += st.buffer.numel()
         self._count(block, +1)
 
-    def upload_ready(self) -> None:
+    def upload_ready(self, but: BlockLayout | None = None) -> None:
         """Start the device copy of every block read ahead whose read has completed (none on CPU): it then
-        overlaps the compute before the block is needed. Device memory: at most the blocks read ahead."""
+        overlaps the compute before the block is needed. Device memory: at most the blocks read ahead.
+
+        Called at each block's pre- and post-forward, pre- and post-backward and at the top of ``acquire``
+        (``but`` the block acquired: its copy is not early). Why so often: at ``param_prefetch=1`` the next
+        block's read is issued at a block's pre-forward, just before the check there; the post-forward check
+        finds it completed, one block's compute before it is needed."""
+        if not self.staging.device_copies:
+            return
         for block in self.blocks:
             st = self._state[block.index]
-            if st.buffer is None or st.bound or st.uploaded is not None or (st.read is not None and not st.read.done()):
+            if block is but or st.buffer is None or st.bound or st.uploaded is not None:
+                continue
+            if st.read is not None and not st.read.done():
                 continue
             self._wait_read(block)  # completed: only collects it
             st.uploaded = self.staging.upload(st.buffer)
@@ -238,8 +248,12 @@ class BlockResidency:
                 self.staging.to_host(st.device, st.buffer).synchronize()
         elif st.dirty:
             assert not (st.base and st.dirty_whole), "a whole-block write of a tail-only block (a bug)"
-            ready = self.staging.to_host(st.device, st.buffer) if st.device is not None else DONE
-            self._write(block, st.buffer, 0 if st.dirty_whole else block.writable_offset, ready, st.base)
+            start = 0 if st.dirty_whole else block.writable_offset
+            ready = DONE
+            if st.device is not None:  # only what is written back comes back (a LoRA block: its adapters, not its head)
+                lo = max(start - st.base, 0)
+                ready = self.staging.to_host(st.device[lo:], st.buffer[lo:])
+            self._write(block, st.buffer, start, ready, st.base)
         else:
             self.staging.recycle(st.buffer)
         self._unbind(block)
@@ -252,11 +266,30 @@ class BlockResidency:
         st.uploaded = None  # an early copy never used: the allocator frees it after its stream's copy
         st.refs.clear()
 
+    def release_all(self) -> list[str]:
+        """Drop every hold and evict every block in memory (kept blocks stay kept, for ``unkeep``). For the end of
+        fit after an exception inside a step: a forward, backward or update that raised never released its
+        block, which would stay in memory with its pool buffer and device copy. Returns the blocks that were
+        held. A changed block is written back as after any use: its values are what the module holds now."""
+        held = []
+        for block in self.blocks:
+            st = self._state[block.index]
+            if +st.refs:
+                held.append(block.name)
+                st.refs.clear()
+            self.evict(block)
+        return held
+
     def evict_unheld(self) -> None:
         """Drop prefetched blocks nobody holds (end of a pass whose order differed from the prediction)."""
         for block in self.blocks:
             if not +self._state[block.index].refs:
                 self.evict(block)
+
+    def poll_writes(self) -> None:
+        """Hand the write-backs whose device -> host copy has completed to the store (waits for nothing beyond
+        the ``max_pending_writes`` bound)."""
+        self._issue_writes()
 
     def issue_writes(self) -> None:
         """Issue every write-back still waiting for its device -> host copy (end of a step: a fence or a

@@ -143,6 +143,7 @@ class BlockScheduler:
                 if block.index >= len(self.blocks) - self.prefetch and not self.residency.holders(block)[KEEP]:
                     self.residency.acquire(block, KEEP)
             self.residency.release(block, FWD)
+            self.residency.upload_ready()  # the next block's read had this block's compute to complete
             if torch.is_grad_enabled() and not self.residency.is_resident(block) and self.residency.retained(block):
                 raise ConfigError("offload_params", NOT_CHECKPOINTED.format(block=block.name))
         return hook
@@ -173,6 +174,7 @@ class BlockScheduler:
         if call.pre and not call.post:
             call.post = True
             self.residency.release(call.block, BWD)
+            self.residency.upload_ready()  # the block before it, read during this block's backward
 
     def _end_backward(self) -> None:
         """Backward is over: release what input hooks could not (inputs without gradient); a parameter

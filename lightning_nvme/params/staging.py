@@ -12,8 +12,9 @@ Why one object with two implementations: ``BlockResidency`` makes the same calls
   Before a dirty block's write-back, another stream ("down") waits on an event recorded on the compute
   stream (after the update), copies device -> host and records an event; the residency issues the store
   write once that event has completed (it polls ``query`` and synchronizes only when it must: the compute
-  stream never waits for the disk). Bound blocks, and the blocks read ahead whose upload started early
-  (at most ``prefetch``), have a device copy.
+  stream never waits for the disk). The device buffer is ``record_stream``-ed on each stream that uses it
+  (compute, down), so the allocator does not reuse it while a copy back still reads it. Bound blocks, and
+  the blocks read ahead whose upload started early (at most ``prefetch``), have a device copy.
 
 Host buffers on CUDA: a pool of ``pool_size`` page-aligned buffers (anonymous mmap, as the store's own,
 so O_DIRECT moves them without a staging copy), each registered once with CUDA (``store.pinned``: portable,
@@ -225,12 +226,20 @@ class CudaStaging:
         return dev
 
     def to_host(self, device: torch.Tensor, host: torch.Tensor) -> Ready:
-        """Start copying ``device`` back into ``host`` after the compute stream's work so far (the update)."""
+        """Start copying ``device`` back into ``host`` after the compute stream's work so far (the update).
+
+        ``device`` is ``record_stream``-ed on the download stream: the residency drops its last reference
+        right after this call, and the caching allocator only waits for the streams it knows (the upload
+        stream it was made on, the compute stream) before handing the memory to the next allocation; without
+        this the next block's upload could overwrite it while this copy still reads it, and the store would
+        receive another block's bytes."""
         updated = self.ops.event()
         updated.record(self.ops.current_stream(self.device))
         self.down.wait_event(updated)
         with self.ops.on(self.down):
-            return self._copy("d2h", self.down, host, device)
+            done = self._copy("d2h", self.down, host, device)
+        self.ops.record_stream(device, self.down)
+        return done
 
     def retained(self, device: torch.Tensor) -> bool:
         """Whether anything besides ``device`` itself still holds its memory once the parameters no longer

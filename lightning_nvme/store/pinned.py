@@ -46,12 +46,20 @@ class CudaRuntime:
 
     def __init__(self) -> None:
         self._lib: ctypes.CDLL | None = None
+        self._device: dict[int, int] = {}  # address -> the device current when it was registered
 
     def register(self, ptr: int, nbytes: int, flags: int) -> int:
-        return int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
+        err = int(torch.cuda.cudart().cudaHostRegister(ptr, nbytes, flags))
+        if err == SUCCESS:
+            self._device[ptr] = torch.cuda.current_device()
+        return err
 
     def unregister(self, ptr: int) -> int:
-        return int(torch.cuda.cudart().cudaHostUnregister(ptr))
+        """Under the device that registered it. Why: the last reference may go on any thread (an I/O worker,
+        the garbage collector's), and a thread that never set a device makes device 0 current: on a rank
+        bound to another GPU that creates a context (hundreds of MiB) on a device it does not own."""
+        with torch.cuda.device(self._device.pop(ptr, torch.cuda.current_device())):
+            return int(torch.cuda.cudart().cudaHostUnregister(ptr))
 
     def get_last_error(self) -> int:
         if self._lib is None:

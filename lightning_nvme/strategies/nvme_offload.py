@@ -127,6 +127,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                 self.param_offload = self._eval_from = fitted  # after fit (restore_params=False): the store has them
         if self.config.offload_params and trainer.state.fn == TrainerFn.FITTING:
             self._check_param_offload_supported()
+            self._refuse_compiled(trainer.lightning_module)
             if (fitted is None or not fitted.active) and any(is_placeholder(p) for p in trainer.lightning_module.parameters()):
                 raise ValueError(f"{self.strategy_name}: {type(trainer.lightning_module).__name__}'s block parameters are "
                                  "placeholders left by a streamed evaluation (validate/test/predict with offload_params): "
@@ -198,6 +199,32 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                              "(precision='16-mixed'): its unscale and skipped steps are not verified against "
                              "in-memory training. Use precision='bf16-mixed', 'bf16-true' or '32-true', or "
                              "offload_params=False.")
+        if device.type == "cuda" and self.config.overlap != "backward":
+            # overlap="step" keeps every block's gradient on the device until the step: device memory then
+            # grows with the whole model, which is what parameter offload is there to avoid (issue #33).
+            raise ConfigError("overlap", f"{self.strategy_name}: offload_params=True on CUDA with "
+                              f"overlap={self.config.overlap!r} keeps every block's gradient in device memory "
+                              "until the optimizer step (as much memory as the parameters themselves). Fix: "
+                              "overlap='backward' (each block updated, written back and its gradient freed "
+                              "during backward), or offload_params=False.")
+
+    def _refuse_compiled(self, module: torch.nn.Module) -> None:
+        """``torch.compile`` (and the CUDA graphs of its ``mode="reduce-overhead"``) is refused with offloaded
+        parameters. Why: every bind points a block's parameters at a new buffer (the host buffer or a fresh
+        device copy), and between uses they are expanded placeholders (stride 0). A compiled graph guards on
+        strides (recompiling at every bind, up to its limit, then falling back) and a CUDA graph replays the
+        addresses it captured: reads of freed memory, silently wrong numbers. Neither is tested here."""
+        from torch._dynamo.eval_frame import OptimizedModule
+
+        compiled = getattr(module, "_compiler_ctx", None) is not None  # Lightning's trainer.fit(torch.compile(m))
+        inner = [name for name, m in module.named_modules() if isinstance(m, OptimizedModule)]
+        if compiled or inner:
+            what = "the LightningModule" if compiled else f"submodule {inner[0]!r}"
+            raise ConfigError("offload_params", f"{self.strategy_name}: {what} is compiled with torch.compile, "
+                              "but offload_params=True re-points each block's parameters at a new buffer at every "
+                              "load (placeholders between uses): a compiled graph would recompile at every load "
+                              "and a CUDA graph (mode='reduce-overhead') would replay freed addresses. Fix: pass "
+                              "the module uncompiled, or offload_params=False to compile it.")
 
     @override
     @contextmanager

@@ -54,7 +54,7 @@ from lightning_nvme.preflight.resources import check_host_memory_budget
 from lightning_nvme.settings import DDPOffloadSettings, from_arguments, with_settings
 from lightning_nvme.store import FlatStore
 from lightning_nvme.strategies.offload_strategy import OffloadStrategy
-from lightning_nvme.strategies.param_broadcast import ParamBroadcast, plan_items
+from lightning_nvme.strategies.param_broadcast import ParamBroadcast, broadcast_groups, plan_items
 from lightning_nvme.strategies.placement import resolve_budget
 
 
@@ -140,8 +140,7 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
         self._broadcasts = []
         if self.world_size > 1:
             if not self._broadcast_groups:  # collective: every rank reaches this in setup
-                self._broadcast_groups = [dist.new_group(list(range(self.world_size)))
-                                          for _ in range(self.world_size)]
+                self._broadcast_groups = broadcast_groups(self.world_size, self.root_device)
             for off, part in zip(self.offloaded, self.partitions):
                 items = plan_items(part.owner_pieces(), off.params, self.broadcast_bucket_bytes,
                                    reverse=self.config.overlap == "backward")

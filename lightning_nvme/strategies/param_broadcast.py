@@ -78,6 +78,22 @@ def plan_items(owner_pieces: list[list[tuple[int, int, int]]], params: Sequence[
     return plan
 
 
+def broadcast_groups(world_size: int, device: torch.device) -> list[dist.ProcessGroup]:
+    """One process group per source rank (collective: every rank calls this, at setup), each used once here,
+    in the same order on every rank.
+
+    Why the first use here: NCCL creates a group's communicator lazily, at its first collective, and that
+    creation is itself collective over the group's ranks. ``ParamBroadcast`` first uses a rank's *own* group
+    (its sends go out as soon as its chunks are updated), so rank 0 would create group 0 while rank 1 creates
+    group 1: each waits for the other, a hang. A one-element broadcast on each group, in index order, creates
+    every communicator in the same order everywhere before any step."""
+    groups = [dist.new_group(list(range(world_size))) for _ in range(world_size)]
+    token = torch.zeros(1, device=device)
+    for group in groups:
+        dist.broadcast(token, 0, group=group)
+    return groups
+
+
 class ParamBroadcast:
     """The broadcasts of one optimizer's parameters, on ``groups[src]`` for source rank ``src``."""
 

@@ -172,3 +172,28 @@ def test_shares_the_nvme_offload_strategy_store(tmp_path):
     assert "activations.0" in stores[0][1].layout
     for (name, p0), p1 in zip(m0.named_parameters(), m1.parameters()):
         assert torch.equal(p0, p1), name
+
+
+@pytest.mark.parametrize("fail", [False, True])
+def test_pinned_host_cache_released_at_the_end_of_fit(tmp_path, monkeypatch, fail):
+    """Issue #33, item 11: the activations' pinned buffers come from torch's caching host allocator, which keeps
+    them pinned for the life of the process; once fit ends (or fails) the cache is handed back. No CUDA here: a
+    pinned buffer handed out is simulated (``torch.empty(pin_memory=True)`` needs a device), the release recorded."""
+    from lightning_nvme.activations import device
+
+    released = []
+    monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: released.append(True))
+
+    class HandsOutPinned(pl.Callback):
+        def on_train_batch_end(self, *args):
+            monkeypatch.setattr(device, "_pinned_used", True)  # what host_buffer(pinned=True) records
+
+    cb = small_callback(store_dir=str(tmp_path / "store"))
+    module = LitGPT(TinyGPT(layers=2), fail_at="backward" if fail else None)
+    if fail:
+        monkeypatch.setattr(device, "_pinned_used", True)
+        with pytest.raises(RuntimeError, match="boom"):
+            fit(module, tmp_path, callbacks=[cb], steps=3)
+    else:
+        fit(module, tmp_path, callbacks=[cb, HandsOutPinned()], steps=1)
+    assert released and device._pinned_used is False

@@ -115,6 +115,47 @@ def test_registration_is_portable(monkeypatch):
     assert rt.flags == [1, 1]
 
 
+def test_unregistered_under_the_device_that_registered_it_on_any_thread(monkeypatch):
+    """Issue #33, item 11: the last reference to a pinned buffer may go on a thread that never set a device
+    (an I/O worker, the garbage collector's); CUDA makes device 0 current there, which on a rank bound to
+    another GPU creates a context on a device it does not own. ``CudaRuntime`` unregisters under the device
+    current at registration. (A thread-local current device stands in for CUDA's.)"""
+    import threading
+    from contextlib import contextmanager
+
+    from lightning_nvme.store.pinned import SUCCESS, CudaRuntime
+
+    rt = install(monkeypatch)
+    current = threading.local()
+    seen: list[int] = []
+
+    def current_device() -> int:
+        return getattr(current, "device", 0)  # a fresh thread: device 0, as CUDA's runtime
+
+    @contextmanager
+    def device(index: int):
+        before, current.device = current_device(), index
+        try:
+            yield
+        finally:
+            current.device = before
+
+    binding = rt.binding()
+    unregister = binding.cudaHostUnregister
+    binding.cudaHostUnregister = lambda ptr: seen.append(current_device()) or unregister(ptr)  # type: ignore[method-assign]
+    monkeypatch.setattr(torch.cuda, "cudart", lambda: binding)
+    monkeypatch.setattr(torch.cuda, "current_device", current_device)
+    monkeypatch.setattr(torch.cuda, "device", device)
+    cuda = CudaRuntime()
+    buf = aligned_empty(8192)
+    current.device = 1  # this rank's GPU
+    assert cuda.register(buf.data_ptr(), 8192, 1) == SUCCESS
+    worker = threading.Thread(target=cuda.unregister, args=(buf.data_ptr(),))
+    worker.start()
+    worker.join()
+    assert seen == [1] and rt.live == {}
+
+
 # ---- 3 and 4. the end of fit on an accelerator -------------------------------------------------------------
 CUDA = torch.device("cuda", 0)
 
@@ -282,3 +323,32 @@ def test_checkpoint_saved_with_64_byte_slots_loads_into_256_byte_slots(tmp_path,
     assert all(s.offset % 256 == 0 for b in new.strategy.param_offload.blocks for s in b.slots)
     for name, p in model.state_dict().items():
         assert torch.equal(p, saved[name]), name
+
+
+def test_step_end_does_not_wait_for_the_device(tmp_path, monkeypatch):
+    """Issue #33, item 5: the end of a step used to force every pending write-back, synchronizing on each
+    device -> host copy (the host waited for the GPU every step). Now it hands over only the copies that have
+    completed; the rest are issued later (polled), or when a checkpoint asks (``issue_writes``). The fake
+    events complete only when synchronized: no synchronization at the step's end, and the values in the
+    store are right once asked for."""
+    forward, offload, store = _blocks_on_fake_cuda(tmp_path, monkeypatch, checkpointing=True)
+    try:
+        x = torch.randn(8, 64, requires_grad=True)
+        forward(x).sum().backward()
+        for block in offload.blocks:  # an update: every block changed and written back at its release
+            offload.residency.acquire(block, "update")
+            with torch.no_grad():
+                block.slots[0].param.add_(1)
+            expected = block.slots[0].param.detach().clone()
+            offload.residency.mark_dirty(block)
+            offload.residency.release(block, "update")
+        ops = _Cuda.made[0].ops
+        ops.log.clear()
+        offload.finish_step()
+        assert [e for e in ops.log if e[0] == "sync"] == []  # the host did not wait for the GPU
+        offload.issue_writes()  # what a checkpoint does first
+        assert torch.equal(offload.residency.read_values(offload.blocks[-1])[offload.blocks[-1].slots[0].name],
+                           expected)
+    finally:
+        offload.residency.drain()
+        store.close()

@@ -440,3 +440,20 @@ def test_model_built_on_meta_goes_block_by_block_into_the_store(tmp_path, monkey
     assert len(in_memory_blocks) == 4 and max(in_memory_blocks) == 1
     assert model.model.lm_head.weight is model.model.transformer.wte.weight
     assert_same_params(ref, model)
+
+
+@pytest.mark.parametrize("where", ["module", "submodule"])
+def test_torch_compile_is_refused_by_name(tmp_path, where):
+    """Issue #33, item 10: a compiled module (``trainer.fit(torch.compile(model))``, or a compiled submodule) with
+    offloaded parameters is refused at setup naming torch.compile: each load re-points the parameters (a compiled
+    graph recompiles, a CUDA graph would replay freed addresses). Refused before anything is placed."""
+    from lightning_nvme.checks import ConfigError
+    from lightning_nvme.optim.plan import is_placeholder
+
+    model = TinyGPT()
+    if where == "submodule":
+        model.model.transformer.h[0] = torch.compile(model.model.transformer.h[0])
+    target = torch.compile(model) if where == "module" else model
+    with pytest.raises(ConfigError, match="offload_params.*torch.compile"):
+        trainer(tmp_path, offload(tmp_path)).fit(target)
+    assert not any(is_placeholder(p) for p in model.parameters())

@@ -64,9 +64,10 @@ def test_cuda_staging_orders_copies_with_events(tmp_path, monkeypatch):
     res.release(block, "forward")
     # the download stream (side1, not the uploads') waits for the compute stream's work (the update), then
     # copies device -> host;
+    # the device copy is recorded on the download stream (the allocator must not reuse it while the copy reads it);
     # the store write waits for that copy: not issued while its event has not completed
     assert ops.log == [("record", 3, "compute"), ("wait", "side1", 3), ("record", 4, "side1"),
-                       ("record", 5, "side1")]
+                       ("record", 5, "side1"), ("record_stream", "side1")]
     assert is_placeholder(weight)
     ops.log.clear()
     res.prefetch(block)  # reading it back: the write-back goes first, after its copy completed
@@ -83,6 +84,29 @@ def test_cuda_staging_orders_copies_with_events(tmp_path, monkeypatch):
     res.staging.close()
     assert rt.live == {}  # the pool is unregistered
     assert stats.h2d_bytes == 2 * block_capacity(store, block) and stats.d2h_bytes == 2 * block_capacity(store, block)
+
+
+def test_device_copy_is_protected_on_the_stream_that_copies_it_back(tmp_path, monkeypatch):
+    """Issue #33, defect 1: a dirty block's device copy is read by the device -> host copy on the download
+    stream after the residency drops its last reference. The caching allocator only waits for the streams
+    it knows (the upload stream it was made on, and ``record_stream``), so without the download stream among
+    them the next upload could be handed that memory while the copy still reads it: the store would receive
+    another block's bytes."""
+    install(monkeypatch)
+    ops = FakeOps()
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=3, ops=ops))
+    for block in blocks:
+        res.acquire(block, "forward")
+        with torch.no_grad():
+            model[block.index].weight.add_(1)
+        res.mark_dirty(block)
+        res.release(block, "forward")  # evicted: the copy back is queued on ``down``, the device copy dropped
+    assert len(ops.device_buffers) == len(blocks) and any(s == "side1" for s, *_ in ops.copies)
+    try:
+        assert ops.unprotected_uses() == []
+    finally:
+        res.drain()
+        store.close()
 
 
 def block_capacity(store: FlatStore, block) -> int:
@@ -170,6 +194,7 @@ def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_facto
     assert stats.peak_bound_blocks <= 1 + 2  # device copies: param_prefetch + 2 blocks at most
     assert 0 < stats.staging.pinned_buffers <= 1 + 2 + 2 and stats.staging.pageable_buffers == 0  # the pool's size
     assert stats.staging.h2d_bytes > 0 and stats.staging.d2h_bytes > 0
+    assert made[0].ops.unprotected_uses() == []  # every device copy protected on each stream that used it
 
 
 def test_blocks_placed_before_the_model_moves(tmp_path):
@@ -202,7 +227,19 @@ def test_device_types_refused(tmp_path):
                                    precision_plugin=MixedPrecision("16-mixed", "cuda", scaler))
     with pytest.raises(ValueError, match="loss scaler"):
         strategy._check_param_offload_supported()
-    NVMeOffloadStrategy(device="cuda:0", offload_params=True)._check_param_offload_supported()  # 32-true: fine
+    NVMeOffloadStrategy(device="cuda:0", offload_params=True,
+                        overlap="backward")._check_param_offload_supported()  # 32-true: fine
+
+
+def test_overlap_step_with_offloaded_params_on_cuda_is_refused_naming_backward():
+    """Issue #33, item 6: overlap='step' keeps every block's gradient on the device until the step, so device
+    memory grows with the model: refused on CUDA, naming overlap='backward' (on CPU the gradients live in
+    host memory beside the blocks, and overlap='step' stays allowed)."""
+    from lightning_nvme.checks import ConfigError
+
+    with pytest.raises(ConfigError, match="overlap.*overlap='backward'"):
+        NVMeOffloadStrategy(device="cuda:0", offload_params=True)._check_param_offload_supported()
+    NVMeOffloadStrategy(device="cpu", offload_params=True)._check_param_offload_supported()
 
 
 def test_upload_starts_when_the_read_ahead_completes_and_compute_waits_only_at_acquire(tmp_path, monkeypatch):
@@ -290,3 +327,82 @@ def test_update_reads_only_the_trainable_tail(tmp_path, monkeypatch, device):
     assert torch.equal(values["1.1.weight"], original["1.1.weight"] + 1)
     assert torch.equal(values["1.1.bias"], original["1.1.bias"] + 2)
     store.close()
+
+
+def test_dirty_tail_copies_only_the_tail_back(tmp_path, monkeypatch):
+    """Issue #33, item 11: a block bound whole whose trainable tail changed (a LoRA block after its update)
+    copies only that tail device -> host: the frozen head is not written back, so it does not come back."""
+    install(monkeypatch)
+    torch.manual_seed(0)
+    model = nn.Sequential(*(nn.Sequential(nn.Linear(64, 64), nn.Linear(64, 2)) for _ in range(2)))
+    for block in model:
+        block[0].requires_grad_(False)
+    original = {k: v.clone() for k, v in model.state_dict().items()}
+    layout = plan_layout(model, find_blocks(model, None))
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
+    try:
+        store.add_regions([(b.region, b.nbytes) for b in layout.blocks])
+        capacity = max(store.region(b.region).capacity for b in layout.blocks)
+        stager = CudaStaging(CPU, capacity, pool_size=3, ops=FakeOps())
+        res = BlockResidency(store, layout.blocks, max_pending_writes=2, staging=stager)
+        for block in layout.blocks:
+            res.place(block)
+        res.drain()
+        block = layout.blocks[0]
+        res.acquire(block, "forward")
+        with torch.no_grad():
+            model[0][1].weight.add_(1)
+        res.mark_dirty(block)
+        stager.collect(wait=True)
+        before = stager.stats.d2h_bytes
+        res.release(block, "forward")
+        res.drain()
+        stager.collect(wait=True)
+        tail = store.region(block.region).capacity - block.writable_offset
+        assert 0 < tail < capacity and stager.stats.d2h_bytes - before == tail
+        values = res.read_values(block)  # from the store: the updated tail, the head unchanged
+        assert torch.equal(values["0.1.weight"], original["0.1.weight"] + 1)
+        assert torch.equal(values["0.0.weight"], original["0.0.weight"])
+    finally:
+        store.close()
+
+
+def test_early_upload_fires_at_the_default_prefetch(tmp_path, monkeypatch):
+    """Issue #33, item 4: at ``param_prefetch=1`` the next block's read is issued at a block's pre-forward, right
+    before the upload check there, so that check never found it complete and the block was bound before the
+    next check: no early upload at all. A read here completes during the block's compute (``done()`` is False
+    when first asked, right after it was issued); the post-forward check (and the ones at the top of ``acquire``
+    and post-backward) starts its copy one block's compute before it is needed."""
+    from lightning_nvme.params.schedule import BlockScheduler
+
+    install(monkeypatch)
+    ops = FakeOps()
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=4, ops=ops))
+    read = store.read
+
+    def read_completing_during_compute(region, t, offset=0):
+        handle = read(region, t, offset)
+        asked = []
+
+        def done() -> bool:
+            if not asked:
+                asked.append(True)
+                return False  # just issued
+            store.wait(handle)
+            return True
+        handle.done = done
+        return handle
+
+    store.read = read_completing_during_compute
+    scheduler = BlockScheduler(res, prefetch=1)
+    scheduler.install()
+    try:
+        with torch.no_grad():
+            model(torch.randn(2, 64))
+        scheduler.finish_step()
+        assert res.stats.early_uploads == len(blocks) - 1  # every block after the first
+        assert res.stats.peak_bound_blocks <= 1 + 2
+    finally:
+        scheduler.remove()
+        res.drain()
+        store.close()

@@ -258,6 +258,49 @@ def test_broadcast_plan_sends_large_ranges_in_place_and_packs_small_ones_within_
     assert all(it.staging is None for per in full for it in per)
 
 
+def test_broadcast_groups_are_first_used_in_the_same_order_on_every_rank(monkeypatch):
+    """Issue #33, item 9: NCCL creates a group's communicator at its first collective, collectively; ranks that
+    first meet the groups in different orders hang. ``ParamBroadcast`` alone first uses each rank's own group
+    (rank 0: group 0, rank 1: group 1); the groups from ``broadcast_groups`` are each used once at setup, in
+    index order, so every rank creates them in the same order. Recorded with ``dist`` calls replaced."""
+    import torch.distributed as dist
+
+    from lightning_nvme.strategies import param_broadcast
+    from lightning_nvme.strategies.param_broadcast import ParamBroadcast, broadcast_groups, plan_items
+
+    class Work:
+        def wait(self) -> None:
+            pass
+
+    world = 2
+    first_use: dict[int, list[int]] = {}
+
+    def run(rank: int, warm: bool) -> list[int]:
+        made: list[int] = []
+        used: list[int] = []
+        monkeypatch.setattr(dist, "new_group", lambda ranks: made.append(len(made)) or made[-1])
+
+        def broadcast(t, src, group=None, async_op=False):
+            if group not in used:
+                used.append(group)
+            return Work()
+
+        monkeypatch.setattr(param_broadcast.dist, "broadcast", broadcast)
+        groups = broadcast_groups(world, torch.device("cpu")) if warm else list(range(world))
+        params = [torch.zeros(8), torch.zeros(8)]
+        items = plan_items([[(0, 0, 8)], [(1, 0, 8)]], params, 1 << 20)
+        pb = ParamBroadcast(params, items, rank, groups)
+        pb.begin()
+        pb.finished(params[rank:rank + 1])  # this rank's update is done: its sends go out first
+        pb.finish()
+        return used
+
+    assert run(0, warm=False) != run(1, warm=False)  # the hazard: each rank meets its own group first
+    for rank in range(world):
+        first_use[rank] = run(rank, warm=True)
+    assert first_use[0] == first_use[1] == [0, 1]
+
+
 # ---- the worker side (run by Lightning in every rank) -----------------------------------------------------------
 def _worker(spec_path: str) -> None:
     sys.path.insert(0, TESTS)

@@ -32,7 +32,7 @@ ROOT = pathlib.Path(lightning_nvme.__file__).parent
 
 # Bottom to top. Units of one layer are independent of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("constants", "data"),  # units and shared names; the recipes' data
+    ("constants",),  # units and shared names
     # the ConfigError and value checks; atomic file replacement; the allocator; file systems, reflinks; params' stand-in;
     # placement: the RAM/SSD plan
     ("config", "atomic", "memory", "fsinfo", "reflink", "placeholder", "placement"),
@@ -40,7 +40,8 @@ LAYERS: tuple[tuple[str, ...], ...] = (
     ("optim",),  # optimizer state in the store, state formats
     ("checkpoint",),  # checkpoint files and the streamed optimizer state / weights beside them
     ("params",),  # parameter offload
-    ("settings", "models"),  # the strategies' arguments (ask optim's state-format registry); the recipes' models
+    # the strategies' arguments (ask optim's state-format registry); the recipes' models and data (data raises ConfigError)
+    ("settings", "models", "data"),
     ("io_profile", "preflight"),  # tuned I/O settings; checks before training
     # the Lightning strategies; activation offload (independent of Lightning); several disks measured together
     ("strategies", "activations", "doctor_stripes"),

@@ -35,7 +35,8 @@ from lightning_nvme.data.sources import Row
 
 VERSION = 1
 CACHE_ENV = "LIGHTNING_NVME_DATA_CACHE"
-REMAP_BYTES = 64 << 20  # reopen the maps after this many bytes read: mapped pages leave RSS
+REMAP_BYTES = 64 << 20  # reopen the maps after about this many bytes of pages touched: mapped pages leave RSS
+PAGE = 4096
 ENCODE_ROWS = 512  # rows per encoder call (a tokenizer's batch call is much faster than one row at a time)
 
 
@@ -106,7 +107,7 @@ class TokenizedSet:
         start, n = int(maps["starts"][i]), int(maps["lengths"][i])
         ids = np.array(maps["tokens"][start:start + n], dtype=np.int64)
         mask = np.array(maps["mask"][start:start + n], dtype=bool) if "mask" in maps else None
-        self._read += n * (self.dtype.itemsize + 1)
+        self._read += n * (self.dtype.itemsize + 1) + 3 * PAGE  # random access: a fresh page of each array
         if self._read > REMAP_BYTES:
             self._maps = None  # the next read maps afresh; the old map's pages are released with it
             self.lengths = self._open()["lengths"]

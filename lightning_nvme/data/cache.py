@@ -3,7 +3,7 @@
 Why: tokenizing is the slow part of a finetuning set (a BPE tokenizer does a few MB/s per core), and a set
 bigger than memory must not be held as Python lists. One pass streams the rows through the encoder and
 appends the tokens to raw files; training maps them (``numpy.memmap``), so memory stays flat whatever the
-set's size (the maps are reopened every ``REMAP_BYTES`` read, so touched pages do not pile up in RSS).
+set's size (the maps are reopened every ``REMAP_BYTES`` read, so mapped pages do not pile up in RSS).
 
 The cache directory's name is a hash of everything the tokens depend on (the files' paths, sizes and
 mtimes, the tokenizer's files, the template and options, the block size, this format's version): a changed
@@ -35,8 +35,10 @@ from lightning_nvme.data.sources import Row
 
 VERSION = 1
 CACHE_ENV = "LIGHTNING_NVME_DATA_CACHE"
-REMAP_BYTES = 64 << 20  # reopen the maps after about this many bytes of pages touched: mapped pages leave RSS
-PAGE = 4096
+REMAP_BYTES = 64 << 20  # reopen the maps after about this many bytes of pages mapped: mapped pages leave RSS
+# A page fault on a file map maps up to this much around it (Linux fault_around_bytes, 64 KiB by default): counted
+# per array read, so RSS stays within REMAP_BYTES (measured: without remapping, 600 MiB more RSS after 30k batches).
+FAULT_AROUND = 64 << 10
 ENCODE_ROWS = 512  # rows per encoder call (a tokenizer's batch call is much faster than one row at a time)
 
 
@@ -107,7 +109,7 @@ class TokenizedSet:
         start, n = int(maps["starts"][i]), int(maps["lengths"][i])
         ids = np.array(maps["tokens"][start:start + n], dtype=np.int64)
         mask = np.array(maps["mask"][start:start + n], dtype=bool) if "mask" in maps else None
-        self._read += n * (self.dtype.itemsize + 1) + 3 * PAGE  # random access: a fresh page of each array
+        self._read += n * (self.dtype.itemsize + 1) + 3 * FAULT_AROUND  # a fault maps its neighbours too
         if self._read > REMAP_BYTES:
             self._maps = None  # the next read maps afresh; the old map's pages are released with it
             self.lengths = self._open()["lengths"]

@@ -421,7 +421,7 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         got = params_of(model)
     elif name in ("params_desk", "params_desk_half"):
         every = name == "params_desk"
-        from lightning_nvme import preflight
+        from lightning_nvme.preflight import resources as preflight
 
         budget = preflight.device_free_bytes(torch.device("cuda", 0)) // 2 if every else block_bytes(base) // 2
         strategy = offload(args, store_dir, device_memory_budget=budget)

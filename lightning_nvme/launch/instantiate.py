@@ -9,6 +9,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
+from hydra.errors import InstantiationException
 from hydra.utils import get_class, instantiate
 from omegaconf import DictConfig, OmegaConf
 
@@ -40,7 +41,14 @@ def build(cfg: DictConfig) -> Run:
     """Validate, then instantiate everything; raises ``ConfigError`` for problems the user can fix."""
     validate(cfg)
     pl.seed_everything(cfg.seed, workers=True, verbose=False)
-    datamodule = instantiate(cfg.data)
+    # The data first: the finetuning groups read and tokenize the set here, so a bad file is refused before
+    # any model is loaded (their ConfigError unwrapped from Hydra's InstantiationException).
+    try:
+        datamodule = instantiate(cfg.data)
+    except InstantiationException as e:
+        if isinstance(e.__cause__, ConfigError):
+            raise e.__cause__ from None
+        raise
     strategy = instantiate(cfg.strategy)
     callbacks = _instantiate_group(cfg.get("callbacks"))
     loggers = _instantiate_group(cfg.get("logger"))

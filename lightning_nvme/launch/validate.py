@@ -39,6 +39,7 @@ def validate(cfg: DictConfig) -> dict[str, Any]:
     for key, path in _store_dirs(resolved):
         check_store_dir(key, path)
     _check_model_path(resolved.get("model") or {})
+    _check_packed(resolved.get("data") or {}, resolved.get("model") or {})
     return resolved
 
 
@@ -221,3 +222,25 @@ def _check_model_path(model: Mapping[str, Any]) -> None:
     if not os.path.isfile(os.path.join(path, "config.json")):
         raise ConfigError("model.path", f"{path!r} has no config.json. Fix: model.path=<a directory saved with "
                           f"save_pretrained: config.json + model.safetensors>")
+
+
+def _check_packed(data: Mapping[str, Any], model: Mapping[str, Any]) -> None:
+    """``data.packed=true`` needs attention that stops at sample boundaries: transformers builds it from the
+    restarting position ids; the built-in GPT (and GPT-2 through it) has only a causal mask."""
+    if not data.get("packed"):
+        return
+    target = str(model.get("_target_", ""))
+    native = "GPTLightningModule" in target
+    path = model.get("path")
+    if "HFCausalLM" in target and model.get("backend") != "transformers" and isinstance(path, str):
+        import json
+
+        try:
+            with open(os.path.join(path, "config.json")) as f:
+                native = json.load(f).get("model_type") == "gpt2"
+        except (OSError, ValueError):
+            return
+    if native:
+        raise ConfigError("data.packed", "packed samples need attention that does not cross sample boundaries, which the "
+                          "built-in GPT does not have. Fix: data.packed=false (padding to the longest in the batch), or "
+                          "a transformers model (model=hf_local, model.backend=transformers)")

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import importlib.util
 import os
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any, cast
 
@@ -46,18 +46,25 @@ def _default_optimizer(params: Iterable[nn.Parameter]) -> torch.optim.Optimizer:
     return torch.optim.AdamW(params, lr=1e-3)
 
 
+IGNORE_INDEX = -100  # a target that is not one (a prompt token, padding): cross_entropy's default ignore_index
+Batch = tuple[torch.Tensor, torch.Tensor] | Mapping[str, torch.Tensor]
+
+
 class CausalLMModule(pl.LightningModule):
-    """Next-token training on ``(input_ids, targets)`` batches; logs ``*/loss`` and ``*/ppl``."""
+    """Next-token training on ``(input_ids, targets)`` batches, or dicts with ``input_ids``, ``targets`` and
+    optionally ``position_ids`` (the finetuning data groups: packed samples restart their positions); a target
+    of -100 is no target (a prompt token, padding): the loss is the mean over the others. Logs ``*/loss`` and
+    ``*/ppl``."""
 
     def __init__(self, optimizer: OptimizerFactory | None = None) -> None:
         super().__init__()
         self.optimizer_factory = optimizer or _default_optimizer
         with _plain_tensors():  # tiny fp32 states, also inside trainer.init_module() (meta device, bf16 default)
-            self.train_ppl = Perplexity()
-            self.val_ppl = Perplexity()
-            self.test_ppl = Perplexity()
+            self.train_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+            self.val_ppl = Perplexity(ignore_index=IGNORE_INDEX)
+            self.test_ppl = Perplexity(ignore_index=IGNORE_INDEX)
 
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         raise NotImplementedError
 
     @property
@@ -65,25 +72,28 @@ class CausalLMModule(pl.LightningModule):
         raise NotImplementedError
 
     @override
-    def forward(self, input_ids: torch.Tensor) -> torch.Tensor:
-        return self.logits(input_ids)
+    def forward(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        return self.logits(input_ids) if position_ids is None else self.logits(input_ids, position_ids)
 
-    def _loss(self, batch: tuple[torch.Tensor, torch.Tensor], ppl: Perplexity) -> torch.Tensor:
-        x, y = batch
-        logits = self(x)
-        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+    def _loss(self, batch: Batch, ppl: Perplexity) -> torch.Tensor:
+        if isinstance(batch, Mapping):
+            x, y, positions = batch["input_ids"], batch["targets"], batch.get("position_ids")
+        else:
+            (x, y), positions = batch, None
+        logits = self(x, positions)
+        loss = F.cross_entropy(logits.flatten(0, 1).float(), y.flatten(), ignore_index=IGNORE_INDEX)
         ppl(logits.detach().float(), y)  # forward: this batch's value (for on_step logging) + accumulate
         return loss
 
     @override
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
+    def training_step(self, batch: Batch, batch_idx: int) -> torch.Tensor:
         loss = self._loss(batch, self.train_ppl)
         self.log("train/loss", loss, prog_bar=True)
         self.log("train/ppl", self.train_ppl, prog_bar=True)  # torchmetrics: computed & reset per step
         return loss
 
     @override
-    def validation_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> None:
+    def validation_step(self, batch: Batch, batch_idx: int) -> None:
         loss = self._loss(batch, self.val_ppl)
         self.log("val/loss", loss, prog_bar=True)
         self.log("val/ppl", self.val_ppl, prog_bar=True)  # accumulated over the validation epoch
@@ -143,7 +153,10 @@ class GPTLightningModule(CausalLMModule):
         return self.config.vocab_size
 
     @override
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
+        if position_ids is not None:
+            raise ValueError("position_ids (data.packed=true): the built-in GPT has no block-diagonal attention mask; "
+                             "use data.packed=false, or a transformers model (model=hf_local)")
         return self.model(input_ids)
 
 
@@ -243,10 +256,15 @@ class HFCausalLM(CausalLMModule):
         return self._vocab
 
     @override
-    def logits(self, input_ids: torch.Tensor) -> torch.Tensor:
+    def logits(self, input_ids: torch.Tensor, position_ids: torch.Tensor | None = None) -> torch.Tensor:
         if self.backend == "native":
+            if position_ids is not None:
+                raise ValueError("position_ids (data.packed=true): the native GPT-2 has no block-diagonal attention mask; "
+                                 "use data.packed=false or model.backend=transformers")
             return self.model(input_ids)
-        out: Any = self.model(input_ids=input_ids, use_cache=False)
+        # No attention mask: right padding cannot change a real token's logits under causal attention, and
+        # restarting position_ids (packed samples) make transformers build a block-diagonal causal mask.
+        out: Any = self.model(input_ids=input_ids, position_ids=position_ids, use_cache=False)
         return out.logits
 
 

@@ -134,7 +134,7 @@ def test_case_body_runs_on_cpu_through_the_fake_cuda(small_check, monkeypatch, n
     """Each case's body on CPU, the parameter path through ``CudaStaging``'s logic (fake CUDA), small sizes: the
     script cannot rot unnoticed before a GPU runs it. What a GPU adds (real streams, the sanitizer, timings,
     device memory) is not checked here."""
-    from lightning_nvme import preflight
+    from lightning_nvme.preflight import resources as preflight
 
     gc_mod, args, baselines, root = small_check
     rt, made = _on_fake_cuda(monkeypatch)

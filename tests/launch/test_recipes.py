@@ -38,11 +38,34 @@ def tiny_gpt2_dir(tmp_path_factory: pytest.TempPathFactory) -> str:
     return str(d)
 
 
-def _small(tmp_path: Path, model_path: str) -> list[str]:
-    """Overrides that shrink any recipe to a few CPU steps on generated text, writing under tmp_path."""
+FINETUNE_GROUPS = ("text", "instruct", "chat")  # conf/data groups that read your own files (lightning_nvme.data.finetune)
+
+
+def _finetune_data(tmp_path: Path, group: str) -> list[str]:
+    """A few short examples written here, a prompt template that fits 32 byte tokens, the cache under tmp_path."""
+    rows = [{"instruction": f"{a}+{b}", "input": "", "output": str(a + b)} for a in range(6) for b in range(6)]
+    if group == "text":
+        rows = [{"text": f"{r['instruction']}={r['output']}"} for r in rows]
+    path = tmp_path / "own.jsonl"
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    extra = ["data.prompt_template='{instruction}{input}='"] if group == "instruct" else []
+    return [f"data.path={path}", f"data.cache_dir={tmp_path}/data_cache", *extra]
+
+
+def _small(tmp_path: Path, model_path: str, data_group: str | None = None) -> list[str]:
+    """Overrides that shrink any recipe to a few CPU steps on generated text (or, for the finetuning data groups,
+    a small file of short instructions), writing under tmp_path."""
+    data = (_finetune_data(tmp_path, data_group) if data_group in FINETUNE_GROUPS
+            else ["data.source=generated", "data.max_bytes=20000"])
     return [f"paths.output_dir={tmp_path}/out", f"paths.store_dir={tmp_path}/store", "trainer.accelerator=cpu",
-            "data.source=generated", "data.max_bytes=20000", "data.batch_size=2", "data.steps_per_epoch=3",
+            *data, "data.batch_size=2", "data.steps_per_epoch=3",
             "data.val_batches=1", "trainer.max_steps=3", "++trainer.limit_val_batches=1", "trainer.log_every_n_steps=1"]
+
+
+def _data_group(recipe: str | None, overrides: list[str]) -> str | None:
+    target = compose_config(recipe, overrides).data._target_
+    return {"lightning_nvme.data.TextDataModule": "text", "lightning_nvme.data.InstructDataModule": "instruct",
+            "lightning_nvme.data.ChatDataModule": "chat"}.get(target)
 
 
 def _model_size(cfg_model_target: str, model_path: str) -> list[str]:
@@ -80,7 +103,10 @@ def test_every_conf_option_composes_and_instantiates(group: str, option: str, tm
     if reason := _skip_reason(group, option):
         pytest.skip(reason)
     target_model = "HFCausalLM" if (group, option) == ("model", "hf_local") else "GPT"
-    cfg = compose_config(None, [f"{group}={option}", *_small(tmp_path, tiny_gpt2_dir),
+    if (group, option) == ("data", "chat"):
+        pytest.skip("data=chat needs a tokenizer with a chat template: tests/launch/test_finetune_recipes.py")
+    data_group = option if group == "data" else None
+    cfg = compose_config(None, [f"{group}={option}", *_small(tmp_path, tiny_gpt2_dir, data_group),
                                 *_model_size(target_model, tiny_gpt2_dir)])
     validate(cfg)
     node = cfg[group]
@@ -111,8 +137,9 @@ def test_the_three_recipes_exist_with_launch_commands() -> None:
 
 @pytest.mark.parametrize("recipe", list_recipes())
 def test_each_recipe_trains_a_few_steps_on_cpu(recipe: str, tmp_path: Path, tiny_gpt2_dir: str) -> None:
-    target = compose_config(recipe, [f"model.path={tiny_gpt2_dir}"] if recipe == "hf_local" else []).model._target_
-    overrides = [*_small(tmp_path, tiny_gpt2_dir), *_model_size(target, tiny_gpt2_dir)]
+    path = [f"model.path={tiny_gpt2_dir}"] if recipe in ("hf_local", "sft") else []
+    target = compose_config(recipe, path).model._target_
+    overrides = [*_small(tmp_path, tiny_gpt2_dir, _data_group(recipe, path)), *_model_size(target, tiny_gpt2_dir)]
     run = train(compose_config(recipe, overrides))
     assert run.trainer.global_step == 3
     metrics = Path(run.trainer.log_dir) / "metrics.csv"

@@ -32,14 +32,15 @@ ROOT = pathlib.Path(lightning_nvme.__file__).parent
 
 # Bottom to top. Units of one layer are independent of each other.
 LAYERS: tuple[tuple[str, ...], ...] = (
-    ("constants", "data"),  # units and shared names; the recipes' data
+    ("constants",),  # units and shared names
     # the ConfigError and the value checks; file systems (atomic replacement, mounts, reflinks); host memory
     ("checks", "fs", "memory"),
     ("store",),  # the flat store: files, regions, asynchronous I/O
     ("optim",),  # optimizer state in the store, state formats
     ("checkpoint",),  # checkpoint files and the streamed optimizer state / weights beside them
     ("params",),  # parameter offload
-    ("settings", "models"),  # the strategies' arguments (ask optim's state-format registry); the recipes' models
+    # the strategies' arguments (ask optim's state-format registry); the recipes' models and data (data raises ConfigError)
+    ("settings", "models", "data"),
     ("preflight",),  # checks before training: directories, space, memory budgets, the checkpoints a run keeps
     ("doctor",),  # the disk check and the tuned I/O profile it writes (the strategies read it)
     # the Lightning strategies and their RAM/GPU placement plans; activation offload (independent of Lightning)

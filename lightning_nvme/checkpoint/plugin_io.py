@@ -11,6 +11,7 @@ never written to a local directory named after a URL.
 
 from __future__ import annotations
 
+import os
 from typing import Any
 
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
@@ -20,6 +21,13 @@ from lightning.fabric.utilities.types import _PATH
 
 def is_local(path: _PATH) -> bool:
     return _is_local_file_protocol(path)
+
+
+def maps_records(checkpoint_io: CheckpointIO, path: _PATH) -> bool:
+    """True where a load may map the file (``torch.load(mmap=True)``) instead of the plugin reading it: the default
+    ``TorchCheckpointIO`` on a local path, which would read it with ``torch.load`` anyway; mapped, the optimizer
+    state's records are read range by range on resume instead of whole into memory."""
+    return type(checkpoint_io) is TorchCheckpointIO and is_local(path) and os.path.isfile(path)
 
 
 def writes_itself(checkpoint_io: CheckpointIO, path: _PATH, storage_options: Any | None) -> bool:

@@ -75,14 +75,19 @@ class SafetensorsWriter:
 
 
 class SafetensorsReader:
-    def __init__(self, path: str) -> None:
+    """Reads a safetensors file range by range: a file of its own (``path``), or a record of a one-file checkpoint
+    (``record``: the ``uint8`` tensor ``torch.load(..., mmap=True)`` returns for it; ``path`` names it in errors),
+    read in place."""
+
+    def __init__(self, path: str, record: torch.Tensor | None = None) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(self.fd).st_size
-        (hlen,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        self.record = record
+        self.fd = os.open(path, os.O_RDONLY) if record is None else -1
+        size = os.fstat(self.fd).st_size if record is None else record.numel()
+        (hlen,) = struct.unpack("<Q", self._pread(8, 0))
         if hlen > size - 8:
             raise ValueError(f"{path}: truncated or not a safetensors file (header length {hlen}, size {size})")
-        header = json.loads(os.pread(self.fd, hlen, 8))
+        header = json.loads(self._pread(hlen, 8))
         self.metadata = header.pop("__metadata__", {})
         self.data_start = 8 + hlen
         self.entries = {k: (CODES[v["dtype"]], tuple(v["shape"]), v["data_offsets"][0]) for k, v in header.items()}
@@ -101,8 +106,11 @@ class SafetensorsReader:
         stop = numel if stop is None else stop
         out = torch.empty(stop - start, dtype=dtype)
         nbytes = out.numel() * out.element_size()
-        mv = memview(out.data_ptr(), nbytes) if nbytes else memoryview(b"")
         pos = self.data_start + off + start * out.element_size()
+        if self.record is not None:
+            out.view(torch.uint8).copy_(self.record[pos:pos + nbytes])
+            return out
+        mv = memview(out.data_ptr(), nbytes) if nbytes else memoryview(b"")
         done = 0
         while done < nbytes:
             n = os.preadv(self.fd, [mv[done:]], pos + done)
@@ -111,6 +119,14 @@ class SafetensorsReader:
             done += n
         return out
 
+    def _pread(self, n: int, offset: int) -> bytes:
+        if self.record is None:
+            return os.pread(self.fd, n, offset)
+        return self.record[offset:offset + n].numpy().tobytes()
+
     def close(self) -> None:
+        if self.record is not None:
+            self.record = None
+            return
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(self.fd)

@@ -333,8 +333,10 @@ class OffloadStrategy(Strategy):
         if plugin_io.is_local(checkpoint_path):
             self._recover_before_load(os.path.abspath(os.fspath(checkpoint_path)))
         # weights beside the file stay references until load_model_state_dict
-        checkpoint, self._optimizer_parts = open_checkpoint(
-            checkpoint_path, functools.partial(super().load_checkpoint, weights_only=weights_only))
+        load_file: Callable[[str], dict[str, Any]] = functools.partial(super().load_checkpoint, weights_only=weights_only)
+        if plugin_io.maps_records(self.checkpoint_io, checkpoint_path):  # the state records read in place, never whole
+            load_file = functools.partial(torch.load, map_location="cpu", weights_only=weights_only, mmap=True)
+        checkpoint, self._optimizer_parts = open_checkpoint(checkpoint_path, load_file)
         return checkpoint
 
     def _weights_streamed_by(self, readers: weights.WeightReaders) -> AbstractContextManager[set[str]]:

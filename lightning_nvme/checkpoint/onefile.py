@@ -161,7 +161,11 @@ def fill(staged: Staged) -> tuple[int, int]:
 def records_of(ref: dict[str, Any]) -> dict[str, torch.Tensor] | None:
     """The state records of a loaded one-file checkpoint's entry (``None``: the state is beside the file)."""
     records = ref.get(RECORDS_KEY)
-    return records if isinstance(records, dict) else None
+    if not isinstance(records, dict):
+        return None
+    # a checkpoint that went through a CheckpointIO plugin holds its records as storages (see plugin_io.ship)
+    return {name: r if torch.is_tensor(r) else torch.empty(0, dtype=torch.uint8).set_(r)
+            for name, r in records.items()}
 
 
 def extract(path: str, directory: str) -> list[str]:

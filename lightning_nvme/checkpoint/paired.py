@@ -86,6 +86,9 @@ def sweep_orphans(path: str) -> None:
         if not entry.endswith(PARTS_SUFFIX) or entry.startswith(".") or not os.path.isdir(root):
             continue
         atomic.sweep_dead_temps(root)
+        if not os.listdir(root):  # a one-file save killed after its switch left only its temp state files
+            os.rmdir(root)
+            continue
         base = root[:-len(PARTS_SUFFIX)]
         orphan = not os.path.lexists(base) and not os.path.lexists(atomic.aside_name(base))
         if orphan and all(_SAVE_ID.match(e) for e in os.listdir(root)):  # a live writer's temp: not an orphan

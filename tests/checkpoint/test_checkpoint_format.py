@@ -183,7 +183,7 @@ class RecordingIO(TorchCheckpointIO):
         super().remove_checkpoint(path)
 
 
-def test_user_checkpoint_io_carries_weights_only_and_refuses_streamed_state(tmp_path):
+def test_user_checkpoint_io_carries_weights_only_and_the_one_file(tmp_path):
     io = RecordingIO()
     cb = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_weights_only=True, save_top_k=1, every_n_train_steps=16)
     model = MLP()
@@ -191,39 +191,76 @@ def test_user_checkpoint_io_carries_weights_only_and_refuses_streamed_state(tmp_
     t.fit(model)
     assert io.saved == ["epoch=0-step=16.ckpt", "epoch=0-step=32.ckpt"] and io.removed == ["epoch=0-step=16.ckpt"]
     assert params_equal(MLP.load_from_checkpoint(tmp_path / "ckpts" / "epoch=0-step=32.ckpt"), model)
-    with pytest.raises(ValueError, match="checkpoint_io=RecordingIO cannot carry it"):
-        t.save_checkpoint(tmp_path / "full.ckpt")
-    assert not os.path.exists(tmp_path / "full.ckpt") and io.saved[-1] != "full.ckpt"
+    t.save_checkpoint(tmp_path / "full.ckpt")  # with the optimizer state: the one file, through the plugin
+    assert io.saved[-1] == "full.ckpt" and "handed to RecordingIO" in t.strategy.checkpoint_saves[-1].reason
+    assert not [p for p in os.listdir(tmp_path / "store") if p.startswith(".lightning_nvme-ckpt-")]  # staging gone
+    resumed = MLP()
+    trainer(tmp_path, offload(tmp_path, "s2"), 2).fit(resumed, ckpt_path=str(tmp_path / "full.ckpt"))
+    reference = MLP()
+    trainer(tmp_path / "ref", "auto", 2).fit(reference)
+    assert params_equal(resumed, reference)
 
 
-def test_async_checkpoint_io_refusal_says_a_background_or_reflink_save_makes_it_unnecessary(tmp_path):
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+def test_async_checkpoint_io_writes_the_one_file_without_cloning_the_state(saved, tmp_path, monkeypatch):
+    """AsyncCheckpointIO clones every tensor of the checkpoint before its thread runs: the state records reach it
+    as file-mapped storages instead, so the clone holds the weights only; the file resumes bitwise."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, async_plugin
 
-    t = trainer(tmp_path, offload(tmp_path, checkpoint_io=AsyncCheckpointIO()), 1, limit_train_batches=2)
-    t.fit(MLP())
-    with pytest.raises(ValueError, match="cannot carry it.*asynchronous plugin is unnecessary: "
-                                         "checkpoint_copy='background'.*reflink snapshot"):
-        t.save_checkpoint(tmp_path / "full.ckpt")
+    cloned: list[int] = []
+    real = async_plugin._clone_tensor
+    monkeypatch.setattr(async_plugin, "_clone_tensor", lambda t: cloned.append(t.numel() * t.element_size()) or real(t))
+    t = saved["trainer"]
+    plugin = AsyncCheckpointIO()
+    t.strategy.checkpoint_io = plugin
+    try:
+        t.save_checkpoint(tmp_path / "async.ckpt")
+        plugin.teardown()  # waits for the thread
+    finally:
+        t.strategy.checkpoint_io = None
+    state = torch.load(tmp_path / "async.ckpt", mmap=True)["lightning_nvme"]["records"]["optimizer-0.safetensors"]
+    weights = sum(p.numel() * p.element_size() for p in saved["model"].parameters())
+    assert sum(cloned) <= weights + 4096 < state.nbytes()
+    model = MLP()
+    trainer(tmp_path, offload(tmp_path), 2).fit(model, ckpt_path=str(tmp_path / "async.ckpt"))
+    assert params_equal(model, saved["reference"])
 
 
-def test_storage_options_are_refused_for_streamed_state(saved, tmp_path):
-    with pytest.raises(ValueError, match="storage_options were given"):
-        saved["trainer"].save_checkpoint(tmp_path / "x.ckpt", storage_options={"k": 1})
+def test_storage_options_go_to_the_plugin(saved, tmp_path):
+    seen = {}
+
+    class OptionsIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            seen["options"] = storage_options
+            super().save_checkpoint(checkpoint, path)
+
+    t = saved["trainer"]
+    t.strategy.checkpoint_io = OptionsIO()
+    try:
+        t.save_checkpoint(tmp_path / "x.ckpt", storage_options={"k": 1})
+    finally:
+        t.strategy.checkpoint_io = None
+    assert seen["options"] == {"k": 1} and (tmp_path / "x.ckpt").is_file()
+    with pytest.raises(TypeError, match="storage_options"):  # Lightning's own refusal for its default plugin
+        t.save_checkpoint(tmp_path / "y.ckpt", storage_options={"k": 1})
 
 
-def test_remote_url_goes_through_fsspec_or_is_refused(saved, tmp_path, monkeypatch):
+def test_remote_url_streams_the_one_file_through_fsspec(saved, tmp_path, monkeypatch):
     import fsspec
 
     monkeypatch.chdir(tmp_path)
     t = saved["trainer"]
-    with pytest.raises(ValueError, match="is a remote URL"):
-        t.save_checkpoint("memory://run/full.ckpt")
+    t.save_checkpoint("memory://run/full.ckpt")
+    assert "streamed through fsspec" in t.strategy.checkpoint_saves[-1].reason
+    assert t.strategy.checkpoint_saves[-1].checkpoint == "memory://run/full.ckpt"
     t.save_checkpoint("memory://run/weights.ckpt", weights_only=True)
     fs = fsspec.filesystem("memory")
-    assert fs.exists("/run/weights.ckpt") and not fs.exists("/run/full.ckpt")
+    assert fs.exists("/run/weights.ckpt") and fs.exists("/run/full.ckpt")
     assert os.listdir(tmp_path) == []  # nothing written to a local path named after the URL
     with fs.open("/run/weights.ckpt", "rb") as f:
         assert torch.load(f)["global_step"] == t.global_step
+    model = MLP()
+    trainer(tmp_path, offload(tmp_path, "s3"), 2).fit(model, ckpt_path="memory://run/full.ckpt")
+    assert params_equal(model, saved["reference"])
     fs.rm("/run", recursive=True)
 
 

@@ -113,7 +113,7 @@ def _load_complete(path: str) -> tuple[dict, list[dict]]:
     assert parts is not None and parts.problem is None, f"{path}: {parts and parts.problem}"
     tensors = []
     for marker in parts.markers:
-        readers = open_readers(parts.directory, marker, parts.save_id)
+        readers = open_readers(parts.directory, marker, parts.save_id, parts.records, parts.source)
         state: dict = {}
         try:
             for r in readers:
@@ -395,10 +395,10 @@ def test_kill9_after_the_run_released_its_store(jobs, reference, tmp_path):
 
 
 COMMIT_STEPS = pytest.mark.parametrize("kill,expected_last", [
-    ({"event": "os.rename", "match": "/last.ckpt.optim/.", "nth": 2}, STEPS),  # publishing the new optimizer state
+    ({"event": "open", "match": "/.last.ckpt.tmp-", "nth": 1}, STEPS),  # filling the staged file's state records
     ({"event": "os.rename", "match": "/last.ckpt', -1", "nth": 2}, STEPS),  # just before the file's switch
-    ({"event": "shutil.rmtree", "match": "/last.ckpt.optim/.", "nth": 1}, 2 * STEPS),  # deleting the replaced save
-], ids=["before-publish", "before-switch", "mid-sweep"])
+    ({"event": "shutil.rmtree", "match": "/.last.ckpt.optim.tmp-", "nth": 1}, 2 * STEPS),  # deleting the temp state
+], ids=["before-fill", "before-switch", "mid-sweep"])
 
 
 def kill_and_resume(jobs: cw.Jobs, ref: Reference, root: str, kill: dict, expected_last: int | None) -> None:

@@ -15,7 +15,6 @@ from lightning_nvme.checkpoint.convert import pop_state_tensors, write_tensors
 from lightning_nvme.checkpoint.legacy import LEGACY_FORMAT_VERSION, META_FILE
 from lightning_nvme.checkpoint.streamed import MARKER, optimizer_file
 
-
 _EXTRACTED = tempfile.mkdtemp(prefix="lightning_nvme-records-")
 atexit.register(shutil.rmtree, _EXTRACTED, True)
 
@@ -49,8 +48,14 @@ def write_beside(onefile_path, dst) -> None:
     """Rewrite a one-file checkpoint as format version 2 (lightning_nvme before the one-file layout wrote it): the
     file without its state records, the state files beside it in ``<dst>.optim/<save id>/``. This lightning_nvme
     only reads that format; the helper checks that it still does."""
-    checkpoint = torch.load(onefile_path, map_location="cpu", weights_only=False)
+    from lightning_nvme.checkpoint import weights
+
+    with weights.deferred():  # weights streamed beside the dict stay references, now to the .optim directory
+        checkpoint = torch.load(onefile_path, map_location="cpu", weights_only=False)
     ref = checkpoint["lightning_nvme"]
+    for beside in weights.refs(checkpoint.get("state_dict") or {}).values():
+        beside.record = None
+    weights.bind(checkpoint.get("state_dict") or {}, os.fspath(dst), ref["save_id"])
     name = os.path.basename(os.fspath(dst))
     onefile.extract(os.fspath(onefile_path), os.path.join(os.fspath(dst) + ".optim", ref["save_id"]))
     del ref[onefile.RECORDS_KEY]

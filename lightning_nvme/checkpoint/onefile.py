@@ -35,6 +35,7 @@ from typing import Any
 import torch
 
 from lightning_nvme import reflink
+from lightning_nvme.checkpoint import weights
 from lightning_nvme.constants import ALIGN, align_up
 
 RECORDS_KEY = "records"  # in the ``lightning_nvme`` entry: state file name -> uint8 record
@@ -98,6 +99,9 @@ def stage(checkpoint: dict[str, Any], tmp: str, parts_dir: str, ref_key: str) ->
         if size % ALIGN:
             os.truncate(path, align_up(size))
         records[name] = _mapped(path)
+    beside = weights.refs(checkpoint.get("state_dict") or {}).values()
+    for ref in beside:  # pickled with the record: torch.load resolves them without the directory
+        ref.record = records.get(weights.WEIGHTS_FILE)
     checkpoint = {**checkpoint, ref_key: {**checkpoint[ref_key], RECORDS_KEY: records}}
     reserving: _Reserving | None = None
     from torch.utils.serialization import config
@@ -110,6 +114,8 @@ def stage(checkpoint: dict[str, Any], tmp: str, parts_dir: str, ref_key: str) ->
             torch.serialization._save(checkpoint, reserving, pickle, torch.serialization.DEFAULT_PROTOCOL, False)
     finally:
         config.save.storage_alignment = old
+        for ref in beside:
+            ref.record = None
         del records
     assert reserving is not None
     offsets = record_offsets(tmp)

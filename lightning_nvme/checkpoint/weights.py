@@ -67,7 +67,10 @@ class BesideWeight:
         return os.path.join(self.directory, WEIGHTS_FILE)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return beside_weight, (self.key, self.dtype, self.shape, self.parts_dir, self.directory, self.save_id)
+        # a one-file save pickles the weights file's record with each reference (the record is a storage the file
+        # holds once), so that unpickling can read the tensor before the checkpoint's ``lightning_nvme`` entry
+        return beside_weight, (self.key, self.dtype, self.shape, self.parts_dir, self.directory, self.save_id,
+                               self.record)
 
     def check_readable(self) -> None:
         if self.record is not None:
@@ -96,9 +99,9 @@ class BesideWeight:
 
 
 def beside_weight(key: str, dtype: str, shape: tuple[int, ...], parts_dir: str, directory: str,
-                  save_id: str) -> torch.Tensor | BesideWeight:
+                  save_id: str, record: torch.Tensor | None = None) -> torch.Tensor | BesideWeight:
     """Unpickling a ``BesideWeight``: the tensor, or (under ``deferred()``) the reference itself."""
-    ref = BesideWeight(key, dtype, tuple(shape), parts_dir, directory, save_id)
+    ref = BesideWeight(key, dtype, tuple(shape), parts_dir, directory, save_id, record=record)
     return ref if _deferred.get() else ref.read()
 
 

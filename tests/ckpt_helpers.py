@@ -3,19 +3,33 @@ the old directory format (this lightning_nvme only reads it), to check that old 
 
 from __future__ import annotations
 
+import atexit
 import os
+import shutil
+import tempfile
 
 import torch
 
+from lightning_nvme.checkpoint import onefile
 from lightning_nvme.checkpoint.convert import pop_state_tensors, write_tensors
 from lightning_nvme.checkpoint.legacy import LEGACY_FORMAT_VERSION, META_FILE
 from lightning_nvme.checkpoint.streamed import MARKER, optimizer_file
 
+_EXTRACTED = tempfile.mkdtemp(prefix="lightning_nvme-records-")
+atexit.register(shutil.rmtree, _EXTRACTED, True)
+
 
 def parts_dir(path) -> str:
-    """The directory holding the optimizer files of checkpoint file ``path``."""
-    ref = torch.load(path, weights_only=True)["lightning_nvme"]
-    return os.path.join(os.path.dirname(os.path.abspath(path)), ref["parts_dir"])
+    """A directory holding the state files of checkpoint file ``path``: for a one-file checkpoint, its records
+    written out (``onefile.extract``, outside the checkpoint's directory); for a version-2 checkpoint, the
+    ``.optim/<save id>`` directory beside it."""
+    ref = torch.load(path, weights_only=True, mmap=True)["lightning_nvme"]
+    if onefile.records_of(ref) is None:
+        return os.path.join(os.path.dirname(os.path.abspath(path)), ref["parts_dir"])
+    out = os.path.join(_EXTRACTED, ref["save_id"])
+    if not os.path.isdir(out):
+        onefile.extract(os.fspath(path), out)
+    return out
 
 
 def write_legacy(plain_file, dst_dir) -> None:
@@ -28,3 +42,22 @@ def write_legacy(plain_file, dst_dir) -> None:
                       {"format": MARKER, "format_version": str(LEGACY_FORMAT_VERSION)})
         state[MARKER] = {"format_version": LEGACY_FORMAT_VERSION, "file": optimizer_file(i)}
     torch.save(checkpoint, os.path.join(dst_dir, META_FILE))
+
+
+def write_beside(onefile_path, dst) -> None:
+    """Rewrite a one-file checkpoint as format version 2 (lightning_nvme before the one-file layout wrote it): the
+    file without its state records, the state files beside it in ``<dst>.optim/<save id>/``. This lightning_nvme
+    only reads that format; the helper checks that it still does."""
+    from lightning_nvme.checkpoint import weights
+
+    with weights.deferred():  # weights streamed beside the dict stay references, now to the .optim directory
+        checkpoint = torch.load(onefile_path, map_location="cpu", weights_only=False)
+    ref = checkpoint["lightning_nvme"]
+    for beside in weights.refs(checkpoint.get("state_dict") or {}).values():
+        beside.record = None
+    weights.bind(checkpoint.get("state_dict") or {}, os.fspath(dst), ref["save_id"])
+    name = os.path.basename(os.fspath(dst))
+    onefile.extract(os.fspath(onefile_path), os.path.join(os.fspath(dst) + ".optim", ref["save_id"]))
+    del ref[onefile.RECORDS_KEY]
+    ref.update(format_version=2, parts_dir=os.path.join(name + ".optim", ref["save_id"]))
+    torch.save(checkpoint, dst)

@@ -90,16 +90,16 @@ def _start(store: FlatStore, checkpoint: dict[str, Any], path: str, optimizers: 
     checkpoint = dict(checkpoint)
     optimizer_states = checkpoint.pop("optimizer_states", None)
     pending = paired.begin(path)
-    staged: list[str] = []
+    staged: list[paired.onefile.Staged] = []
     switched: list[bool] = []
 
     def abort() -> None:
         if switched:  # committed: only the sweep of the replaced save failed, the checkpoint stands
             return
         paired.abort(pending)
-        for tmp in staged:
-            if os.path.lexists(tmp):
-                atomic.delete(tmp)
+        for st in staged:
+            if os.path.lexists(st.tmp):
+                atomic.delete(st.tmp)
 
     try:
         weights.bind(checkpoint.get("state_dict") or {}, pending.path, pending.save_id)
@@ -112,7 +112,7 @@ def _start(store: FlatStore, checkpoint: dict[str, Any], path: str, optimizers: 
             assert in_store is not None and read_source is not None, "beside weights need their blocks' residency"
             targets += _weights_file(checkpoint, store, pending.tmp, pending.save_id, in_store, read_source)
         ref = paired.reference(pending, optimizer_states, markers)
-        staged.append(paired.stage_main({**checkpoint, paired.REF_KEY: ref}, pending.path))
+        staged.append(paired.stage_main({**checkpoint, paired.REF_KEY: ref}, pending.path, pending.tmp))
         record.files = sorted(os.listdir(pending.tmp))
         record.bytes_written = sum(os.path.getsize(os.path.join(pending.tmp, f)) for f in record.files)
         record.reason = f"{len(targets)} regions copied after the save returns, through a {buffer_bytes}-byte buffer"

@@ -45,7 +45,7 @@ def to_lightning(src: str, dst_file: str) -> None:
         marker = parts.markers[i] if parts is not None else None
         if marker is None or parts is None:
             continue
-        readers = open_readers(parts.directory, marker, parts.save_id)
+        readers = open_readers(parts.directory, marker, parts.save_id, parts.records, parts.source)
         fmt = StateFormat.from_dict(marker.get("state_format"))
         try:
             for reader in readers:  # one per rank that wrote a shard of a data-parallel save

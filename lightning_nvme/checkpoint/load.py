@@ -20,7 +20,8 @@ from lightning_nvme.checkpoint.streamed import OptimizerParts
 
 
 def _torch_load(path: str) -> dict[str, Any]:
-    return torch.load(path, map_location="cpu", weights_only=False)
+    """``mmap=True``: the state records of a one-file checkpoint are read range by range where used, never whole."""
+    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
 
 
 def open_checkpoint(path: str | os.PathLike,

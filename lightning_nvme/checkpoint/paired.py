@@ -1,14 +1,16 @@
-"""Checkpoints Lightning's loaders open: one file at the path the user gave, the optimizer state beside it.
+"""Checkpoints Lightning's loaders open: one file at the path the user gave, the optimizer state inside it.
 
-Layout::
+Layout (format version 3)::
 
-    last.ckpt                    torch.save of Lightning's checkpoint dict (weights, hyperparameters, loops,
-                                 callbacks, LR schedulers...) without ``optimizer_states``; in its place a
-                                 ``lightning_nvme`` entry: the format version, the save id, where the
-                                 optimizer state is, and each optimizer's param groups and scalar state
-    last.ckpt.optim/<save id>/   optimizer-<i>.safetensors (one per rank: optimizer-<i>-rank<r>.safetensors)
-                                 weights.safetensors: with offload_params, the block weights when they are
-                                 streamed beside the file (``weights``; the file's state_dict refers to them)
+    last.ckpt    a torch zip (``torch.save``'s format, records aligned to 4 KiB) of Lightning's checkpoint dict
+                 (weights, hyperparameters, loops, callbacks, LR schedulers...) without ``optimizer_states``; in
+                 its place a ``lightning_nvme`` entry: the format version, the save id, each optimizer's param
+                 groups and scalar state, and ``records``: each state file of the save as one ``uint8`` record,
+                 optimizer-<i>.safetensors (one per rank: optimizer-<i>-rank<r>.safetensors) and, with
+                 offload_params, weights.safetensors (block weights streamed beside the dict: ``weights``; the
+                 state_dict refers to them). How the records are written and filled: ``onefile``.
+
+Version 2 (still read): the same file without ``records``, the state files in ``last.ckpt.optim/<save id>/``.
 
 Why a file: ``torch.load``, ``LightningModule.load_from_checkpoint`` and ``Trainer(strategy="auto")``'s
 validate/test/predict open it as any Lightning checkpoint. Why no ``optimizer_states`` in it: a plain
@@ -19,13 +21,16 @@ carries the same id, so a file paired with another save's optimizer state is ref
 
 Commit protocol (a kill -9 at any point leaves the old checkpoint or the new one, never a mix):
 
-1. ``begin``: recover an interrupted commit (``atomic.recover``, ``sweep_orphans``), create ``last.ckpt.optim/.<id>.tmp-<pid>/``;
-2. the optimizer files (and the beside weights) are streamed into it and fsynced (by every rank, when data
-   parallel);
-3. ``publish``: fsync, rename it to ``last.ckpt.optim/<id>/``: complete, but no file refers to it yet;
-4. ``write_main``: the file goes to ``.last.ckpt.tmp-<pid>``, fsync, then ``os.replace`` over ``last.ckpt``
-   (over an old-format directory: ``RENAME_EXCHANGE``, see ``atomic.commit``): the one switching step;
-5. ``finish``: delete the other saves' directories in ``last.ckpt.optim/``.
+1. ``begin``: recover an interrupted commit (``atomic.recover``, ``sweep_orphans``), create the hidden temp
+   directory ``last.ckpt.optim/.<id>.tmp-<pid>/``;
+2. the state files (and the beside weights) are streamed, cloned or copied into it and fsynced (by every rank,
+   when data parallel);
+3. ``publish``: fsync that directory (nothing is renamed: the state goes into the file);
+4. ``write_main``: the file goes to ``.last.ckpt.tmp-<pid>`` (``stage_main``: the state records reserved; then
+   ``switch_main``: filled from the state files, by clones where the filesystem shares extents), fsync, then
+   ``os.replace`` over ``last.ckpt`` (over an old-format directory: ``RENAME_EXCHANGE``, see ``atomic.commit``):
+   the one switching step;
+5. ``finish``: delete ``last.ckpt.optim/`` (the temp state files, and the state of a version-2 save replaced).
 """
 
 from __future__ import annotations
@@ -40,15 +45,16 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint import weights
+from lightning_nvme.checkpoint import onefile, weights
 from lightning_nvme.checkpoint.streamed import OptimizerParts
 from lightning_nvme.fs import atomic
 
-PAIRED_FORMAT_VERSION = 2  # of the paired checkpoint (file + streamed state beside it)
+PAIRED_FORMAT_VERSION = 3  # of the checkpoint: one file, its state files as records inside it
+BESIDE_FORMAT_VERSION = 2  # still read: the file, its state files beside it in ``<file>.optim/<save id>/``
 REF_KEY = "lightning_nvme"
 PARTS_SUFFIX = ".optim"
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
-NOTE = ("The optimizer state of this checkpoint is streamed beside it, in {parts}/. Resume with "
+NOTE = ("The optimizer state of this checkpoint is inside it (lightning_nvme.records). Resume with "
         "strategy='nvme_offload' (or 'nvme_offload_ddp'); for a plain checkpoint that any Trainer resumes from, "
         "run: python -m lightning_nvme.checkpoint.convert to-lightning {name} plain.ckpt")
 
@@ -80,6 +86,9 @@ def sweep_orphans(path: str) -> None:
         if not entry.endswith(PARTS_SUFFIX) or entry.startswith(".") or not os.path.isdir(root):
             continue
         atomic.sweep_dead_temps(root)
+        if not os.listdir(root):  # a one-file save killed after its switch left only its temp state files
+            os.rmdir(root)
+            continue
         base = root[:-len(PARTS_SUFFIX)]
         orphan = not os.path.lexists(base) and not os.path.lexists(atomic.aside_name(base))
         if orphan and all(_SAVE_ID.match(e) for e in os.listdir(root)):  # a live writer's temp: not an orphan
@@ -101,9 +110,8 @@ def begin(path: str) -> Pending:
 
 
 def publish(pending: Pending) -> None:
-    """Step 3: the fsynced optimizer files become ``<path>.optim/<id>/`` (not yet referenced)."""
-    atomic.commit(pending.tmp, pending.final)  # fsyncs the directory, renames it, fsyncs parts_root
-    atomic.fsync_path(os.path.dirname(pending.path))
+    """Step 3: the state files are complete (each writer fsynced its own); their directory entries too."""
+    atomic.fsync_path(pending.tmp)
 
 
 def reference(pending: Pending, optimizer_states: list[dict[str, Any]] | None, markers: list[dict[str, Any]]) -> dict:
@@ -114,46 +122,55 @@ def reference(pending: Pending, optimizer_states: list[dict[str, Any]] | None, m
             "optimizer_states": optimizer_states, "parts": markers, "note": NOTE.format(parts=parts, name=name)}
 
 
-def stage_main(checkpoint: dict[str, Any], path: str) -> str:
-    """Step 4's first half: the file written under its hidden temp name (not yet visible as ``path``). A
-    background save stages it at the save, when the weights are those of the saved instant."""
+def stage_main(checkpoint: dict[str, Any], path: str, parts: str | None = None) -> onefile.Staged:
+    """Step 4's first half: the file written under its hidden temp name (not yet visible as ``path``), with a
+    reserved record for each state file in ``parts`` (the save's temp directory; ``None``: a file without state).
+    A background save stages it at the save, when the weights are those of the saved instant; its state files
+    have their final size then (filled later by the copy)."""
     tmp = atomic.temp_name(path)
     try:
-        torch.save(checkpoint, tmp)
+        if parts is None:
+            torch.save(checkpoint, tmp)
+            return onefile.Staged(tmp, "")
+        return onefile.stage(checkpoint, tmp, parts, REF_KEY)
     except BaseException:
         if os.path.lexists(tmp):
             atomic.delete(tmp)
         raise
-    return tmp
 
 
-def switch_main(tmp: str, path: str) -> None:
-    """Step 4's second half: fsync the staged file and switch it in (the one visible step)."""
+def switch_main(staged: onefile.Staged, path: str) -> tuple[int, int]:
+    """Step 4's second half: fill the staged file's state records, fsync it and switch it in (the one visible
+    step). Returns the bytes (cloned, copied) into the records."""
     try:
-        atomic.commit(tmp, path)
+        moved = onefile.fill(staged) if staged.records else (0, 0)
+        atomic.commit(staged.tmp, path)
     except BaseException:
-        if os.path.lexists(tmp):
-            atomic.delete(tmp)
+        if os.path.lexists(staged.tmp):
+            atomic.delete(staged.tmp)
         raise
+    return moved
 
 
-def write_main(checkpoint: dict[str, Any], path: str) -> None:
-    """Step 4: write the file under a temp name, fsync, and switch it in."""
-    switch_main(stage_main(checkpoint, path), path)
+def write_main(checkpoint: dict[str, Any], path: str, parts: str | None = None) -> tuple[int, int]:
+    """Step 4: write the file (its state records from ``parts``) under a temp name, fsync, and switch it in."""
+    return switch_main(stage_main(checkpoint, path, parts), path)
 
 
 def finish(pending: Pending) -> None:
-    """Step 5: delete the optimizer state of the saves this one replaced."""
+    """Step 5: delete the temp state files (now inside the file) and any state of a version-2 save replaced."""
     root = parts_root(pending.path)
-    for entry in os.listdir(root):
-        if entry != pending.save_id and _SAVE_ID.match(entry):
-            atomic.remove(os.path.join(root, entry))
+    if os.path.isdir(root):
+        atomic.remove(root)
 
 
 def abort(pending: Pending) -> None:
     shutil.rmtree(pending.tmp, ignore_errors=True)
     if os.path.isdir(pending.final):
         atomic.remove(pending.final)
+    root = parts_root(pending.path)
+    if os.path.isdir(root) and not os.listdir(root):  # created by this save (a version-2 state stays)
+        os.rmdir(root)
 
 
 def save(checkpoint: dict[str, Any], path: str, write_parts: Callable[[str, str], list[dict[str, Any]]]) -> None:
@@ -167,7 +184,7 @@ def save(checkpoint: dict[str, Any], path: str, write_parts: Callable[[str, str]
         weights.bind(checkpoint.get("state_dict") or {}, pending.path, pending.save_id)
         markers = write_parts(pending.tmp, pending.save_id)
         publish(pending)
-        write_main({**checkpoint, REF_KEY: reference(pending, optimizer_states, markers)}, pending.path)
+        write_main({**checkpoint, REF_KEY: reference(pending, optimizer_states, markers)}, pending.path, pending.tmp)
     except BaseException:
         abort(pending)
         raise
@@ -193,13 +210,19 @@ def read(checkpoint: dict[str, Any], path: str) -> tuple[dict[str, Any], Optimiz
         if ref is not None:
             checkpoint[REF_KEY] = ref  # not ours: leave the user's key alone
         return checkpoint, None
-    if ref.get("format_version") != PAIRED_FORMAT_VERSION:
+    if ref.get("format_version") not in (PAIRED_FORMAT_VERSION, BESIDE_FORMAT_VERSION):
         raise ValueError(f"{path}: lightning_nvme checkpoint format version {ref.get('format_version')}; this "
-                         f"lightning_nvme reads version {PAIRED_FORMAT_VERSION} (and the old directory format)")
+                         f"lightning_nvme reads versions {BESIDE_FORMAT_VERSION} and {PAIRED_FORMAT_VERSION} (and the "
+                         "old directory format)")
     if ref["optimizer_states"] is not None:
         checkpoint["optimizer_states"] = ref["optimizer_states"]
     save_id = ref["save_id"]
     parts = OptimizerParts("", save_id, ref["parts"], source=str(path))
+    records = onefile.records_of(ref)
+    if records is not None:  # one file: the state is inside it, wherever it was copied or uploaded
+        parts.records = records
+        weights.resolve(checkpoint.get("state_dict") or {}, "", None, records)
+        return checkpoint, parts
     if not isinstance(path, str) or "://" in path:
         parts.problem = (f"checkpoint {path} is remote; its optimizer state ({ref['parts_dir']}) is streamed beside "
                          "it on a local file system. Download the file and its .optim directory, or convert it: "

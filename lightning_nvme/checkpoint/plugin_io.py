@@ -11,15 +11,50 @@ never written to a local directory named after a URL.
 
 from __future__ import annotations
 
+import os
+import shutil
 from typing import Any
 
+import torch
 from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
-from lightning.fabric.utilities.cloud_io import _is_local_file_protocol
+from lightning.fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
 from lightning.fabric.utilities.types import _PATH
 
 
 def is_local(path: _PATH) -> bool:
     return _is_local_file_protocol(path)
+
+
+def maps_records(checkpoint_io: CheckpointIO, path: _PATH) -> bool:
+    """True where a load may map the file (``torch.load(mmap=True)``) instead of the plugin reading it: the default
+    ``TorchCheckpointIO`` on a local path, which would read it with ``torch.load`` anyway; mapped, the optimizer
+    state's records are read range by range on resume instead of whole into memory."""
+    return type(checkpoint_io) is TorchCheckpointIO and is_local(path) and os.path.isfile(path)
+
+
+def ship(local: str, path: _PATH, storage_options: Any | None, checkpoint_io: CheckpointIO) -> str:
+    """Deliver the one-file checkpoint built at ``local`` to ``path``; returns how, for the save record.
+
+    The default ``TorchCheckpointIO`` without ``storage_options`` (a remote URL): the file's bytes are streamed
+    through fsspec in 64 MiB pieces (Lightning's own remote save would pickle the whole checkpoint into memory
+    first). Anything else goes to the plugin as the checkpoint dict, each state record a storage mapped from the
+    local file: the plugin's writer reads it piece by piece, and ``AsyncCheckpointIO`` (which clones every tensor
+    before its thread runs) leaves storages alone; the mapping keeps the bytes readable after the local file is
+    deleted."""
+    if type(checkpoint_io) is TorchCheckpointIO and storage_options is None:
+        fs = get_filesystem(path)
+        target = os.fspath(path)
+        fs.makedirs(os.path.dirname(target) or ".", exist_ok=True)
+        with open(local, "rb") as src, fs.open(target, "wb") as dst:
+            shutil.copyfileobj(src, dst, 64 << 20)
+        return f"streamed through fsspec ({type(fs).__name__})"
+    checkpoint = torch.load(local, map_location="cpu", weights_only=False, mmap=True)
+    ref = checkpoint.get("lightning_nvme") or {}
+    records = ref.get("records")
+    if isinstance(records, dict):
+        ref["records"] = {name: t.untyped_storage() if torch.is_tensor(t) else t for name, t in records.items()}
+    checkpoint_io.save_checkpoint(checkpoint, path, storage_options=storage_options)
+    return f"handed to {type(checkpoint_io).__name__}"
 
 
 def writes_itself(checkpoint_io: CheckpointIO, path: _PATH, storage_options: Any | None) -> bool:

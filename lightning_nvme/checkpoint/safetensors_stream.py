@@ -74,15 +74,48 @@ class SafetensorsWriter:
         os.close(self.fd)
 
 
+def file_backing(record: torch.Tensor) -> tuple[int, int] | None:
+    """(an open descriptor of the file, the offset) whose bytes a file-mapped tensor shows (``torch.load(...,
+    mmap=True)``): read with ``pread``, the pages go to the page cache, not into this process's RSS as touched
+    mapped pages would. ``None`` for a tensor in memory, or a mapping whose file was since replaced or deleted."""
+    ptr = record.data_ptr()
+    try:
+        with open("/proc/self/maps") as maps:
+            for line in maps:
+                fields = line.split(maxsplit=5)
+                lo, hi = (int(x, 16) for x in fields[0].split("-"))
+                if not lo <= ptr < hi or len(fields) < 6 or not fields[5].startswith("/"):
+                    continue
+                path, inode = fields[5].rstrip("\n"), int(fields[4])
+                fd = os.open(path, os.O_RDONLY)
+                if os.fstat(fd).st_ino != inode or ptr + record.numel() > hi:
+                    os.close(fd)
+                    return None
+                return fd, int(fields[2], 16) + ptr - lo
+    except OSError:
+        return None
+    return None
+
+
 class SafetensorsReader:
-    def __init__(self, path: str) -> None:
+    """Reads a safetensors file range by range: a file of its own (``path``), or a record of a one-file checkpoint
+    (``record``: the ``uint8`` tensor ``torch.load(..., mmap=True)`` returns for it; ``path`` names it in errors),
+    read in place."""
+
+    def __init__(self, path: str, record: torch.Tensor | None = None) -> None:
         self.path = path
-        self.fd = os.open(path, os.O_RDONLY)
-        size = os.fstat(self.fd).st_size
-        (hlen,) = struct.unpack("<Q", os.pread(self.fd, 8, 0))
+        self.record = record
+        self.base = 0  # the record's offset in the file read with pread
+        self.fd = os.open(path, os.O_RDONLY) if record is None else -1
+        backing = file_backing(record) if record is not None else None
+        if backing is not None:  # a mapped record: pread + fadvise, so pages read do not stay in this process's RSS
+            self.fd, self.base, self.record = backing[0], backing[1], None
+        self.size = os.fstat(self.fd).st_size if record is None else record.numel()
+        size = self.size
+        (hlen,) = struct.unpack("<Q", self._pread(8, 0))
         if hlen > size - 8:
             raise ValueError(f"{path}: truncated or not a safetensors file (header length {hlen}, size {size})")
-        header = json.loads(os.pread(self.fd, hlen, 8))
+        header = json.loads(self._pread(hlen, 8))
         self.metadata = header.pop("__metadata__", {})
         self.data_start = 8 + hlen
         self.entries = {k: (CODES[v["dtype"]], tuple(v["shape"]), v["data_offsets"][0]) for k, v in header.items()}
@@ -101,8 +134,12 @@ class SafetensorsReader:
         stop = numel if stop is None else stop
         out = torch.empty(stop - start, dtype=dtype)
         nbytes = out.numel() * out.element_size()
-        mv = memview(out.data_ptr(), nbytes) if nbytes else memoryview(b"")
         pos = self.data_start + off + start * out.element_size()
+        if self.record is not None:
+            out.view(torch.uint8).copy_(self.record[pos:pos + nbytes])
+            return out
+        pos += self.base
+        mv = memview(out.data_ptr(), nbytes) if nbytes else memoryview(b"")
         done = 0
         while done < nbytes:
             n = os.preadv(self.fd, [mv[done:]], pos + done)
@@ -111,6 +148,17 @@ class SafetensorsReader:
             done += n
         return out
 
+    def _pread(self, n: int, offset: int) -> bytes:
+        if self.record is None:
+            return os.pread(self.fd, n, self.base + offset)
+        return self.record[offset:offset + n].numpy().tobytes()
+
     def close(self) -> None:
-        os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if self.record is not None:
+            self.record = None
+            return
+        if self.base:  # a record of a checkpoint file: drop its range from the page cache only
+            os.posix_fadvise(self.fd, self.base, self.size, os.POSIX_FADV_DONTNEED)
+        else:
+            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
         os.close(self.fd)

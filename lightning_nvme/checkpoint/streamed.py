@@ -106,6 +106,7 @@ class OptimizerParts:
     markers: list[dict[str, Any] | None]
     problem: str | None = None  # why the state cannot be read (missing, another save's, remote)
     source: str = ""  # the checkpoint as the user named it (its file, or the old format's directory)
+    records: dict[str, torch.Tensor] | None = None  # one-file checkpoint: state file name -> its record
 
 
 class _FileSink:
@@ -174,11 +175,22 @@ def marker_files(marker: Mapping[str, Any]) -> list[str]:
     return list(marker["files"]) if "files" in marker else [marker["file"]]  # "files": one shard per rank
 
 
-def open_readers(directory: str, marker: Mapping[str, Any], save_id: str | None) -> list[SafetensorsReader]:
-    """Readers of the files of one optimizer, each checked to belong to the save ``save_id``."""
+def open_readers(directory: str, marker: Mapping[str, Any], save_id: str | None,
+                 records: Mapping[str, torch.Tensor] | None = None, source: str = "") -> list[SafetensorsReader]:
+    """Readers of the files of one optimizer (in ``directory``, or ``records`` of a one-file checkpoint
+    ``source``), each checked to belong to the save ``save_id``."""
     readers: list[SafetensorsReader] = []
     try:
         for name in marker_files(marker):
+            if records is not None:
+                if name not in records:
+                    raise FileNotFoundError(f"checkpoint {source} holds no record of its optimizer state file {name}: "
+                                            "the checkpoint is damaged")
+                readers.append(SafetensorsReader(f"{source}:{name}", records[name]))
+                found = readers[-1].metadata.get("save_id")
+                if save_id is not None and found != save_id:
+                    raise ValueError(f"{source}: its record {name} was written by save {found}, not {save_id}")
+                continue
             path = os.path.join(directory, name)
             if not os.path.isfile(path):
                 raise FileNotFoundError(f"optimizer state file {path} is missing: the checkpoint is incomplete")
@@ -208,7 +220,7 @@ def restore_optimizer(off: OffloadedOptimizer, state: Mapping[str, Any], marker:
         raise RuntimeError(parts.problem)
     check_format(off, marker, parts.source or parts.directory)
     off.set_param_groups(state["param_groups"])
-    readers = open_readers(parts.directory, marker, parts.save_id)
+    readers = open_readers(parts.directory, marker, parts.save_id, parts.records, parts.source)
     try:
         source = _FileSource(readers, state["state"])
         _check_planned(off, {index for index, _ in source.entries})

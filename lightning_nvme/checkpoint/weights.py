@@ -51,6 +51,7 @@ class BesideWeight:
     directory: str = ""  # absolute: where it was saved; on a strategy load, where it was found
     save_id: str = ""
     problem: str | None = None  # why it cannot be read (set on load when the directory is missing)
+    record: Any = None  # one-file checkpoint: the weights file's record (a uint8 tensor), set on load
     source: Any = field(default=None, compare=False, repr=False)  # saving: where to read it (not pickled)
 
     @classmethod
@@ -66,9 +67,14 @@ class BesideWeight:
         return os.path.join(self.directory, WEIGHTS_FILE)
 
     def __reduce__(self) -> tuple[Callable[..., Any], tuple[Any, ...]]:
-        return beside_weight, (self.key, self.dtype, self.shape, self.parts_dir, self.directory, self.save_id)
+        # a one-file save pickles the weights file's record with each reference (the record is a storage the file
+        # holds once), so that unpickling can read the tensor before the checkpoint's ``lightning_nvme`` entry
+        return beside_weight, (self.key, self.dtype, self.shape, self.parts_dir, self.directory, self.save_id,
+                               self.record)
 
     def check_readable(self) -> None:
+        if self.record is not None:
+            return
         if self.problem is not None:
             raise RuntimeError(self.problem)
         if not os.path.isfile(self.path):
@@ -82,6 +88,10 @@ class BesideWeight:
     def read(self) -> torch.Tensor:
         """The tensor, read from the beside file (checked to belong to the same save)."""
         self.check_readable()
+        if self.record is not None:
+            reader = SafetensorsReader(self.path, self.record)
+            _check_save(self.path, reader.metadata.get("save_id"), self.save_id)
+            return reader.read(self.key).view(self.shape)
         with safe_open(self.path, framework="pt") as f:
             found = (f.metadata() or {}).get("save_id")
             _check_save(self.path, found, self.save_id)
@@ -89,9 +99,9 @@ class BesideWeight:
 
 
 def beside_weight(key: str, dtype: str, shape: tuple[int, ...], parts_dir: str, directory: str,
-                  save_id: str) -> torch.Tensor | BesideWeight:
+                  save_id: str, record: torch.Tensor | None = None) -> torch.Tensor | BesideWeight:
     """Unpickling a ``BesideWeight``: the tensor, or (under ``deferred()``) the reference itself."""
-    ref = BesideWeight(key, dtype, tuple(shape), parts_dir, directory, save_id)
+    ref = BesideWeight(key, dtype, tuple(shape), parts_dir, directory, save_id, record=record)
     return ref if _deferred.get() else ref.read()
 
 
@@ -129,9 +139,16 @@ def bind(state_dict: Mapping[str, Any], path: str, save_id: str) -> None:
         ref.save_id = save_id
 
 
-def resolve(state_dict: Mapping[str, Any], directory: str, problem: str | None) -> None:
-    """On load: point the references at the directory found beside the file (or record why there is none)."""
+def resolve(state_dict: Mapping[str, Any], directory: str, problem: str | None,
+            records: Mapping[str, Any] | None = None) -> None:
+    """On load: point the references at the record inside a one-file checkpoint (``records``), or the directory
+    found beside the file (or record why there is none)."""
     for ref in refs(state_dict).values():
+        if records is not None:
+            ref.record, ref.problem = records.get(WEIGHTS_FILE), None
+            if ref.record is None:
+                ref.problem = f"the checkpoint holds weight {ref.key!r} in a {WEIGHTS_FILE} record it does not have"
+            continue
         ref.directory, ref.problem = (directory, None) if directory else (ref.directory, problem)
 
 
@@ -185,7 +202,7 @@ class WeightReaders:
         reader = self._open.get(ref.path)
         if reader is None:
             ref.check_readable()
-            reader = SafetensorsReader(ref.path)
+            reader = SafetensorsReader(ref.path, ref.record)
             self._open[ref.path] = reader
             _check_save(ref.path, reader.metadata.get("save_id"), ref.save_id)
         if ref.key not in reader:

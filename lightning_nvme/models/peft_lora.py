@@ -1,9 +1,14 @@
 """LoRA through ``peft``: the field's adapter library, so trained adapters load with ``PeftModel.from_pretrained``.
 
 With ``offload_params`` the model is built on the meta device; ``peft`` then creates its adapters on the
-meta device too (it follows the base layer), where its own init cannot run. ``init_adapters`` gives them
-their values on the CPU right away with peft's ``reset_lora_parameters`` (kaiming-uniform ``A``, zero ``B``):
-they are small, and the base weights still stream from the checkpoint at setup (``AdapterNames`` maps
+meta device too (it follows the base layer), where its own init cannot run; under Lightning's
+``init_module(empty_init=True)`` of any strategy, ``nn.init`` is skipped and the adapters hold uninitialized
+memory. ``init_adapters`` then gives them their values on the CPU right away, replaying what peft does in
+memory on the same random stream: per adapted layer, in module order, ``nn.Linear(in, r)`` and
+``nn.Linear(r, out)`` constructed (their default init draws from the generator), ``reset_lora_parameters``
+(kaiming-uniform ``A``, zero ``B``), then the cast to the base layer's dtype. So the same seed gives bitwise
+the same adapters as a plain in-memory build, whatever the strategy. They are small, and the base weights
+still stream from the checkpoint at setup (``AdapterNames`` maps
 peft's names, ``...q_proj.base_layer.weight``, back to the checkpoint's). In the store the frozen base is a
 block's read-only head and the adapters its written tail (``lightning_nvme.params.layout``).
 """
@@ -33,16 +38,27 @@ def add_peft_lora(model: nn.Module, rank: int, alpha: float | None = None, targe
     config = LoraConfig(r=rank, lora_alpha=alpha if alpha is not None else rank,  # type: ignore[arg-type]
                         target_modules=targets,
                         lora_dropout=dropout)
+    skipped = init_skipped()  # before peft runs: its construction draws nothing from the generator then
     try:
         peft_model = get_peft_model(model, config)
     except ValueError as e:  # no default targets for this architecture, or none matched
         raise ValueError(f"model.lora_targets: {e} Name the projections, e.g. model.lora_targets=[q_proj,v_proj]") from e
-    init_adapters(peft_model, config.init_lora_weights)
+    init_adapters(peft_model, config.init_lora_weights, skipped)
     return peft_model
 
 
-def init_adapters(model: nn.Module, init: Any = True) -> None:
-    """peft's own init for adapters left on the meta device, on the CPU, outside Lightning's empty-init mode."""
+def init_skipped() -> bool:
+    """Whether ``nn.init`` is a no-op here (Lightning's ``_EmptyInit`` mode of ``init_module(empty_init=True)``)."""
+    with torch._C.DisableTorchFunction():
+        probe, own = torch.zeros(()), torch.Generator()  # on the CPU, also under a meta-device mode
+    # uniform_ dispatches to torch-function modes (ones_ does not); its own generator leaves the global one alone
+    torch.nn.init.uniform_(probe, 1.0, 1.0, generator=own)
+    return probe.item() == 0
+
+
+def init_adapters(model: nn.Module, init: Any = True, skipped: bool = False) -> None:
+    """peft's own init, on the CPU and on the in-memory build's random stream, for adapters left on the meta
+    device or (``skipped``) created while ``nn.init`` did nothing. Adapters that peft initialized are kept."""
     from peft.tuners.lora import LoraLayer
 
     for module in model.modules():
@@ -50,13 +66,29 @@ def init_adapters(model: nn.Module, init: Any = True) -> None:
             continue
         for name in module.active_adapters:
             parts = [module.lora_A[name], module.lora_B[name]]
-            if not any(p.is_meta for part in parts for p in part.parameters()):
+            if not skipped and not any(p.is_meta for part in parts for p in part.parameters()):
                 continue
             with torch._C.DisableTorchFunction():  # new tensors on the CPU; nn.init not skipped
-                for part in parts:
+                if isinstance(parts[0], nn.Linear) and isinstance(parts[1], nn.Linear):
+                    _replay_linear(module, name, init)
+                    continue
+                for part in parts:  # adapters of other layer kinds: peft's reset only
                     for sub in part.modules():
                         empty_meta(sub, torch.device("cpu"))
                 module.reset_lora_parameters(name, init)
+
+
+def _replay_linear(module: Any, name: str, init: Any) -> None:
+    """What ``LoraLayer.update_layer`` does for a linear adapter in memory, on the CPU: construct both linears
+    (the generator draws of their default init included), peft's reset, the cast to the base layer's dtype."""
+    old_a, old_b = module.lora_A[name], module.lora_B[name]
+    module.lora_A[name] = nn.Linear(old_a.in_features, old_a.out_features, bias=False)
+    module.lora_B[name] = nn.Linear(old_b.in_features, old_b.out_features, bias=old_b.bias is not None)
+    module.reset_lora_parameters(name, init)
+    module._move_adapter_to_device_of_base_layer(name, device=torch.device("cpu"))
+    for old, new in ((old_a, module.lora_A[name]), (old_b, module.lora_B[name])):
+        for (_, p), (_, q) in zip(old.named_parameters(), new.named_parameters()):
+            q.requires_grad_(p.requires_grad)
 
 
 class AdapterNames:

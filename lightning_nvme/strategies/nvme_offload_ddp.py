@@ -275,7 +275,7 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
                 main = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
                 ckpt.paired.publish(pending)
                 ckpt.paired.write_main({**main, ckpt.paired.REF_KEY: ckpt.paired.reference(pending, states, markers)},
-                                       path)
+                                       path, pending.tmp)
             except BaseException as e:
                 error, failed = e, [(0, repr(e))]
         if self.is_global_zero:

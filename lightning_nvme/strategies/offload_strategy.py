@@ -14,6 +14,8 @@ from __future__ import annotations
 
 import functools
 import os
+import shutil
+import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -309,12 +311,35 @@ class OffloadStrategy(Strategy):
         streamed = (bool(self.offloaded) and "optimizer_states" in checkpoint) or beside
         if not plugin_io.writes_itself(self.checkpoint_io, filepath, storage_options):
             if streamed:
-                plugin_io.refuse_streamed(self.strategy_name, self.checkpoint_io, filepath, storage_options, beside)
+                return self._save_through_plugin(checkpoint, filepath, storage_options, beside)
             return super().save_checkpoint(checkpoint, filepath, storage_options)
         if streamed:
             return self._save_streamed(checkpoint, os.path.abspath(os.fspath(filepath)))
         if self.is_global_zero:
             ckpt.paired.save_plain(checkpoint, os.fspath(filepath))
+
+    def _save_through_plugin(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None,
+                             beside: bool) -> None:
+        """A remote URL, ``storage_options`` or a user's ``CheckpointIO``: the one file is built locally, in a hidden
+        temp directory beside the store (as a local save: cloned from the store where it can be), then streamed
+        through fsspec or handed to the plugin with its state records as file-mapped storages (never read into
+        memory at once; ``AsyncCheckpointIO`` clones tensors, not storages). The save record says so."""
+        if getattr(self, "world_size", 1) > 1 or not (self.offloaded or self.nvme_store):  # DDP: not yet
+            plugin_io.refuse_streamed(self.strategy_name, self.checkpoint_io, filepath, storage_options, beside)
+        with self._open_store() as store:
+            where = store.directory
+        staging = tempfile.mkdtemp(prefix=".lightning_nvme-ckpt-", dir=where)
+        try:
+            local = os.path.join(staging, os.path.basename(os.fspath(filepath).rstrip("/")) or "checkpoint.ckpt")
+            saves = len(self.checkpoint_saves)
+            self._save_streamed(checkpoint, local)
+            how = plugin_io.ship(local, filepath, storage_options, self.checkpoint_io)
+            for record in self.checkpoint_saves[saves:]:
+                record.checkpoint = os.fspath(filepath)
+                record.reason = (f"{record.reason}; " if record.reason else "") + (
+                    f"built in {staging} ({record.path}), then {how}: no reflink into a remote or plugin destination")
+        finally:
+            shutil.rmtree(staging, ignore_errors=True)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
@@ -333,8 +358,10 @@ class OffloadStrategy(Strategy):
         if plugin_io.is_local(checkpoint_path):
             self._recover_before_load(os.path.abspath(os.fspath(checkpoint_path)))
         # weights beside the file stay references until load_model_state_dict
-        checkpoint, self._optimizer_parts = open_checkpoint(
-            checkpoint_path, functools.partial(super().load_checkpoint, weights_only=weights_only))
+        load_file: Callable[[str], dict[str, Any]] = functools.partial(super().load_checkpoint, weights_only=weights_only)
+        if plugin_io.maps_records(self.checkpoint_io, checkpoint_path):  # the state records read in place, never whole
+            load_file = functools.partial(torch.load, map_location="cpu", weights_only=weights_only, mmap=True)
+        checkpoint, self._optimizer_parts = open_checkpoint(checkpoint_path, load_file)
         return checkpoint
 
     def _weights_streamed_by(self, readers: weights.WeightReaders) -> AbstractContextManager[set[str]]:

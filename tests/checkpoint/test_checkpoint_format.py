@@ -82,6 +82,44 @@ def test_checkpoint_is_a_file_lightnings_loaders_open(saved, tmp_path):
     assert torch.equal(predict(MLP(), tmp_path, ckpt=str(path)), predict(model, tmp_path))
 
 
+def test_one_file_torch_zip_with_4k_aligned_state_records(saved):
+    """The checkpoint is one torch zip: every record at a 4 KiB-aligned offset, the optimizer state a record of it
+    (read by torch.load with weights_only=True and with mmap=True), nothing beside the file."""
+    from lightning_nvme.checkpoint.onefile import record_offsets
+    from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader
+
+    path = saved["path"]
+    assert sorted(os.listdir(path.parent)) == sorted(p for p in os.listdir(path.parent) if not p.endswith(".optim"))
+    offsets = record_offsets(str(path))
+    assert offsets and all(off % 4096 == 0 for off, _ in offsets.values()), offsets
+    for kw in ({"weights_only": True}, {"weights_only": True, "mmap": True}, {"weights_only": False}):
+        records = torch.load(path, **kw)["lightning_nvme"]["records"]
+        assert list(records) == ["optimizer-0.safetensors"]
+        (record,) = records.values()
+        assert record.dtype == torch.uint8 and record.numel() % 4096 == 0
+        keys = {k.split(".", 2)[2] for k in SafetensorsReader("record", record).entries}  # read in place
+        assert keys == {"exp_avg", "exp_avg_sq"}
+
+
+def test_the_file_copied_alone_resumes_bitwise(saved, tmp_path):
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    shutil.copy(saved["path"], elsewhere / "moved.ckpt")
+    model = MLP()
+    trainer(tmp_path, offload(tmp_path), 2).fit(model, ckpt_path=str(elsewhere / "moved.ckpt"))
+    assert params_equal(model, saved["reference"])
+
+
+def test_version2_checkpoint_still_resumes_bitwise(saved, tmp_path):
+    from ckpt_helpers import write_beside
+
+    write_beside(saved["path"], tmp_path / "v2.ckpt")
+    assert (tmp_path / "v2.ckpt.optim").is_dir()
+    model = MLP()
+    trainer(tmp_path, offload(tmp_path), 2).fit(model, ckpt_path=str(tmp_path / "v2.ckpt"))
+    assert params_equal(model, saved["reference"])
+
+
 def test_plain_trainer_fit_refuses_instead_of_restarting_the_moments(saved, tmp_path):
     with pytest.raises(KeyError, match="optimizer state"):
         trainer(tmp_path, "auto", 2).fit(MLP(), ckpt_path=str(saved["path"]))
@@ -106,11 +144,18 @@ def test_on_load_checkpoint_sees_lightnings_usual_dict(saved, tmp_path):
     assert len(seen["groups"]) == 2
 
 
-def test_mismatched_or_missing_optimizer_state_is_refused(saved, tmp_path):
+def test_version2_mismatched_or_missing_optimizer_state_is_refused(saved, tmp_path):
+    """A checkpoint of format version 2 (state beside the file): the file with another save's state, or alone."""
+    from ckpt_helpers import write_beside
+
     t, path = saved["trainer"], saved["path"]
+    v2 = tmp_path / "v2"
+    v2.mkdir()
+    write_beside(path, v2 / "saved.ckpt")
+    path = v2 / "saved.ckpt"
     first = tmp_path / "first.ckpt"
-    shutil.copy(path, first)
-    t.save_checkpoint(first)  # a second save: first.ckpt.optim now holds that save's state only
+    t.save_checkpoint(tmp_path / "second.ckpt")
+    write_beside(tmp_path / "second.ckpt", first)  # first.ckpt.optim holds the second save's state only
     stale = tmp_path / "stale.ckpt"
     shutil.copy(path, stale)  # the file of the first save ...
     shutil.copytree(str(first) + ".optim", str(stale) + ".optim")  # ... beside the state of the second
@@ -138,7 +183,7 @@ class RecordingIO(TorchCheckpointIO):
         super().remove_checkpoint(path)
 
 
-def test_user_checkpoint_io_carries_weights_only_and_refuses_streamed_state(tmp_path):
+def test_user_checkpoint_io_carries_weights_only_and_the_one_file(tmp_path):
     io = RecordingIO()
     cb = ModelCheckpoint(dirpath=tmp_path / "ckpts", save_weights_only=True, save_top_k=1, every_n_train_steps=16)
     model = MLP()
@@ -146,39 +191,76 @@ def test_user_checkpoint_io_carries_weights_only_and_refuses_streamed_state(tmp_
     t.fit(model)
     assert io.saved == ["epoch=0-step=16.ckpt", "epoch=0-step=32.ckpt"] and io.removed == ["epoch=0-step=16.ckpt"]
     assert params_equal(MLP.load_from_checkpoint(tmp_path / "ckpts" / "epoch=0-step=32.ckpt"), model)
-    with pytest.raises(ValueError, match="checkpoint_io=RecordingIO cannot carry it"):
-        t.save_checkpoint(tmp_path / "full.ckpt")
-    assert not os.path.exists(tmp_path / "full.ckpt") and io.saved[-1] != "full.ckpt"
+    t.save_checkpoint(tmp_path / "full.ckpt")  # with the optimizer state: the one file, through the plugin
+    assert io.saved[-1] == "full.ckpt" and "handed to RecordingIO" in t.strategy.checkpoint_saves[-1].reason
+    assert not [p for p in os.listdir(tmp_path / "store") if p.startswith(".lightning_nvme-ckpt-")]  # staging gone
+    resumed = MLP()
+    trainer(tmp_path, offload(tmp_path, "s2"), 2).fit(resumed, ckpt_path=str(tmp_path / "full.ckpt"))
+    reference = MLP()
+    trainer(tmp_path / "ref", "auto", 2).fit(reference)
+    assert params_equal(resumed, reference)
 
 
-def test_async_checkpoint_io_refusal_says_a_background_or_reflink_save_makes_it_unnecessary(tmp_path):
-    from lightning.pytorch.plugins.io import AsyncCheckpointIO
+def test_async_checkpoint_io_writes_the_one_file_without_cloning_the_state(saved, tmp_path, monkeypatch):
+    """AsyncCheckpointIO clones every tensor of the checkpoint before its thread runs: the state records reach it
+    as file-mapped storages instead, so the clone holds the weights only; the file resumes bitwise."""
+    from lightning.pytorch.plugins.io import AsyncCheckpointIO, async_plugin
 
-    t = trainer(tmp_path, offload(tmp_path, checkpoint_io=AsyncCheckpointIO()), 1, limit_train_batches=2)
-    t.fit(MLP())
-    with pytest.raises(ValueError, match="cannot carry it.*asynchronous plugin is unnecessary: "
-                                         "checkpoint_copy='background'.*reflink snapshot"):
-        t.save_checkpoint(tmp_path / "full.ckpt")
+    cloned: list[int] = []
+    real = async_plugin._clone_tensor
+    monkeypatch.setattr(async_plugin, "_clone_tensor", lambda t: cloned.append(t.numel() * t.element_size()) or real(t))
+    t = saved["trainer"]
+    plugin = AsyncCheckpointIO()
+    t.strategy.checkpoint_io = plugin
+    try:
+        t.save_checkpoint(tmp_path / "async.ckpt")
+        plugin.teardown()  # waits for the thread
+    finally:
+        t.strategy.checkpoint_io = None
+    state = torch.load(tmp_path / "async.ckpt", mmap=True)["lightning_nvme"]["records"]["optimizer-0.safetensors"]
+    weights = sum(p.numel() * p.element_size() for p in saved["model"].parameters())
+    assert sum(cloned) <= weights + 4096 < state.nbytes()
+    model = MLP()
+    trainer(tmp_path, offload(tmp_path), 2).fit(model, ckpt_path=str(tmp_path / "async.ckpt"))
+    assert params_equal(model, saved["reference"])
 
 
-def test_storage_options_are_refused_for_streamed_state(saved, tmp_path):
-    with pytest.raises(ValueError, match="storage_options were given"):
-        saved["trainer"].save_checkpoint(tmp_path / "x.ckpt", storage_options={"k": 1})
+def test_storage_options_go_to_the_plugin(saved, tmp_path):
+    seen = {}
+
+    class OptionsIO(TorchCheckpointIO):
+        def save_checkpoint(self, checkpoint, path, storage_options=None):
+            seen["options"] = storage_options
+            super().save_checkpoint(checkpoint, path)
+
+    t = saved["trainer"]
+    t.strategy.checkpoint_io = OptionsIO()
+    try:
+        t.save_checkpoint(tmp_path / "x.ckpt", storage_options={"k": 1})
+    finally:
+        t.strategy.checkpoint_io = None
+    assert seen["options"] == {"k": 1} and (tmp_path / "x.ckpt").is_file()
+    with pytest.raises(TypeError, match="storage_options"):  # Lightning's own refusal for its default plugin
+        t.save_checkpoint(tmp_path / "y.ckpt", storage_options={"k": 1})
 
 
-def test_remote_url_goes_through_fsspec_or_is_refused(saved, tmp_path, monkeypatch):
+def test_remote_url_streams_the_one_file_through_fsspec(saved, tmp_path, monkeypatch):
     import fsspec
 
     monkeypatch.chdir(tmp_path)
     t = saved["trainer"]
-    with pytest.raises(ValueError, match="is a remote URL"):
-        t.save_checkpoint("memory://run/full.ckpt")
+    t.save_checkpoint("memory://run/full.ckpt")
+    assert "streamed through fsspec" in t.strategy.checkpoint_saves[-1].reason
+    assert t.strategy.checkpoint_saves[-1].checkpoint == "memory://run/full.ckpt"
     t.save_checkpoint("memory://run/weights.ckpt", weights_only=True)
     fs = fsspec.filesystem("memory")
-    assert fs.exists("/run/weights.ckpt") and not fs.exists("/run/full.ckpt")
+    assert fs.exists("/run/weights.ckpt") and fs.exists("/run/full.ckpt")
     assert os.listdir(tmp_path) == []  # nothing written to a local path named after the URL
     with fs.open("/run/weights.ckpt", "rb") as f:
         assert torch.load(f)["global_step"] == t.global_step
+    model = MLP()
+    trainer(tmp_path, offload(tmp_path, "s3"), 2).fit(model, ckpt_path="memory://run/full.ckpt")
+    assert params_equal(model, saved["reference"])
     fs.rm("/run", recursive=True)
 
 
@@ -197,7 +279,7 @@ def test_resume_from_a_default_strategy_last_ckpt_saves_over_it(tmp_path):
     reference = MLP()
     trainer(tmp_path / "ref", "auto", 2).fit(reference)
     assert params_equal(model, reference)
-    assert (ckpts / "last.ckpt").is_file() and (ckpts / "last.ckpt.optim").is_dir()
+    assert not [n for n in os.listdir(ckpts) if n.endswith(".optim")]  # one file, its optimizer state inside
     assert torch.load(ckpts / "last.ckpt")["global_step"] == resumed.global_step
     assert hidden(ckpts) == []
 
@@ -211,16 +293,20 @@ def test_save_over_each_format_replaces_it_completely(saved, tmp_path):
     plain, legacy_dir, ours = tmp_path / "plain.ckpt", tmp_path / "legacy.ckpt", tmp_path / "ours.ckpt"
     convert.to_lightning(str(saved["path"]), str(plain))
     write_legacy(plain, legacy_dir)
+    from ckpt_helpers import write_beside
+
+    v2 = tmp_path / "v2.ckpt"
     t.save_checkpoint(ours)
-    first_id = os.listdir(str(ours) + ".optim")
-    for target in (plain, legacy_dir, ours):
+    write_beside(ours, v2)  # format version 2: the state beside the file
+    first_id = torch.load(ours, mmap=True)["lightning_nvme"]["save_id"]
+    for target in (plain, legacy_dir, v2, ours):
         t.save_checkpoint(target)
         assert target.is_file(), target
-        assert len(os.listdir(str(target) + ".optim")) == 1
+        assert not os.path.exists(str(target) + ".optim")  # one file: a replaced version 2's state is gone too
         assert torch.load(target)["global_step"] == t.global_step
-    assert os.listdir(str(ours) + ".optim") != first_id  # the replaced save's state is gone
+    assert torch.load(ours, mmap=True)["lightning_nvme"]["save_id"] != first_id
     t.save_checkpoint(ours, weights_only=True)  # a weights-only save drops the optimizer state it replaces
-    assert not os.path.exists(str(ours) + ".optim")
+    assert "lightning_nvme" not in torch.load(ours) and "optimizer_states" not in torch.load(ours)
     assert hidden(tmp_path) == []
 
 

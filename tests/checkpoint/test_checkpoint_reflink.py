@@ -32,9 +32,11 @@ def _write_bytes() -> int:
 
 
 def _parts_file(path) -> str:
-    root = str(path) + ".optim"
-    (save,) = os.listdir(root)
-    return os.path.join(root, save, "optimizer-0.safetensors")
+    """The optimizer state file of the one-file checkpoint ``path`` (its record written out)."""
+    from ckpt_helpers import parts_dir
+
+    assert not os.path.exists(str(path) + ".optim")
+    return os.path.join(parts_dir(path), "optimizer-0.safetensors")
 
 
 def test_reflink_save_writes_under_one_percent_of_the_state(xfs_dir, tmp_path):

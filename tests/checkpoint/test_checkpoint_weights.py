@@ -77,11 +77,14 @@ def test_weights_beside_the_file_load_everywhere_and_convert(tmp_path, in_memory
     blocks = strategy.param_offload.blocks
     assert ckpts.watch.reads == len(blocks)  # each block streamed once, one at a time, during fit
 
-    # the file holds references, its .optim/<save id>/ directory the block weights (a plain safetensors file)
+    # the file holds references, its weights.safetensors record the block weights (a plain safetensors file inside)
+    from ckpt_helpers import parts_dir
+
     with weights.deferred():
         refs = weights.refs(torch.load(path, weights_only=False)["state_dict"])
     assert set(refs) == {s.name for b in blocks for s in b.slots}
-    beside = load_file(next(iter(refs.values())).path)
+    assert not os.path.exists(path + ".optim")
+    beside = load_file(os.path.join(parts_dir(path), weights.WEIGHTS_FILE))
     assert beside.keys() == refs.keys()
 
     # Lightning's loaders materialize them from the beside file: the complete trained model
@@ -114,19 +117,27 @@ def test_weights_beside_the_file_load_everywhere_and_convert(tmp_path, in_memory
         trainer(tmp_path / "again", offload(tmp_path / "again"), steps=2 * STEPS).fit(again, ckpt_path=path)
     assert_equal_state(again.state_dict(), reference.state_dict())
 
-    # moved together with its .optim directory: loads relative to the file with load_checkpoint; torch.load names
-    # the missing directory and the fixes instead of handing back a model without weights
+    # the file moved alone holds everything: load_checkpoint and torch.load (weights_only, mmap) give the weights
     moved = tmp_path / "moved"
     moved.mkdir()
     shutil.move(path, moved)
-    shutil.move(path + ".optim", moved)
     moved_path = str(moved / os.path.basename(path))
     assert_equal_state(load_checkpoint(moved_path)["state_dict"], in_memory[STEPS])
-    with pytest.raises(FileNotFoundError, match=r"\.optim.*convert to-lightning"):
-        torch.load(moved_path, weights_only=True)
-    shutil.rmtree(moved_path + ".optim")
+    assert_equal_state(torch.load(moved_path, weights_only=True, mmap=True)["state_dict"], in_memory[STEPS])
+
+    # format version 2 (the weights beside the file): moved with its .optim directory it loads; without, torch.load
+    # names the missing directory and the fixes instead of handing back a model without weights
+    from ckpt_helpers import write_beside
+
+    v2 = str(moved / "v2.ckpt")
+    write_beside(moved_path, v2)
+    with weights.deferred():  # the references of a version-2 file carry no record
+        for ref in weights.refs(torch.load(v2, weights_only=False)["state_dict"]).values():
+            assert ref.record is None
+    assert_equal_state(load_checkpoint(v2)["state_dict"], in_memory[STEPS])
+    shutil.rmtree(v2 + ".optim")
     with pytest.raises(RuntimeError, match="neither the weights nor the optimizer state"):
-        load_checkpoint(moved_path)
+        load_checkpoint(v2)
 
 
 def test_export_weights_after_fit_keeps_memory_bounded(tmp_path, in_memory):
@@ -148,10 +159,12 @@ def test_export_weights_after_fit_keeps_memory_bounded(tmp_path, in_memory):
     strategy.checkpoint_io = UserIO()
     t.save_checkpoint(tmp_path / "inline.ckpt", weights_only=True)
     assert_equal_state(torch.load(tmp_path / "inline.ckpt", weights_only=True)["state_dict"], in_memory[2 * STEPS])
-    # ... but weights streamed beside the file cannot go through one: refused naming the setting
+    # ... and weights streamed beside the dict go through it too: the one file built locally, handed to the plugin
+    # with the weights' record a file-mapped storage
     strategy.config = dataclasses.replace(strategy.config, inline_weights_bytes=0)
-    with pytest.raises(ValueError, match="streamed weights.*UserIO.*inline_weights_bytes"):
-        t.save_checkpoint(tmp_path / "beside.ckpt", weights_only=True)
+    t.save_checkpoint(tmp_path / "beside.ckpt", weights_only=True)
+    assert "handed to UserIO" in strategy.checkpoint_saves[-1].reason
+    assert_equal_state(torch.load(tmp_path / "beside.ckpt", weights_only=True)["state_dict"], in_memory[2 * STEPS])
 
 
 class UserIO(TorchCheckpointIO):

@@ -310,7 +310,8 @@ def run_job(spec: dict) -> None:
             dst = os.path.join(p["snapshots"], f"step-{trainer.global_step}")
             os.makedirs(dst)
             shutil.copy2(p["last"], os.path.join(dst, "last.ckpt"))
-            shutil.copytree(p["last"] + ".optim", os.path.join(dst, "last.ckpt.optim"))
+            if os.path.isdir(p["last"] + ".optim"):  # a version-2 checkpoint; one file holds its state inside
+                shutil.copytree(p["last"] + ".optim", os.path.join(dst, "last.ckpt.optim"))
 
         def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
             hold = spec["hold"]

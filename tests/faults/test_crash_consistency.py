@@ -113,7 +113,7 @@ def _load_complete(path: str) -> tuple[dict, list[dict]]:
     assert parts is not None and parts.problem is None, f"{path}: {parts and parts.problem}"
     tensors = []
     for marker in parts.markers:
-        readers = open_readers(parts.directory, marker, parts.save_id)
+        readers = open_readers(parts.directory, marker, parts.save_id, parts.records, parts.source)
         state: dict = {}
         try:
             for r in readers:
@@ -361,15 +361,15 @@ def test_kill9_mid_activation_offload(jobs, tmp_path):
 
 # ---- targeted kills at the two riskiest instants ---------------------------------------------------------------
 def test_kill9_mid_removal_of_previous_checkpoint(jobs, reference, tmp_path):
-    """ModelCheckpoint(save_top_k=1) deletes the previous checkpoint directory after committing the new one.
-    Killed between two of those unlinks, no half-deleted checkpoint may stay visible under its name."""
+    """ModelCheckpoint(save_top_k=1) deletes the previous checkpoint after committing the new one: one file, one
+    unlink. Killed just before it, the previous checkpoint is still whole (and exact) under its name."""
     root = str(tmp_path / "run")
-    kill = {"event": "os.remove", "during": "remove_checkpoint", "nth": 2}
+    kill = {"event": "os.remove", "during": "remove_checkpoint", "nth": 1}
     _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, kill=kill))
     assert rc == KILLED, _log(root)
     last_step, hidden = checkpoint_state(root, reference)  # every visible checkpoint loads and is exact
     assert last_step == STEPS  # last.ckpt is still epoch 0's: the removal came before its update
-    assert "epoch=0-step=3.ckpt" not in os.listdir(cw.paths(root)["ckpts"])
+    assert "epoch=0-step=3.ckpt" in os.listdir(cw.paths(root)["ckpts"])  # verified exact by checkpoint_state
     _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True))
     assert rc == 0, _log(root)
     assert params_equal(torch.load(cw.paths(root)["final"]), reference.final)
@@ -395,10 +395,12 @@ def test_kill9_after_the_run_released_its_store(jobs, reference, tmp_path):
 
 
 COMMIT_STEPS = pytest.mark.parametrize("kill,expected_last", [
-    ({"event": "os.rename", "match": "/last.ckpt.optim/.", "nth": 2}, STEPS),  # publishing the new optimizer state
+    # the second save's fill of its staged file (each save opens it 4 times: zipfile and record_offsets read it, the
+    # fill writes it, the commit fsyncs it): killed with the file staged, its state records reserved, not yet filled
+    ({"event": "open", "match": "/.last.ckpt.tmp-", "nth": 4 + 3}, STEPS),
     ({"event": "os.rename", "match": "/last.ckpt', -1", "nth": 2}, STEPS),  # just before the file's switch
-    ({"event": "shutil.rmtree", "match": "/last.ckpt.optim/.", "nth": 1}, 2 * STEPS),  # deleting the replaced save
-], ids=["before-publish", "before-switch", "mid-sweep"])
+    ({"event": "shutil.rmtree", "match": "/.last.ckpt.optim.tmp-", "nth": 2}, 2 * STEPS),  # 2nd save's temp state
+], ids=["before-fill", "before-switch", "mid-sweep"])
 
 
 def kill_and_resume(jobs: cw.Jobs, ref: Reference, root: str, kill: dict, expected_last: int | None) -> None:

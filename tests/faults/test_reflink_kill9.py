@@ -39,8 +39,9 @@ from lightning_nvme.checkpoint.streamed import is_padding  # noqa: E402
 def xfs_reference(jobs, xfs_dir) -> Reference:  # noqa: F811
     ref = _reference(jobs, str(xfs_dir / "kill9-reference"))
     last = cw.paths(ref.root)["last"]
-    ref_dir = torch.load(last, weights_only=True)["lightning_nvme"]["parts_dir"]
-    reader = SafetensorsReader(os.path.join(os.path.dirname(last), ref_dir, "optimizer-0.safetensors"))
+    from ckpt_helpers import parts_dir
+
+    reader = SafetensorsReader(os.path.join(parts_dir(last), "optimizer-0.safetensors"))
     reader.close()
     assert any(is_padding(n) for n in reader.entries), "the reference's saves did not take the reflink path"
     return ref

@@ -54,12 +54,23 @@ def test_truncated_checkpoint_is_refused(tmp_path):
     trainer.fit(MLP())
     ckpt = tmp_path / "c.ckpt"
     trainer.save_checkpoint(ckpt)
-    from ckpt_helpers import parts_dir
+    from ckpt_helpers import parts_dir, write_beside
 
-    shard = os.path.join(parts_dir(ckpt), "optimizer-0.safetensors")
+    # a version-2 checkpoint (state beside the file) whose state file was cut: refused by the state reader
+    v2 = tmp_path / "v2.ckpt"
+    write_beside(ckpt, v2)
+    shard = os.path.join(parts_dir(v2), "optimizer-0.safetensors")
     with open(shard, "r+b") as f:
         f.truncate(os.path.getsize(shard) // 2)
     resumed = _trainer(tmp_path, NVMeOffloadStrategy(store_dir=str(tmp_path / "store2"), chunk_bytes=8 << 10), 8)
     with pytest.raises(ValueError, match="truncated"):
-        resumed.fit(MLP(), ckpt_path=str(ckpt))
-    assert torch.load(ckpt)["global_step"] == 4  # left as it was
+        resumed.fit(MLP(), ckpt_path=str(v2))
+    assert torch.load(v2)["global_step"] == 4  # left as it was
+
+    # the one file cut inside its state record: torch's zip reader refuses it (no central directory)
+    cut = tmp_path / "cut.ckpt"
+    data = ckpt.read_bytes()
+    cut.write_bytes(data[: len(data) // 2])
+    resumed = _trainer(tmp_path, NVMeOffloadStrategy(store_dir=str(tmp_path / "store3"), chunk_bytes=8 << 10), 8)
+    with pytest.raises(RuntimeError, match="central directory"):
+        resumed.fit(MLP(), ckpt_path=str(cut))

@@ -142,3 +142,35 @@ def test_cli_export_of_a_lora_checkpoint(base, tmp_path, merge):
     assert loaded.state_dict().keys() == expected.keys()
     for name, value in expected.items():
         assert torch.equal(loaded.state_dict()[name], value), name
+
+
+def test_same_seed_gives_the_same_adapters_in_memory_and_offloaded(base, tmp_path):
+    """``seed_everything`` then the same ``HFCausalLM(lora_rank=...)``: built plainly, under the default strategy's
+    ``init_module(empty_init=True)`` (``nn.init`` skipped) and on the meta device under ``offload_params``, the
+    initial adapters are bitwise peft's in-memory ones (same random stream), and so are the trained ones."""
+    from lightning import seed_everything
+
+    def adapters(m: HFCausalLM) -> dict[str, torch.Tensor]:
+        return {k: v.detach().clone() for k, v in m.named_parameters() if v.requires_grad}
+
+    seed_everything(7)
+    plain = adapters(_lora(base, backend="transformers"))
+    seed_everything(7)
+    t_ref = trainer(tmp_path / "ref", "auto")
+    with t_ref.init_module(empty_init=True):
+        ref = _lora(base, backend="transformers")
+    seed_everything(7)
+    t_off = trainer(tmp_path / "off", offload(tmp_path / "off"))
+    with t_off.init_module(empty_init=True):
+        off = _lora(base)
+    assert plain and any(torch.count_nonzero(v) for k, v in plain.items() if "lora_A" in k)
+    for name, value in plain.items():
+        assert torch.equal(adapters(ref)[name], value), name
+        assert torch.equal(adapters(off)[name], value), name
+
+    t_ref.fit(ref, data())
+    t_off.fit(off, data())
+    trained = adapters(off)
+    for name, value in adapters(ref).items():
+        assert not torch.equal(value, plain[name]) or "lora_B" not in name
+        assert torch.equal(trained[name], value), name

@@ -24,7 +24,6 @@ and no overcommit, whatever the state's size.
 
 from __future__ import annotations
 
-import json
 import os
 import pickle
 import struct
@@ -172,20 +171,3 @@ def records_of(ref: dict[str, Any]) -> dict[str, torch.Tensor] | None:
     # a checkpoint that went through a CheckpointIO plugin holds its records as storages (see plugin_io.ship)
     return {name: r if torch.is_tensor(r) else torch.empty(0, dtype=torch.uint8).set_(r)
             for name, r in records.items()}
-
-
-def extract(path: str, directory: str) -> list[str]:
-    """Write the state files of one-file checkpoint ``path`` into ``directory`` as they were before the save
-    embedded them (each record cut to its safetensors length); returns their names. For tools and inspection:
-    resume and ``convert`` read the records in place."""
-    ref = torch.load(path, map_location="cpu", weights_only=False, mmap=True).get("lightning_nvme") or {}
-    records = records_of(ref) or {}
-    os.makedirs(directory, exist_ok=True)
-    for name, record in records.items():
-        (hlen,) = struct.unpack("<Q", record[:8].numpy().tobytes())
-        header = json.loads(record[8:8 + hlen].numpy().tobytes())
-        end = 8 + hlen + max((v["data_offsets"][1] for k, v in header.items() if k != "__metadata__"), default=0)
-        with open(os.path.join(directory, name), "wb") as f:
-            for start in range(0, end, 64 << 20):  # bounded memory
-                f.write(record[start:min(end, start + (64 << 20))].numpy().tobytes())
-    return sorted(records)

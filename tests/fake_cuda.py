@@ -6,6 +6,8 @@
   it, and the next kernel launch (``launch``) raises it. It counts register/unregister pairs.
 - ``install(monkeypatch)``: makes ``torch.cuda.is_available()`` true and routes both torch's
   ``cudart()`` bindings and ``lightning_nvme.store.pinned``'s runtime to one fake.
+- ``fake_cuda_staging(monkeypatch)``: ``install`` plus every ``CudaStaging`` the parameter path makes built on a
+  ``FakeOps`` and kept in the returned list, so a test can read their logs.
 - ``FakeOps``: streams and events recorded in a log (``CudaStaging``'s ``ops`` seam); an event completes
   only when synchronized, so nothing may rely on a copy having run. Device buffers are CPU tensors it
   sees (``record_stream``) and can count while alive. It also keeps what PyTorch's caching allocator
@@ -208,3 +210,19 @@ class FakeOps:
         """Device buffers something besides this list still references (autograd's saved tensors count). A
         storage's use count is 2 for a tensor of this list alone (its own and the ``untyped_storage()`` asked)."""
         return sum(torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2 for t in self.device_buffers)
+
+
+def fake_cuda_staging(monkeypatch) -> tuple[FakeCudaRuntime, list]:
+    """``install`` the fake runtime and route ``staging_for`` to ``CudaStaging`` on a ``FakeOps``: the
+    parameter path runs its CUDA logic on CPU. Returns the runtime and the list of stagings made."""
+    from lightning_nvme.params import staging
+
+    rt = install(monkeypatch)
+    made: list[staging.CudaStaging] = []
+
+    def fake(device, buffer_bytes, pool_size):
+        made.append(staging.CudaStaging(device, buffer_bytes, pool_size, ops=FakeOps()))
+        return made[-1]
+
+    monkeypatch.setattr(staging, "staging_for", fake)
+    return rt, made

@@ -53,19 +53,9 @@ def _gpu_check(monkeypatch):
 def _on_fake_cuda(monkeypatch):
     """The offload strategy's staging is ``CudaStaging``'s logic over ``fake_cuda`` (device copies are separate CPU
     buffers, every copy and event recorded), as on a GPU."""
-    from fake_cuda import FakeOps, install
+    from fake_cuda import fake_cuda_staging
 
-    from lightning_nvme.params import staging
-
-    rt = install(monkeypatch)
-    made = []
-
-    def fake(device, buffer_bytes, pool_size):
-        made.append(staging.CudaStaging(device, buffer_bytes, pool_size, ops=FakeOps()))
-        return made[-1]
-
-    monkeypatch.setattr(staging, "staging_for", fake)
-    return rt, made
+    return fake_cuda_staging(monkeypatch)
 
 
 def _small(gc_mod, tmp_path, *extra: str):

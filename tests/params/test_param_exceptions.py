@@ -10,13 +10,11 @@ import gc
 import pytest
 import torch
 from _param_offload_model import TinyGPT
-from fake_cuda import FakeOps, install
+from fake_cuda import fake_cuda_staging
 from lightning.pytorch import Callback
 from test_param_offload import offload, trainer
 
 from lightning_nvme.optim.chunk_update import ChunkUpdater
-from lightning_nvme.params import staging
-from lightning_nvme.params.staging import CudaStaging
 
 
 class Boom(RuntimeError):
@@ -59,14 +57,7 @@ class Inject(Callback):
 @pytest.mark.parametrize("where,overlap", [("forward", "backward"), ("backward", "backward"),
                                            ("update", "backward"), ("update", "step")])
 def test_exception_in_a_step_leaves_nothing_held(tmp_path, monkeypatch, where, overlap):
-    rt = install(monkeypatch)
-    made: list[CudaStaging] = []
-
-    def fake_cuda(device, buffer_bytes, pool_size):
-        made.append(CudaStaging(device, buffer_bytes, pool_size, ops=FakeOps()))
-        return made[-1]
-
-    monkeypatch.setattr(staging, "staging_for", fake_cuda)
+    rt, made = fake_cuda_staging(monkeypatch)
     inject = Inject(where, monkeypatch)
     t = trainer(tmp_path, offload(tmp_path, overlap=overlap), steps=4, callbacks=[inject])
     with pytest.raises(Boom):

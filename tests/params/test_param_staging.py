@@ -9,11 +9,11 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_cuda import FakeCudaRuntime, FakeOps, install
+from fake_cuda import FakeCudaRuntime, FakeOps, fake_cuda_staging, install
 from torch import nn
 
 from lightning_nvme import NVMeOffloadStrategy
-from lightning_nvme.params import find_blocks, is_placeholder, staging
+from lightning_nvme.params import find_blocks, is_placeholder
 from lightning_nvme.params.layout import plan_layout
 from lightning_nvme.params.residency import BlockResidency
 from lightning_nvme.params.staging import CudaStaging, HostStaging
@@ -177,14 +177,7 @@ def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_facto
     events recorded): the device copy is what is updated and written back."""
     from test_param_offload import assert_same_params, fit, offload, reference
 
-    rt = install(monkeypatch)
-    made: list[CudaStaging] = []
-
-    def fake_cuda(device, buffer_bytes, pool_size):
-        made.append(CudaStaging(device, buffer_bytes, pool_size, ops=FakeOps()))
-        return made[-1]
-
-    monkeypatch.setattr(staging, "staging_for", fake_cuda)
+    rt, made = fake_cuda_staging(monkeypatch)
     ref, _ = reference(tmp_path_factory, checkpointing=True)  # required on CUDA (tests/params/test_cuda_path.py)
     strategy = offload(tmp_path)
     off, t = fit(tmp_path / "off", strategy, {"checkpointing": True})

@@ -141,7 +141,7 @@ class OffloadSettings:
     inline_weights_bytes: int = setting(
         1 * GiB, "With ``offload_params``: block weights up to this size are gathered into the checkpoint file (a "
                  "plain Lightning checkpoint; memory: that much); larger ones stream from the store into "
-                 "``<file>.optim/<save id>/weights.safetensors``, one block in memory at a time.",
+                 "a ``weights.safetensors`` record inside the checkpoint file, one block in memory at a time.",
         nbytes(0, typical="0 to always stream the weights beside the file"))
     eval_window: int = setting(
         1, "With ``offload_params`` outside fit: batches that pass through each block before the next block is read "

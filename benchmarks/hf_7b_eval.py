@@ -35,6 +35,19 @@ def _log(msg: str) -> None:
     print(msg, file=sys.stderr, flush=True)
 
 
+def _cpu() -> str:
+    """The CPU's model name and the bf16 features the eval's GEMMs depend on (AVX512-BF16, AMX): the figures
+    are compute-bound on a CPU, so they say which kernels ran."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            info = f.read()
+    except OSError:
+        return "unknown"
+    name = next((line.split(":", 1)[1].strip() for line in info.splitlines() if line.startswith("model name")), "?")
+    flags = next((line.split(":", 1)[1].split() for line in info.splitlines() if line.startswith("flags")), [])
+    return " ".join([name] + [f for f in ("avx512_bf16", "amx_bf16", "amx_tile") if f in flags])
+
+
 def _cold(ckpt: str) -> None:
     for f in glob.glob(os.path.join(ckpt, "*.safetensors")):
         drop_file_cache(f)
@@ -118,6 +131,7 @@ def main() -> None:
     p.add_argument("--child", choices=["eval", "generate"], help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = p.parse_args()
+    load_start = os.getloadavg()
     if args.child:
         print(json.dumps(eval_child(args) if args.child == "eval" else generate_child(args)))
         return
@@ -146,7 +160,7 @@ def main() -> None:
                               for b, g in gen.items()},
         "generate_peak_rss_MiB": {b: round(g["peak_rss_MiB"], 1) for b, g in gen.items()},
         "checkpoint": {"reused": built.get("reused", False), "bytes": built.get("bytes")},
-        "load_avg": os.getloadavg(), "cpus": os.cpu_count(), "smoke": args.smoke,
+        "load_avg_start": load_start, "load_avg": os.getloadavg(), "cpus": os.cpu_count(), "cpu": _cpu(), "smoke": args.smoke,
     }
     print(json.dumps(result))
 

@@ -51,8 +51,11 @@ def probe(directory: str) -> Support:
         return _cache[key]
     bs = _block_size(directory)
     reason = ""
-    fd, src = tempfile.mkstemp(prefix=".reflink-probe-", dir=directory)
-    dst = src + ".clone"
+    # named as a dead writer's temp (``.NAME.tmp-PID``, ``atomic.sweep_dead_temps``): a kill between the probe's
+    # create and unlink (it runs in a checkpoint directory, at the first save) leaves nothing the next save keeps
+    fd, src = tempfile.mkstemp(prefix=".reflink-probe-", suffix=f".tmp-{os.getpid()}", dir=directory)
+    head, tail = os.path.split(src)
+    dst = os.path.join(head, tail.replace(".reflink-probe-", ".reflink-clone-", 1))
     try:
         os.write(fd, b"\x5a" * bs)
         os.fsync(fd)

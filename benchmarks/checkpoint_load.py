@@ -19,6 +19,11 @@ the caller already holds in memory. ``lightning_nvme`` is imported first (before
 
     python benchmarks/checkpoint_load.py run/checkpoints/last.ckpt
 
+torch maps the file ``MAP_PRIVATE`` (copy on write) by default, which Linux's heuristic overcommit
+(``vm.overcommit_memory=0``) charges as memory: a file larger than RAM + swap fails with ``ENOMEM``. That is
+reported (``error``), not raised; ``--shared`` maps it ``MAP_SHARED`` instead (no charge; writes to a loaded
+tensor would reach the file).
+
 ``benchmarks/checkpoint_stall.py`` runs it on each checkpoint it saves. The last line of stdout is one JSON object.
 """
 
@@ -51,8 +56,9 @@ def _tensors(obj: object) -> list:
     return []
 
 
-def measure(path: str, weights_only: bool = True) -> dict:
+def measure(path: str, weights_only: bool = True, shared: bool = False) -> dict:
     import gc
+    import mmap
 
     import torch
 
@@ -61,7 +67,13 @@ def measure(path: str, weights_only: bool = True) -> dict:
     gc.collect()
     before = _status("VmRSS")
     t0 = time.perf_counter()
-    ckpt = torch.load(path, mmap=True, weights_only=weights_only, map_location="cpu")
+    flags = mmap.MAP_SHARED if shared else mmap.MAP_PRIVATE
+    try:
+        with torch.serialization.set_default_mmap_options(flags):
+            ckpt = torch.load(path, mmap=True, weights_only=weights_only, map_location="cpu")
+    except (RuntimeError, OSError) as e:  # e.g. ENOMEM: see the docstring
+        return {"path": path, "error": f"{type(e).__name__}: {e}", "mmap_flags": "shared" if shared else "private",
+                "file_bytes": os.path.getsize(path), "torch": torch.__version__}
     load_s = time.perf_counter() - t0
     rss, hwm = _status("VmRSS"), _status("VmHWM")
     entry = ckpt.get("lightning_nvme") if isinstance(ckpt, dict) else None
@@ -75,6 +87,7 @@ def measure(path: str, weights_only: bool = True) -> dict:
         "state_in_file": isinstance(records, dict), "records": sorted(records) if isinstance(records, dict) else [],
         "record_bytes": sum(t.untyped_storage().nbytes() for t in record_tensors),
         "tensors": len(_tensors(ckpt)), "weights_only": weights_only, "mmap": True,
+        "mmap_flags": "shared" if shared else "private",
         "beside_the_file": sorted(n for n in os.listdir(directory) if n != os.path.basename(path)),
         "torch": torch.__version__,
     }
@@ -85,8 +98,10 @@ def main() -> None:
     p.add_argument("path", help="a checkpoint file (one-file layout)")
     p.add_argument("--no-weights-only", dest="weights_only", action="store_false",
                    help="torch.load(..., weights_only=False) (default: True, torch's default)")
+    p.add_argument("--shared", action="store_true", help="map with MAP_SHARED (torch.serialization."
+                   "set_default_mmap_options): no commit charge, but a write to a loaded tensor writes the file")
     args = p.parse_args()
-    out = measure(args.path, args.weights_only)
+    out = measure(args.path, args.weights_only, args.shared)
     out["load_avg_1min"] = round(os.getloadavg()[0], 2)
     print(json.dumps(out))
 

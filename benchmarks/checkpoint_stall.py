@@ -24,7 +24,8 @@ Per configuration:
   copy_s              ``background``: save to commit; copy_in_flight_after_step: whether it outlived that first step
   load                after the run, ``benchmarks/checkpoint_load.py`` on the checkpoint, in its own process:
                       ``torch.load(path, mmap=True)`` time, RSS growth, whether the state records are inside the file;
-                      checkpoint_dir_entries: what the checkpoint directory holds (the one file)
+                      checkpoint_dir_entries: what the checkpoint directory holds (the one file); load_shared:
+                      the same mapped MAP_SHARED, where torch's default (private) mapping failed (``load_errors``)
 
     sudo python benchmarks/checkpoint_stall.py                         # 0.55 B, 2 rounds (~15 min)
     sudo python benchmarks/checkpoint_stall.py --layers 32 --paths reflink --pairs 1 --after-steps 0 --image-gib 40
@@ -130,12 +131,15 @@ def child(args: argparse.Namespace) -> dict:
         out["extra_disk_after_copy_bytes"] = _used(args.dir) - marks["used"]
     ckpt = os.path.join(args.dir, "ckpts", "last.ckpt")
     out["checkpoint_dir_entries"] = sorted(os.listdir(os.path.dirname(ckpt)))  # the one file, nothing beside it
-    res = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
-                                                       "checkpoint_load.py"), ckpt],
-                         stdout=subprocess.PIPE, stderr=None, text=True)  # its own process: its own RSS
-    if res.returncode != 0:
-        raise SystemExit(f"checkpoint_load.py {ckpt} failed with exit code {res.returncode}")
-    out["load"] = json.loads(res.stdout.strip().splitlines()[-1])
+    for key, flags in (("load", []), ("load_shared", ["--shared"])):
+        res = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                           "checkpoint_load.py"), ckpt, *flags],
+                             stdout=subprocess.PIPE, stderr=None, text=True)  # its own process: its own RSS
+        if res.returncode != 0:
+            raise SystemExit(f"checkpoint_load.py {ckpt} failed with exit code {res.returncode}")
+        out[key] = json.loads(res.stdout.strip().splitlines()[-1])
+        if "error" not in out[key]:  # torch's default mapping worked: no need for the shared one
+            break
     out["params"] = sum(p.numel() for p in model.parameters())
     assert strategy.param_offload is not None
     out["state_bytes"] = sum(o.state_bytes for o in strategy.offloaded) + strategy.param_offload.layout.offloaded_bytes
@@ -229,8 +233,9 @@ def main() -> None:
                 load.append(os.getloadavg()[0])
                 print(f"  stall {r['stall_s']:.2f} s, wrote {r['bytes_written'] / GiB:.3f} GiB of "
                       f"{r['state_bytes'] / GiB:.2f} GiB state, step {r['step_s']:.1f} s, after save "
-                      f"{r.get('step_during_copy_s', float('nan')):.1f} s; torch.load(mmap=True) {r['load']['load_s']:.3f} s, "
-                      f"RSS +{r['load']['rss_growth_bytes'] / 2**20:.1f} MiB", file=sys.stderr, flush=True)
+                      f"{r.get('step_during_copy_s', float('nan')):.1f} s; torch.load(mmap=True) {r['load'].get('load_s')} s, "
+                      f"RSS +{r['load'].get('rss_growth_bytes', 0) / 2**20:.1f} MiB {r['load'].get('error', '')}",
+                      file=sys.stderr, flush=True)
     finally:
         if mount is not None:
             subprocess.run(["umount", mount], check=False)
@@ -246,11 +251,16 @@ def main() -> None:
             if all(c["steps_after_save_s"] for c in mine):
                 out[f"{path}_steps_after_save_over_step_max"] = max(max(c["steps_after_save_s"]) / c["step_s"]
                                                                     for c in mine)
-    out["load_s_max"] = max(c["load"]["load_s"] for c in configs)
-    out["load_rss_growth_bytes_max"] = max(c["load"]["rss_growth_bytes"] for c in configs)
-    out["load_peak_growth_bytes_max"] = max(c["load"]["peak_growth_bytes"] for c in configs)
-    out["state_in_file"] = all(c["load"]["state_in_file"] and c["checkpoint_dir_entries"] == ["last.ckpt"]
-                               for c in configs)
+    loads = [c.get("load_shared", c["load"]) if "error" in c["load"] else c["load"] for c in configs]
+    out["load_errors"] = [c["load"]["error"] for c in configs if "error" in c["load"]]  # torch's default mapping
+    loaded = [x for x in loads if "error" not in x]
+    if loaded:
+        out["load_mmap_flags"] = sorted({x["mmap_flags"] for x in loaded})
+        out["load_s_max"] = max(x["load_s"] for x in loaded)
+        out["load_rss_growth_bytes_max"] = max(x["rss_growth_bytes"] for x in loaded)
+        out["load_peak_growth_bytes_max"] = max(x["peak_growth_bytes"] for x in loaded)
+    out["state_in_file"] = len(loaded) == len(configs) and all(
+        x["state_in_file"] for x in loaded) and all(c["checkpoint_dir_entries"] == ["last.ckpt"] for c in configs)
     reflink = [c for c in configs if c["path"] == "reflink"]
     if reflink:
         out["reflink_written_fraction_max"] = max(c["bytes_written"] / c["state_bytes"] for c in reflink)

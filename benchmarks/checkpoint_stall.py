@@ -22,8 +22,14 @@ Per configuration:
                       save's copy runs beside it and training's first write of each region copies it first; for
                       ``streamed`` it is just the next step); steps_after_save_s: each step after the save
   copy_s              ``background``: save to commit; copy_in_flight_after_step: whether it outlived that first step
+  load                after the run, ``benchmarks/checkpoint_load.py`` on the checkpoint, in its own process:
+                      ``torch.load(path, mmap=True)`` time, RSS growth, whether the state records are inside the file;
+                      checkpoint_dir_entries: what the checkpoint directory holds (the one file); load_shared:
+                      the same mapped MAP_SHARED, where torch's default (private) mapping failed (``load_errors``)
 
     sudo python benchmarks/checkpoint_stall.py                         # 0.55 B, 2 rounds (~15 min)
+    sudo python benchmarks/checkpoint_stall.py --layers 32 --paths reflink --pairs 1 --after-steps 0 --image-gib 40
+                                                                       # 2.52 B, reflink only: ~32 GB of disk
     sudo python benchmarks/checkpoint_stall.py --layers 2 --width 256 --pairs 1   # a smoke run
     python benchmarks/checkpoint_stall.py --quick --dir /tmp/x         # seconds: background vs streamed, no XFS
 
@@ -123,6 +129,17 @@ def child(args: argparse.Namespace) -> dict:
                    regions=len(copy.targets))
         out["bytes_written"] += copy.bytes_copied
         out["extra_disk_after_copy_bytes"] = _used(args.dir) - marks["used"]
+    ckpt = os.path.join(args.dir, "ckpts", "last.ckpt")
+    out["checkpoint_dir_entries"] = sorted(os.listdir(os.path.dirname(ckpt)))  # the one file, nothing beside it
+    for key, flags in (("load", []), ("load_shared", ["--shared"])):
+        res = subprocess.run([sys.executable, os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                                                           "checkpoint_load.py"), ckpt, *flags],
+                             stdout=subprocess.PIPE, stderr=None, text=True)  # its own process: its own RSS
+        if res.returncode != 0:
+            raise SystemExit(f"checkpoint_load.py {ckpt} failed with exit code {res.returncode}")
+        out[key] = json.loads(res.stdout.strip().splitlines()[-1])
+        if "error" not in out[key]:  # torch's default mapping worked: no need for the shared one
+            break
     out["params"] = sum(p.numel() for p in model.parameters())
     assert strategy.param_offload is not None
     out["state_bytes"] = sum(o.state_bytes for o in strategy.offloaded) + strategy.param_offload.layout.offloaded_bytes
@@ -169,7 +186,9 @@ def main() -> None:
     p.add_argument("--seq", type=int, default=64)
     p.add_argument("--batch", type=int, default=1)
     p.add_argument("--warmup", type=int, default=1, help="untimed first steps (optimizer state created)")
-    p.add_argument("--after-steps", type=int, default=2, help="steps after the save (a background copy runs beside)")
+    p.add_argument("--after-steps", type=int, default=None,
+                   help="steps after the save (default 2; a background copy runs beside); 0: the save ends the run "
+                   "(no copy on write after it: the disk needs the store + a little, not twice the state)")
     p.add_argument("--pairs", type=int, default=2, help="rounds of every path in --paths")
     p.add_argument("--paths", default="reflink,streamed,background", help="comma-separated, of " + ", ".join(PATHS))
     p.add_argument("--dir", default=None, help="a directory on an XFS/btrfs with reflinks (reflink and streamed)")
@@ -184,10 +203,11 @@ def main() -> None:
         print(json.dumps(child(args)))
         return
     paths = [x for x in args.paths.split(",") if x]
+    args.after_steps = 2 if args.after_steps is None else args.after_steps
     if args.quick:
         if args.dir is None:
             raise SystemExit("--quick needs --dir (any filesystem)")
-        args.layers, args.width, args.heads, args.seq, args.pairs, args.after_steps = 2, 64, 2, 16, 1, 2
+        args.layers, args.width, args.heads, args.seq, args.pairs = 2, 64, 2, 16, 1
         paths = ["background", "streamed"]
         args.background_dir = args.background_dir or args.dir
     unknown = sorted(set(paths) - set(PATHS))
@@ -213,7 +233,9 @@ def main() -> None:
                 load.append(os.getloadavg()[0])
                 print(f"  stall {r['stall_s']:.2f} s, wrote {r['bytes_written'] / GiB:.3f} GiB of "
                       f"{r['state_bytes'] / GiB:.2f} GiB state, step {r['step_s']:.1f} s, after save "
-                      f"{r['step_during_copy_s']:.1f} s", file=sys.stderr, flush=True)
+                      f"{r.get('step_during_copy_s', float('nan')):.1f} s; torch.load(mmap=True) {r['load'].get('load_s')} s, "
+                      f"RSS +{r['load'].get('rss_growth_bytes', 0) / 2**20:.1f} MiB {r['load'].get('error', '')}",
+                      file=sys.stderr, flush=True)
     finally:
         if mount is not None:
             subprocess.run(["umount", mount], check=False)
@@ -226,8 +248,19 @@ def main() -> None:
         if mine:
             out[f"{path}_stall_s_max"] = max(c["stall_s"] for c in mine)
             out[f"{path}_stall_over_step_max"] = max(c["stall_s"] / c["step_s"] for c in mine)
-            out[f"{path}_steps_after_save_over_step_max"] = max(max(c["steps_after_save_s"]) / c["step_s"]
-                                                                for c in mine)
+            if all(c["steps_after_save_s"] for c in mine):
+                out[f"{path}_steps_after_save_over_step_max"] = max(max(c["steps_after_save_s"]) / c["step_s"]
+                                                                    for c in mine)
+    loads = [c.get("load_shared", c["load"]) if "error" in c["load"] else c["load"] for c in configs]
+    out["load_errors"] = [c["load"]["error"] for c in configs if "error" in c["load"]]  # torch's default mapping
+    loaded = [x for x in loads if "error" not in x]
+    if loaded:
+        out["load_mmap_flags"] = sorted({x["mmap_flags"] for x in loaded})
+        out["load_s_max"] = max(x["load_s"] for x in loaded)
+        out["load_rss_growth_bytes_max"] = max(x["rss_growth_bytes"] for x in loaded)
+        out["load_peak_growth_bytes_max"] = max(x["peak_growth_bytes"] for x in loaded)
+    out["state_in_file"] = len(loaded) == len(configs) and all(
+        x["state_in_file"] for x in loaded) and all(c["checkpoint_dir_entries"] == ["last.ckpt"] for c in configs)
     reflink = [c for c in configs if c["path"] == "reflink"]
     if reflink:
         out["reflink_written_fraction_max"] = max(c["bytes_written"] / c["state_bytes"] for c in reflink)

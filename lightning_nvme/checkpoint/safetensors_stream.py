@@ -9,6 +9,7 @@ an ordinary safetensors file (``safetensors.torch.load_file`` reads it).
 from __future__ import annotations
 
 import json
+import mmap
 import os
 import struct
 
@@ -148,17 +149,35 @@ class SafetensorsReader:
             done += n
         return out
 
+    def mapped(self, name: str) -> torch.Tensor | None:
+        """Tensor ``name`` mapped from the file (private, copy on write, as ``torch.load(..., mmap=True)`` maps),
+        not read: no page is read until the tensor is used. Each tensor its own mapping, so its own storage
+        (``torch.save`` refuses views of one storage as different dtypes: a loaded checkpoint can be saved again).
+        ``None`` for a reader of a record in memory, or where the offset is not a multiple of the element size."""
+        if self.record is not None:
+            return None
+        dtype, shape, off = self.entries[name]
+        numel = 1
+        for s in shape:
+            numel *= s
+        pos = self.base + self.data_start + off
+        if pos % _itemsize(dtype) or numel == 0:
+            return None
+        start = pos - pos % mmap.ALLOCATIONGRANULARITY
+        region = mmap.mmap(self.fd, pos - start + numel * _itemsize(dtype), access=mmap.ACCESS_COPY, offset=start)
+        return torch.frombuffer(region, dtype=dtype, count=numel, offset=pos - start).view(shape)
+
     def _pread(self, n: int, offset: int) -> bytes:
         if self.record is None:
             return os.pread(self.fd, n, self.base + offset)
         return self.record[offset:offset + n].numpy().tobytes()
 
-    def close(self) -> None:
+    def close(self, drop_cache: bool = True) -> None:
+        """``drop_cache``: the pages read leave the page cache (a resume streams through them once); ``False``
+        where the file's pages are mapped and used in place (``view``)."""
         if self.record is not None:
             self.record = None
             return
-        if self.base:  # a record of a checkpoint file: drop its range from the page cache only
-            os.posix_fadvise(self.fd, self.base, self.size, os.POSIX_FADV_DONTNEED)
-        else:
-            os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if drop_cache:  # of a record of a checkpoint file: its range only
+            os.posix_fadvise(self.fd, self.base, self.size if self.base else 0, os.POSIX_FADV_DONTNEED)
         os.close(self.fd)

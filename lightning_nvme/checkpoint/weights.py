@@ -11,7 +11,8 @@ What each loader gets:
 
 * ``torch.load`` / ``LightningModule.load_from_checkpoint`` / ``Trainer(strategy="auto")``: the call
   reads the tensor from the beside file (``safetensors.safe_open``): a complete model, read into
-  memory as those loaders always do. ``import lightning_nvme`` registers ``beside_weight`` with
+  memory as those loaders always do; of a one-file checkpoint under ``mmap=True``, mapped from the
+  weights record, not read, like torch's own tensors. ``import lightning_nvme`` registers ``beside_weight`` with
   ``torch.serialization.add_safe_globals`` so ``weights_only=True`` loads work; a missing file or one of
   another save is an error that names it and the fix, never a model with random weights.
 * the offload strategies load under ``deferred()``: the call returns the ``BesideWeight`` itself, and
@@ -89,9 +90,15 @@ class BesideWeight:
         """The tensor, read from the beside file (checked to belong to the same save)."""
         self.check_readable()
         if self.record is not None:
-            reader = SafetensorsReader(self.path, self.record)
-            _check_save(self.path, reader.metadata.get("save_id"), self.save_id)
-            return reader.read(self.key).view(self.shape)
+            # under torch.load(..., mmap=True) the weight is mapped from the file, not read (opening a checkpoint of
+            # any size costs its pickle), as torch's own tensors are; a record in memory is copied from
+            reader, tensor = SafetensorsReader(self.path, self.record), None
+            try:
+                _check_save(self.path, reader.metadata.get("save_id"), self.save_id)
+                tensor = reader.mapped(self.key)
+                return tensor.view(self.shape) if tensor is not None else reader.read(self.key).view(self.shape)
+            finally:
+                reader.close(drop_cache=tensor is None)
         with safe_open(self.path, framework="pt") as f:
             found = (f.metadata() or {}).get("save_id")
             _check_save(self.path, found, self.save_id)

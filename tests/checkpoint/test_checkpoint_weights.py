@@ -22,6 +22,7 @@ from test_param_offload import Snapshots, offload, trainer
 
 from lightning_nvme import cli
 from lightning_nvme.checkpoint import load_checkpoint, weights
+from lightning_nvme.checkpoint.safetensors_stream import file_backing
 
 STEPS = 4
 
@@ -123,7 +124,14 @@ def test_weights_beside_the_file_load_everywhere_and_convert(tmp_path, in_memory
     shutil.move(path, moved)
     moved_path = str(moved / os.path.basename(path))
     assert_equal_state(load_checkpoint(moved_path)["state_dict"], in_memory[STEPS])
-    assert_equal_state(torch.load(moved_path, weights_only=True, mmap=True)["state_dict"], in_memory[STEPS])
+    mapped = torch.load(moved_path, weights_only=True, mmap=True)
+    assert_equal_state(mapped["state_dict"], in_memory[STEPS])
+    for key in refs:  # mapped from the file, not read into memory: opening the file reads no weight
+        backing = file_backing(mapped["state_dict"][key])
+        assert backing is not None, key
+        os.close(backing[0])
+    torch.save(mapped, tmp_path / "again.ckpt")  # and each its own storage: the loaded checkpoint saves again
+    assert_equal_state(torch.load(tmp_path / "again.ckpt", weights_only=True)["state_dict"], in_memory[STEPS])
 
     # format version 2 (the weights beside the file): moved with its .optim directory it loads; without, torch.load
     # names the missing directory and the fixes instead of handing back a model without weights

@@ -13,15 +13,13 @@ import os
 from collections.abc import Callable
 from typing import Any
 
-import torch
-
-from lightning_nvme.checkpoint import legacy, paired, weights
+from lightning_nvme.checkpoint import legacy, onefile, paired, weights
 from lightning_nvme.checkpoint.streamed import OptimizerParts
 
 
 def _torch_load(path: str) -> dict[str, Any]:
-    """``mmap=True``: the state records of a one-file checkpoint are read range by range where used, never whole."""
-    return torch.load(path, map_location="cpu", weights_only=False, mmap=True)
+    """Mapped: the state records of a one-file checkpoint are read range by range where used, never whole."""
+    return onefile.load_mapped(path)
 
 
 def open_checkpoint(path: str | os.PathLike,

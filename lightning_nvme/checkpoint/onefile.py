@@ -24,6 +24,7 @@ and no overcommit, whatever the state's size.
 
 from __future__ import annotations
 
+import mmap
 import os
 import pickle
 import struct
@@ -37,6 +38,7 @@ from lightning_nvme.checkpoint import weights
 from lightning_nvme.constants import ALIGN, align_up
 from lightning_nvme.fs import reflink
 
+REF_KEY = "lightning_nvme"  # this package's entry in a checkpoint (``paired.REF_KEY``)
 RECORDS_KEY = "records"  # in the ``lightning_nvme`` entry: state file name -> uint8 record
 
 
@@ -171,3 +173,45 @@ def records_of(ref: dict[str, Any]) -> dict[str, torch.Tensor] | None:
     # a checkpoint that went through a CheckpointIO plugin holds its records as storages (see plugin_io.ship)
     return {name: r if torch.is_tensor(r) else torch.empty(0, dtype=torch.uint8).set_(r)
             for name, r in records.items()}
+
+
+def load_mapped(path: str, weights_only: bool | None = False) -> dict[str, Any]:
+    """``torch.load(path, mmap=True)`` for the strategies and tools of this package, that works for a file larger
+    than memory.
+
+    Why not torch's default: it maps the whole file ``MAP_PRIVATE``, which the kernel's overcommit heuristics
+    charge as memory, so a one-file checkpoint larger than RAM + swap (the state of a model bigger than memory)
+    fails with ENOMEM. A ``MAP_SHARED`` map is not charged, but a write to a loaded tensor would reach the file:
+    so every tensor outside the state records (read only, range by range) is cloned into memory, what the
+    checkpoint file held before the state moved inside it. Falls back to torch's private map where the file
+    cannot be mapped shared (e.g. opened read-only)."""
+    try:
+        with torch.serialization.set_default_mmap_options(mmap.MAP_SHARED):
+            checkpoint = torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    except RuntimeError:
+        return torch.load(path, map_location="cpu", weights_only=weights_only, mmap=True)
+    ref = checkpoint.get(REF_KEY) if isinstance(checkpoint, dict) else None
+    records = ref.pop(RECORDS_KEY, None) if isinstance(ref, dict) else None
+    _own(checkpoint, {})
+    if records is not None:
+        checkpoint[REF_KEY][RECORDS_KEY] = records
+    return checkpoint
+
+
+
+def _own(value: Any, memo: dict[int, torch.Tensor]) -> Any:
+    """``value`` with every tensor replaced by an in-memory copy, containers updated in place (a state dict keeps
+    its ``_metadata``); a tensor referenced twice is copied once."""
+    if torch.is_tensor(value):
+        if id(value) not in memo:
+            memo[id(value)] = value.clone()
+        return memo[id(value)]
+    if isinstance(value, dict):
+        for k in list(value):
+            value[k] = _own(value[k], memo)
+    elif isinstance(value, list):
+        value[:] = [_own(v, memo) for v in value]
+    elif isinstance(value, tuple):
+        items = [_own(v, memo) for v in value]
+        return type(value)(*items) if hasattr(value, "_fields") else type(value)(items)
+    return value

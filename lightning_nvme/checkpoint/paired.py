@@ -51,7 +51,7 @@ from lightning_nvme.fs import atomic
 
 PAIRED_FORMAT_VERSION = 3  # of the checkpoint: one file, its state files as records inside it
 BESIDE_FORMAT_VERSION = 2  # still read: the file, its state files beside it in ``<file>.optim/<save id>/``
-REF_KEY = "lightning_nvme"
+REF_KEY = onefile.REF_KEY
 PARTS_SUFFIX = ".optim"
 _SAVE_ID = re.compile(r"^[0-9a-f]{32}$")
 NOTE = ("The optimizer state of this checkpoint is inside it (lightning_nvme.records). Resume with "

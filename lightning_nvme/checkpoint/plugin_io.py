@@ -20,6 +20,8 @@ from lightning.fabric.plugins import CheckpointIO, TorchCheckpointIO
 from lightning.fabric.utilities.cloud_io import _is_local_file_protocol, get_filesystem
 from lightning.fabric.utilities.types import _PATH
 
+from lightning_nvme.checkpoint import onefile
+
 
 def is_local(path: _PATH) -> bool:
     return _is_local_file_protocol(path)
@@ -48,7 +50,7 @@ def ship(local: str, path: _PATH, storage_options: Any | None, checkpoint_io: Ch
         with open(local, "rb") as src, fs.open(target, "wb") as dst:
             shutil.copyfileobj(src, dst, 64 << 20)
         return f"streamed through fsspec ({type(fs).__name__})"
-    checkpoint = torch.load(local, map_location="cpu", weights_only=False, mmap=True)
+    checkpoint = onefile.load_mapped(local)
     ref = checkpoint.get("lightning_nvme") or {}
     records = ref.get("records")
     if isinstance(records, dict):

@@ -33,7 +33,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import plugin_io, snapshot, weights
+from lightning_nvme.checkpoint import onefile, plugin_io, snapshot, weights
 from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.doctor.profile import IOProfile, io_request, slowest_disk_note
@@ -360,7 +360,7 @@ class OffloadStrategy(Strategy):
         # weights beside the file stay references until load_model_state_dict
         load_file: Callable[[str], dict[str, Any]] = functools.partial(super().load_checkpoint, weights_only=weights_only)
         if plugin_io.maps_records(self.checkpoint_io, checkpoint_path):  # the state records read in place, never whole
-            load_file = functools.partial(torch.load, map_location="cpu", weights_only=weights_only, mmap=True)
+            load_file = functools.partial(onefile.load_mapped, weights_only=weights_only)
         checkpoint, self._optimizer_parts = open_checkpoint(checkpoint_path, load_file)
         return checkpoint
 

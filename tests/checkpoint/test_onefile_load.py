@@ -44,3 +44,26 @@ def test_records_stay_mapped_shared_and_nothing_loaded_writes_to_the_file(tmp_pa
     loaded["optimizer_states"][0]["state"][0]["exp_avg"].mul_(3)
     del loaded, got, sd
     assert _digest(path) == before
+
+
+def _meminfo_bytes(key: str) -> int:
+    line = next(line for line in open("/proc/meminfo") if line.startswith(key + ":"))
+    return int(line.split()[1]) * 1024
+
+
+def test_a_checkpoint_larger_than_ram_and_swap_opens(tmp_path):
+    """The case the shared map is for, on any machine: a one-file checkpoint whose record is larger than RAM +
+    swap (a sparse file: its space reserved with ``skip_data``, nothing written) opens, without reading it."""
+    size = _meminfo_bytes("MemTotal") + _meminfo_bytes("SwapTotal") + (1 << 30)
+    sparse = tmp_path / "sparse"
+    sparse.touch()
+    os.truncate(sparse, size)
+    big = torch.empty(0, dtype=torch.uint8).set_(torch.UntypedStorage.from_file(str(sparse), True, size))
+    path = tmp_path / "big.ckpt"
+    with torch.serialization.skip_data():
+        torch.save({"state_dict": {"w": torch.ones(3)},
+                    onefile.REF_KEY: {onefile.RECORDS_KEY: {"optimizer-0.safetensors": big}}}, path)
+    del big
+    loaded = onefile.load_mapped(str(path))
+    assert loaded[onefile.REF_KEY][onefile.RECORDS_KEY]["optimizer-0.safetensors"].numel() == size
+    assert loaded["state_dict"]["w"].shape == (3,)  # (skip_data wrote no bytes for it either)

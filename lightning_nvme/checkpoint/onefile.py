@@ -198,7 +198,6 @@ def load_mapped(path: str, weights_only: bool | None = False) -> dict[str, Any]:
     return checkpoint
 
 
-
 def _own(value: Any, memo: dict[int, torch.Tensor]) -> Any:
     """``value`` with every tensor replaced by an in-memory copy, containers updated in place (a state dict keeps
     its ``_metadata``); a tensor referenced twice is copied once."""

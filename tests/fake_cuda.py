@@ -144,8 +144,10 @@ class FakeOps:
     """Records the CUDA calls of ``CudaStaging``; the copies themselves run on CPU tensors. ``delay_s``:
     sleep before each copy (as ``gpu_check``'s injected delay does on a real device)."""
 
-    def __init__(self, delay_s: float = 0.0) -> None:
+    def __init__(self, delay_s: float = 0.0, runtime: FakeCudaRuntime | None = None) -> None:
         self.log: list = []
+        self.runtime = runtime
+        self.host_ends: list[tuple[str, bool]] = []  # (stream, host end pinned) of every copy, given ``runtime``
         self.events = 0
         self.compute = FakeStream(self.log, "compute")
         self.streams: list[FakeStream] = []
@@ -190,7 +192,20 @@ class FakeOps:
         if self.delay_s:
             time.sleep(self.delay_s)
         self.copies.append((self.current().name, weakref.ref(dst), weakref.ref(src)))
+        if self.runtime is not None:
+            self.host_ends.append((self.current().name, any(self._pinned(t) for t in (dst, src))))
         dst.copy_(src, non_blocking=True)
+
+    def _pinned(self, t: torch.Tensor) -> bool:
+        """``t`` lies in a live registration (device buffers never do: a copy with neither end pinned is a
+        copy from or into pageable host memory)."""
+        assert self.runtime is not None
+        ptr = t.data_ptr()
+        return any(p <= ptr and ptr + t.numel() * t.element_size() <= p + n for p, n in self.runtime.live.items())
+
+    def pageable_copies(self, stream: str | None = None) -> list[int]:
+        """Indexes of the copies (on ``stream``, or any) whose host end was pageable memory when they ran."""
+        return [i for i, (s, pinned) in enumerate(self.host_ends) if not pinned and stream in (None, s)]
 
     def unprotected_uses(self) -> list[tuple[int, str]]:
         """(device buffer index, stream) of each copy that used a device buffer on a stream its memory is not
@@ -221,7 +236,7 @@ def fake_cuda_staging(monkeypatch) -> tuple[FakeCudaRuntime, list]:
     made: list[staging.CudaStaging] = []
 
     def fake(device, buffer_bytes, pool_size):
-        made.append(staging.CudaStaging(device, buffer_bytes, pool_size, ops=FakeOps()))
+        made.append(staging.CudaStaging(device, buffer_bytes, pool_size, ops=FakeOps(runtime=rt)))
         return made[-1]
 
     monkeypatch.setattr(staging, "staging_for", fake)

@@ -243,17 +243,24 @@ class BlockResidency:
         if st.desk and st.bound:
             self._keep_bound(block)
             return
-        if st.shelved:  # the shelf is the block's storage: a device copy comes back into it, nothing else moves
-            if st.dirty and st.device is not None:
-                self.staging.to_host(st.device, st.buffer).synchronize()
+        copied = st.device is not None and st.device is not st.buffer  # the parameters point at a device copy
+        if st.shelved and not (st.dirty and copied):
+            pass  # the shelf is the block's storage: unchanged, or changed in place (CPU): nothing moves
         elif st.dirty:
             assert not (st.base and st.dirty_whole), "a whole-block write of a tail-only block (a bug)"
             start = 0 if st.dirty_whole else block.writable_offset
+            buf = st.buffer
+            if st.shelved:
+                # A changed device copy of a shelved block comes back through a pool buffer (pinned on CUDA), not
+                # into the shelf: a copy into pageable memory is synchronous, the host would wait for the GPU at
+                # every eviction. The shelf gets the bytes as any write-back (``FlatStore.write``: a memory copy)
+                # once the copy completed; the block's next ``prefetch`` issues it first.
+                buf = self._new_buffer(block)
             ready = DONE
             if st.device is not None:  # only what is written back comes back (a LoRA block: its adapters, not its head)
                 lo = max(start - st.base, 0)
-                ready = self.staging.to_host(st.device[lo:], st.buffer[lo:])
-            self._write(block, st.buffer, start, ready, st.base)
+                ready = self.staging.to_host(st.device[lo:], buf[lo:])
+            self._write(block, buf, start, ready, st.base)
         else:
             self.staging.recycle(st.buffer)
         self._unbind(block)

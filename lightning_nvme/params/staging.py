@@ -13,7 +13,9 @@ Why one object with two implementations: ``BlockResidency`` makes the same calls
   stream (after the update), copies device -> host and records an event; the residency issues the store
   write once that event has completed (it polls ``query`` and synchronizes only when it must: the compute
   stream never waits for the disk). The device buffer is ``record_stream``-ed on each stream that uses it
-  (compute, down), so the allocator does not reuse it while a copy back still reads it. Bound blocks, and
+  (compute, down), so the allocator does not reuse it while a copy back still reads it. A block on the shelf
+  (``host_memory_budget``) comes back the same way, into a pool buffer (pinned), never into the shelf's
+  pageable memory (a synchronous copy); the store write into the shelf follows the event. Bound blocks, and
   the blocks read ahead whose upload started early (at most ``prefetch``), have a device copy.
 
 Host buffers on CUDA: a pool of ``pool_size`` page-aligned buffers (anonymous mmap, as the store's own,

@@ -109,6 +109,48 @@ def test_device_copy_is_protected_on_the_stream_that_copies_it_back(tmp_path, mo
         store.close()
 
 
+def test_shelved_dirty_block_comes_back_asynchronously_through_pinned_memory(tmp_path, monkeypatch):
+    """Issue #33, finding 7: a block kept on the shelf (``host_memory_budget``) whose device copy changed was
+    copied back into the shelf itself, pageable memory, and waited for at eviction: on CUDA such a copy is
+    synchronous, so the host stalled on the GPU at every dirty eviction. Now the copy goes into a pinned pool
+    buffer on the download stream without waiting, the device copy recorded there (the allocator waits for
+    it); the shelf receives the bytes (the store write, a memory copy) once the copy's event completed, at
+    the latest before the block is read again."""
+    rt = install(monkeypatch)
+    ops = FakeOps(runtime=rt)
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=3, ops=ops))
+    store.shelve([b.region for b in blocks])
+    try:
+        block, weight = blocks[0], model[0].weight
+        shelf = store.shelved(block.region)
+        assert shelf is not None
+        before = shelf.clone()
+        res.acquire(block, "forward")
+        expected = weight.detach() + 1
+        weight.data.add_(1)  # the update, on the device copy
+        res.mark_dirty(block)
+        ops.log.clear()
+        copies = len(ops.host_ends)
+        res.release(block, "forward")
+        assert not [e for e in ops.log if e[0] == "sync"]  # eviction waited for nothing
+        assert [s for s, _ in ops.host_ends[copies:]] == ["side1"]  # one copy back, on the download stream
+        assert ops.pageable_copies("side1") == []  # into pinned memory: asynchronous on CUDA
+        assert ops.unprotected_uses() == []  # the device copy is protected until that copy is done
+        assert torch.equal(shelf, before)  # the shelf is written once the copy completed, not before
+        ops.log.clear()
+        res.prefetch(block)  # the block again: its write-back into the shelf goes first, after the copy's event
+        sync = [e for e in ops.log if e[0] == "sync"]
+        assert len(sync) == 1 and ops.log.index(sync[0]) < ops.log.index(("write", block.region))
+        res.acquire(block, "forward")
+        assert torch.equal(weight, expected)
+        res.release(block, "forward")
+        assert torch.equal(res.read_values(block)["0.weight"], expected)
+        assert res.staging.stats.pageable_buffers == 0
+    finally:
+        res.drain()
+        store.close()
+
+
 def block_capacity(store: FlatStore, block) -> int:
     return store.region(block.region).capacity
 
@@ -188,6 +230,23 @@ def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_facto
     assert 0 < stats.staging.pinned_buffers <= 1 + 2 + 2 and stats.staging.pageable_buffers == 0  # the pool's size
     assert stats.staging.h2d_bytes > 0 and stats.staging.d2h_bytes > 0
     assert made[0].ops.unprotected_uses() == []  # every device copy protected on each stream that used it
+
+
+def test_training_with_blocks_on_the_shelf_through_cuda_staging_is_bitwise_equal(tmp_path, monkeypatch):
+    """Every block on the shelf (``host_memory_budget``) with the CUDA staging's logic: each dirty block's
+    device copy comes back through pinned memory (no pageable copy back), protected until copied, and the
+    trained weights equal in-memory training's bitwise."""
+    from test_param_offload import assert_same_params, fit, offload
+
+    rt, made = fake_cuda_staging(monkeypatch)
+    strategy = offload(tmp_path, host_memory_budget=1 << 30)
+    off, _ = fit(tmp_path / "off", strategy, {"checkpointing": True}, steps=8)
+    ref8, _ = fit(tmp_path / "ref8", "auto", {"checkpointing": True}, steps=8)
+    assert_same_params(ref8, off)
+    ops = made[0].ops
+    assert strategy.param_offload.stats.loads == 0  # every block on the shelf: never read from the disk
+    assert any(s == "side1" for s, _ in ops.host_ends) and ops.pageable_copies("side1") == []
+    assert ops.unprotected_uses() == [] and rt.live == {}
 
 
 def test_blocks_placed_before_the_model_moves(tmp_path):

@@ -19,7 +19,10 @@ Cases (``--only NAME,...`` runs a subset):
   memory (``RoundTripOptimizer`` with the exact format), as the offloaded run does.
 - ``params_resume``: a checkpoint saved mid-fit (``ModelCheckpoint`` at the end of epoch 1, the blocks
   gathered from the store), resumed by a new Trainer to the last step; against plain Lightning saved and
-  resumed the same way (a resumed run is not bitwise the uninterrupted one even in memory).
+  resumed the same way (a resumed run is not bitwise the uninterrupted one even in memory). The saved
+  optimizer state is compared too: the offloaded checkpoint converted to a plain one
+  (``checkpoint.convert.to_lightning``) against plain Lightning's file, every moment tensor and step bitwise
+  (``optimizer_state_equal``).
 - ``params_keep``: ``restore_params=False``: the weights stay in the store, exported with
   ``export_weights`` (streamed block by block) and compared from the file.
 - ``params_delayed``: ``params_backward`` with a delay before every host <-> device copy (the ``CudaOps.copy``
@@ -30,11 +33,23 @@ Cases (``--only NAME,...`` runs a subset):
   ``record_stream``: it cannot see allocator reuse (issue #33 defect 1), pinned-buffer reuse or disk I/O.
 - ``params_prefetch2``: ``params_backward`` at ``param_prefetch=2``; on a GPU both require ``early_uploads > 0``.
 - ``params_int8``: bf16-true with ``state_format="int8"``, ``master_format="bf16_sr"``.
-- ``params_stress``: the staging pool shrunk to 2 buffers and ``--stress-cycles`` (~30 ms) of GPU spin before
-  every staging copy: a missing wait or a buffer reused too early shows as a bitwise difference. (The optimizer
-  ring's and the activations' copies have no such seam yet: not delayed.)
-- ``params_exception``: an exception injected in a block's forward at step 2: it propagates, host
-  registrations are back to their level and ``memory_allocated`` to its level before (plus cuBLAS workspaces).
+- ``params_stress``: the staging pool shrunk to 2 buffers, activation offload on, and a GPU spin of 20-50 ms
+  (``--stress-ms``, drawn per copy, calibrated against CUDA events) on the copy's stream before every staging
+  copy (the ``CudaStaging.ops`` seam: blocks up, dirty blocks and shelved blocks back to the host) and every
+  activation copy (``activations.device.CudaCopies.copy``: to the pinned host buffer and back): a missing wait
+  or a buffer reused too early shows as a bitwise difference. On a GPU both seams must have been delayed
+  (``delayed_copies``). The optimizer state's own device -> host copies have no seam here.
+- ``params_exception``: an exception injected in a block's forward at step 2: it propagates, no host
+  registration is left (0) and ``memory_allocated`` is back to its level before (plus cuBLAS workspaces).
+- ``params_memory``: device memory on a model large enough to mean something (``--memory-d-model 2048``,
+  ``--memory-layers 8``: 50 M parameters per block): ``max_memory_allocated`` and ``max_memory_reserved`` of a
+  plain in-memory run and of the offloaded one, ``memory_allocated`` after teardown and ``gc``; asserted:
+  offloaded peak <= in-memory peak - block parameters - optimizer state + (``param_prefetch`` + 2) blocks,
+  and memory back to its level before the run (plus cuBLAS workspaces).
+- ``params_time``: not deterministic (default kernels), ``--time-steps`` (>= 20) steps plain and offloaded; the
+  raw disk bandwidth of ``--store-dir`` measured in the same run (``_disk.raw_disk``: write through fdatasync,
+  cold read); asserted: median offloaded step / max(median plain step, the step's store bytes read and
+  written at that bandwidth) <= ``--time-threshold``; prints the store's I/O mode (``direct`` / buffered).
 - ``params_compile``: ``torch.compile`` with ``offload_params`` is refused by name.
 - ``ddp_smoke``: ``nvme_offload_ddp`` on NCCL with ``devices=1``, bitwise against Lightning's DDP (one process).
 - ``params_desk`` / ``params_desk_half``: ``params_backward`` with ``device_memory_budget`` holding every block
@@ -50,15 +65,20 @@ printed is one JSON object. Exit status: 1 if a case fails on a CUDA machine; wi
 says ``"skipped": "no CUDA device"`` and the status is 0.
 
     python benchmarks/gpu_check.py [--store-dir DIR] [--steps 6] [--only params_backward,...]
+
+What a pass cannot prove: see docs/params.md "Accelerators" (one device, one model family, the timings of
+one machine; the sanitizer ignores ``record_stream``).
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import copy
 import gc
 import json
 import os
+import random
 import statistics
 import subprocess
 import sys
@@ -75,9 +95,11 @@ from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _disk import raw_disk  # noqa: E402
 from activation_offload import GPT, Tokens  # noqa: E402
 
 from lightning_nvme import NVMeOffloadStrategy  # noqa: E402
+from lightning_nvme.activations import device as activation_device  # noqa: E402
 from lightning_nvme.callbacks import NVMeActivationOffload  # noqa: E402
 from lightning_nvme.constants import MiB  # noqa: E402
 from lightning_nvme.params import staging  # noqa: E402
@@ -85,11 +107,13 @@ from lightning_nvme.store import pinned  # noqa: E402
 
 CASES = ("activation_offload", "params_backward", "params_step", "params_bf16", "params_resume", "params_keep",
          "params_delayed", "sanitizer", "params_desk", "params_desk_half", "params_prefetch2", "params_int8",
-         "params_stress", "params_exception", "params_compile", "ddp_smoke")
+         "params_stress", "params_exception", "params_compile", "ddp_smoke", "params_memory", "params_time")
 # cases whose offloaded run must equal an in-memory reference with its own precision and optimizer format
 REFERENCE = {"params_bf16": ("bf16-true", ("exact", "fp32")), "params_int8": ("bf16-true", ("int8", "bf16_sr"))}
 # cases that train without a baseline (a refusal, an injected failure, a child process)
-NO_BASELINE = ("sanitizer", "params_compile", "params_exception")
+# params_time's fewest steps (a test on CPU lowers it: its timings judge nothing there)
+TIME_MIN_STEPS = 20
+NO_BASELINE = ("sanitizer", "params_compile", "params_exception", "params_memory", "params_time")
 
 
 class AdamGPT(GPT):
@@ -120,6 +144,14 @@ class StepTimer(pl.Callback):
         self.losses: list[torch.Tensor] = []
         self.t0 = 0.0
         self.store_stats: Any = None
+        self.moved_start: tuple[int, int] = (0, 0)
+        self.moved: dict[str, Any] = {}  # the store's bytes read and written while training ran, its I/O mode
+
+    def on_train_start(self, trainer, pl_module) -> None:
+        store = getattr(trainer.strategy, "nvme_store", None)
+        if store is not None:
+            store.fence()
+            self.moved_start = (store.stats.bytes_read, store.stats.bytes_written)
 
     def on_train_batch_start(self, trainer, pl_module, batch, batch_idx) -> None:
         sync()
@@ -137,6 +169,8 @@ class StepTimer(pl.Callback):
         if store is not None:
             store.fence()
             self.store_stats = store.stats
+            self.moved = {"bytes_read": store.stats.bytes_read - self.moved_start[0],
+                          "bytes_written": store.stats.bytes_written - self.moved_start[1], "io_mode": store.mode}
 
     @property
     def step_s(self) -> float | None:
@@ -182,16 +216,18 @@ def peak_MiB() -> float | None:
 
 
 def train(model: pl.LightningModule, args: argparse.Namespace, data: Tokens, root: str, callbacks=(),
-          strategy: Any = "auto", precision: str = "32-true", ckpt_path: str | None = None) -> pl.Trainer:
+          strategy: Any = "auto", precision: str = "32-true", ckpt_path: str | None = None,
+          deterministic: bool = True, steps: int | None = None) -> pl.Trainer:
+    """``deterministic=False`` (the timing case): the default kernels, as a user's run has them."""
     gc.collect()
     if on_device():
         torch.cuda.empty_cache()
         torch.cuda.reset_peak_memory_stats()
-    trainer = pl.Trainer(max_steps=args.steps, accelerator=args.accelerator, devices=1, logger=False,
+    trainer = pl.Trainer(max_steps=steps or args.steps, accelerator=args.accelerator, devices=1, logger=False,
                          enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
                          enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
-                         default_root_dir=root, deterministic=True, strategy=strategy, precision=precision)
-    with sdpa_kernel(SDPBackend.MATH):
+                         default_root_dir=root, deterministic=deterministic, strategy=strategy, precision=precision)
+    with sdpa_kernel(SDPBackend.MATH) if deterministic else contextlib.nullcontext():
         trainer.fit(model, DataLoader(data, batch_size=None), ckpt_path=ckpt_path)
     return trainer
 
@@ -315,6 +351,107 @@ def allocated() -> int:
     return torch.cuda.memory_allocated() if on_device() else 0
 
 
+def optimizer_state(path: str, offloaded: bool) -> dict[str, torch.Tensor]:
+    """The optimizer state a checkpoint file holds, by ``optim/<group>/<param>/<key>``: plain Lightning's file as
+    saved; an offloaded run's converted to a plain file first (its moments live in the store's records)."""
+    if offloaded:
+        from lightning_nvme.checkpoint import convert
+
+        plain = path + ".plain"
+        convert.to_lightning(path, plain)
+        path = plain
+    states = torch.load(path, map_location="cpu", weights_only=False)["optimizer_states"]
+    if offloaded:
+        os.remove(path)
+    return {f"optim/{i}/{pid}/{key}": torch.as_tensor(value).detach().float() if key == "step" else value.detach()
+            for i, state in enumerate(states) for pid, entry in state["state"].items()
+            for key, value in entry.items() if torch.is_tensor(value) or key == "step"}
+
+
+def block_param_bytes(model: torch.nn.Module) -> tuple[int, int]:
+    """Bytes of every block's parameters, and of the largest block."""
+    from lightning_nvme.params import find_blocks
+
+    sizes = [sum(p.numel() * p.element_size() for p in block.parameters()) for _, block in find_blocks(model)]
+    return sum(sizes), max(sizes)
+
+
+def optimizer_state_bytes(trainer: pl.Trainer) -> int:
+    """Bytes of the in-memory optimizer's tensors (AdamW: two moments per parameter, and its steps)."""
+    return sum(v.numel() * v.element_size() for opt in trainer.optimizers for entry in opt.state.values()
+               for v in entry.values() if torch.is_tensor(v))
+
+
+def memory_peaks() -> dict[str, float | None]:
+    if not on_device():
+        return {"max_allocated_MiB": None, "max_reserved_MiB": None}
+    return {"max_allocated_MiB": round(torch.cuda.max_memory_allocated() / MiB, 1),
+            "max_reserved_MiB": round(torch.cuda.max_memory_reserved() / MiB, 1)}
+
+
+def memory_bound_MiB(plain_peak_MiB: float, block_params: int, state: int, block: int, prefetch: int) -> float:
+    """What an offloaded run may peak at: the plain run's peak without the blocks' parameters and the optimizer
+    state (both in the store), plus the blocks in device memory at once (``param_prefetch`` + 2)."""
+    return round(plain_peak_MiB - (block_params + state - (prefetch + 2) * block) / MiB, 1)
+
+
+class Delays:
+    """A GPU spin of ``lo``-``hi`` ms (drawn per copy) on the current stream before a copy: a copy that runs late
+    exposes a missing wait on its event, or a buffer reused while the copy still reads it. ``counts`` says which
+    seams were delayed. Without a device (a test on CPU) nothing spins; the copies are still counted."""
+
+    def __init__(self, lo_ms: float, hi_ms: float) -> None:
+        self.lo_ms, self.hi_ms = lo_ms, hi_ms
+        self.rng = random.Random(0)
+        self.counts: dict[str, int] = {}
+        self.cycles_per_ms = spin_cycles_per_ms() if on_device() else 0.0
+
+    def wrap(self, seam: str, copy_fn: Callable[[torch.Tensor, torch.Tensor], None]
+             ) -> Callable[[torch.Tensor, torch.Tensor], None]:
+        def delayed(dst: torch.Tensor, src: torch.Tensor) -> None:
+            self.counts[seam] = self.counts.get(seam, 0) + 1
+            if self.cycles_per_ms:
+                torch.cuda._sleep(int(self.rng.uniform(self.lo_ms, self.hi_ms) * self.cycles_per_ms))
+            copy_fn(dst, src)
+        return delayed
+
+
+def spin_cycles_per_ms() -> float:
+    """``torch.cuda._sleep`` cycles per millisecond on this device, measured with CUDA events."""
+    cycles = 20_000_000
+    torch.cuda._sleep(cycles)  # warm up
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    start.record()
+    torch.cuda._sleep(cycles)
+    end.record()
+    end.synchronize()
+    return cycles / max(start.elapsed_time(end), 1e-3)
+
+
+@contextlib.contextmanager
+def delayed_copies(delays: Delays | None, pool: int | None = None):
+    """Within: every ``CudaStaging`` made gets its copies delayed (the instance's ``ops.copy``, so a fake
+    ops is wrapped too) and, with ``pool``, a pool of that many buffers; the activations' copies
+    (``CudaCopies.copy``) are delayed as well."""
+    real_for, real_act = staging.staging_for, activation_device.CudaCopies.__dict__["copy"]
+
+    def made(device: torch.device, buffer_bytes: int, pool_size: int) -> staging.Staging:
+        stager = real_for(device, buffer_bytes, pool if pool is not None else pool_size)
+        ops = getattr(stager, "ops", None)
+        if delays is not None and ops is not None:
+            ops.copy = delays.wrap("staging", ops.copy)
+        return stager
+
+    staging.staging_for = made
+    if delays is not None:
+        activation_device.CudaCopies.copy = staticmethod(delays.wrap("activations", real_act.__func__))
+    try:
+        yield
+    finally:
+        staging.staging_for = real_for
+        activation_device.CudaCopies.copy = real_act
+
+
 def run_unchecked(name: str, args: argparse.Namespace, base: pl.LightningModule, data: Tokens, store_dir: str,
                   deadline_s: float) -> dict[str, Any]:
     """The cases with no baseline: a refusal, an injected failure, the sanitizer's child process."""
@@ -345,9 +482,13 @@ def run_unchecked(name: str, args: argparse.Namespace, base: pl.LightningModule,
             raised = True
         gc.collect()
         after, live = allocated(), pinned.live_registrations()
-        return {"ok": bool(raised and live == registered and after <= before + workspace_bytes()),
+        return {"ok": bool(raised and live == registered == 0 and after <= before + workspace_bytes()),
                 "raised": raised, "live_host_registrations_after": live, "allocated_before_MiB": round(before / MiB, 1),
                 "allocated_after_MiB": round(after / MiB, 1), "allowed_MiB": round(workspace_bytes() / MiB, 1)}
+    if name == "params_memory":
+        return memory_case(args, store_dir)
+    if name == "params_time":
+        return time_case(args, base, data, store_dir)
     # sanitizer: the offload cases only (no baselines: their comparison is the parent's), within the deadline
     cmd = [sys.executable, os.path.abspath(__file__), "--only", "params_backward", "--steps", "2", "--no-baselines",
            "--store-dir", store_dir, "--layers", str(max(2, args.layers // 2)), "--accelerator", args.accelerator,
@@ -363,6 +504,69 @@ def run_unchecked(name: str, args: argparse.Namespace, base: pl.LightningModule,
     case = inner.get("params_backward", {})
     return {"ok": bool(proc.returncode == 0 and case.get("ok")), "returncode": proc.returncode,
             "child": case, "stderr_tail": proc.stderr[-1500:] if proc.returncode else ""}
+
+
+def memory_case(args: argparse.Namespace, store_dir: str) -> dict[str, Any]:
+    """``params_memory``: device memory of a plain and an offloaded run of a larger model, the bound asserted."""
+    torch.manual_seed(0)
+    base = AdamGPT(vocab=256, d=args.memory_d_model, heads=max(1, args.memory_d_model // 128),
+                   layers=args.memory_layers, mlp=4)
+    data = Tokens(max(1, args.steps // 2), args.batch, args.seq, 256)
+    block_params, block = block_param_bytes(base)
+    gc.collect()
+    before = allocated()
+    plain_trainer = train(copy.deepcopy(base), args, data, store_dir)
+    plain, state = memory_peaks(), optimizer_state_bytes(plain_trainer)
+    del plain_trainer
+    gc.collect()
+    plain_after = allocated()
+    strategy = offload(args, store_dir)
+    train(copy.deepcopy(base), args, data, store_dir, strategy=strategy)
+    off = memory_peaks()
+    assert strategy.param_offload is not None
+    bound_blocks = strategy.param_offload.stats.peak_bound_blocks
+    del strategy
+    gc.collect()
+    after = allocated()
+    out: dict[str, Any] = {"model": {"d": args.memory_d_model, "layers": args.memory_layers},
+                           "block_params_MiB": round(block_params / MiB, 1), "block_MiB": round(block / MiB, 1),
+                           "optimizer_state_MiB": round(state / MiB, 1), "plain": plain, "offloaded": off,
+                           "peak_device_blocks": bound_blocks,
+                           "allocated_before_MiB": round(before / MiB, 1),
+                           "plain_allocated_after_MiB": round(plain_after / MiB, 1),
+                           "allocated_after_MiB": round(after / MiB, 1),
+                           "allowed_after_MiB": round((before + workspace_bytes()) / MiB, 1)}
+    ok = bound_blocks <= args.param_prefetch + 2 and state > 0 and block_params > 0
+    if plain["max_allocated_MiB"] is not None and off["max_allocated_MiB"] is not None:
+        bound = memory_bound_MiB(plain["max_allocated_MiB"], block_params, state, block, args.param_prefetch)
+        out.update(bound_MiB=bound, bound_ok=off["max_allocated_MiB"] <= bound,
+                   memory_back=after <= before + workspace_bytes())
+        ok = ok and out["bound_ok"] and out["memory_back"]
+    else:
+        out["bound_ok"] = None  # no device memory to measure (a test on CPU)
+    return {"ok": bool(ok), **out}
+
+
+def time_case(args: argparse.Namespace, base: pl.LightningModule, data: Tokens, store_dir: str) -> dict[str, Any]:
+    """``params_time``: the offloaded step against the slower of the plain step and its disk traffic at the raw
+    bandwidth measured here; not deterministic (the default kernels), so the numbers are not compared."""
+    steps = max(args.time_steps, TIME_MIN_STEPS)
+    timed = Tokens(steps, args.batch, args.seq, 256)
+    write_GBps, read_GBps = raw_disk(store_dir, args.disk_probe_mib * MiB)
+    plain_timer, timer = StepTimer(), StepTimer()
+    train(copy.deepcopy(base), args, timed, store_dir, [plain_timer], deterministic=False, steps=steps)
+    strategy = offload(args, store_dir)
+    train(copy.deepcopy(base), args, timed, store_dir, [timer], strategy=strategy, deterministic=False, steps=steps)
+    moved = timer.moved
+    disk_s = moved["bytes_read"] / steps / (read_GBps * 1e9) + moved["bytes_written"] / steps / (write_GBps * 1e9)
+    plain_s, step_s = plain_timer.step_s, timer.step_s
+    assert plain_s is not None and step_s is not None
+    ratio = step_s / max(plain_s, disk_s, 1e-9)
+    return {"ok": bool(len(timer.times) >= TIME_MIN_STEPS and ratio <= args.time_threshold), "steps": len(timer.times),
+            "offload_step_s": step_s, "plain_step_s": plain_s, "disk_s_per_step": round(disk_s, 4),
+            "store_bytes_per_step": (moved["bytes_read"] + moved["bytes_written"]) // steps,
+            "raw_write_GBps": round(write_GBps, 2), "raw_read_GBps": round(read_GBps, 2),
+            "step_vs_bound": round(ratio, 3), "threshold": args.time_threshold, "io_mode": moved["io_mode"]}
 
 
 def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_dir: str,
@@ -403,22 +607,27 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         # Against plain Lightning resumed the same way: a run resumed from an end-of-epoch checkpoint is not
         # bitwise the uninterrupted run even in memory (measured on CPU), so the continuous baseline would fail
         # correct code.
-        def saved_and_resumed(make_strategy: Callable[[], Any], callbacks: list) -> pl.LightningModule:
+        def saved_and_resumed(make_strategy: Callable[[], Any], callbacks: list, offloaded: bool
+                              ) -> dict[str, torch.Tensor]:
+            """The resumed run's weights and the saved checkpoint's optimizer state."""
             from lightning.pytorch.callbacks import ModelCheckpoint
 
             ckpt_dir = tempfile.mkdtemp(dir=store_dir)
             saver = ModelCheckpoint(dirpath=ckpt_dir, every_n_epochs=1, save_top_k=-1, filename="{epoch}")
             train(copy.deepcopy(base), args, data, store_dir, [saver, *callbacks], strategy=make_strategy())
             model = copy.deepcopy(base)
-            train(model, args, data, store_dir, strategy=make_strategy(), ckpt_path=os.path.join(ckpt_dir, "epoch=0.ckpt"))
-            return model
+            path = os.path.join(ckpt_dir, "epoch=0.ckpt")
+            train(model, args, data, store_dir, strategy=make_strategy(), ckpt_path=path)
+            return {**params_of(model), **optimizer_state(path, offloaded)}
 
         if not args.no_baselines:
-            ref, again = (params_of(saved_and_resumed(lambda: "auto", [])) for _ in range(2))
+            ref, again = (saved_and_resumed(lambda: "auto", [], False) for _ in range(2))
         strategies: list[NVMeOffloadStrategy] = []
-        model = saved_and_resumed(lambda: strategies.append(offload(args, store_dir)) or strategies[-1], [timer])
+        got = saved_and_resumed(lambda: strategies.append(offload(args, store_dir)) or strategies[-1], [timer], True)
         extra = staging_figures(strategies[0], timer, args)
-        got = params_of(model)
+        state = [k for k in ref if k.startswith("optim/")]
+        extra["optimizer_state_equal"] = bool(state) and all(k in got and torch.equal(ref[k], got[k]) for k in state)
+        extra["optimizer_state_tensors"] = len(state)
     elif name in ("params_desk", "params_desk_half"):
         every = name == "params_desk"
         from lightning_nvme.preflight import resources as preflight
@@ -466,28 +675,26 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
             kwargs.update(state_format="int8", master_format="bf16_sr")
         strategy = offload(args, store_dir, **kwargs)
         model = copy.deepcopy(base)
-        real_copy, real_for = staging.CudaOps.copy, staging.staging_for
-        cycles = {"params_delayed": args.delay_cycles, "params_stress": args.stress_cycles}.get(name, 0)
-        if cycles:
-            def delayed(self: staging.CudaOps, dst: torch.Tensor, src: torch.Tensor) -> None:
-                torch.cuda._sleep(cycles)  # on the copy's stream, before the copy: a late copy
-                real_copy(self, dst, src)
-            staging.CudaOps.copy = delayed  # type: ignore[method-assign]
-        if name == "params_stress":  # a pool of 2: each buffer reused as soon as the rules allow
-            def small_pool(device: torch.device, buffer_bytes: int, pool_size: int) -> staging.Staging:
-                return real_for(device, buffer_bytes, 2)
-            staging.staging_for = small_pool
-        try:
-            train(model, args, data, store_dir, [timer], strategy=strategy, precision=precision)
-        finally:
-            staging.CudaOps.copy, staging.staging_for = real_copy, real_for  # type: ignore[method-assign]
+        delays = {"params_delayed": Delays(args.delay_ms, args.delay_ms),
+                  "params_stress": Delays(*args.stress_ms)}.get(name)
+        callbacks: list[pl.Callback] = [timer]
+        if name == "params_stress":  # the activations' copies too
+            callbacks.append(NVMeActivationOffload(store_dir=store_dir, min_bytes=1 << 16))
+        # params_stress: a pool of 2, each buffer reused as soon as the rules allow
+        with delayed_copies(delays, pool=2 if name == "params_stress" else None):
+            train(model, args, data, store_dir, callbacks, strategy=strategy, precision=precision)
         extra = staging_figures(strategy, timer, args)
+        if delays is not None:
+            extra["delayed_copies"] = dict(delays.counts)
+            if args.accelerator == "gpu":  # every seam was delayed (on CPU the activations stay on the host)
+                seams = ("staging", "activations") if name == "params_stress" else ("staging",)
+                extra["copies_ok"] = extra["copies_ok"] and all(delays.counts.get(k, 0) > 0 for k in seams)
         if name in ("params_backward", "params_prefetch2") and args.accelerator == "gpu":
             extra["early_uploads_ok"] = extra["early_uploads"] > 0  # the early-upload path ran
             extra["copies_ok"] = extra["copies_ok"] and extra["early_uploads_ok"]
         got = params_of(model)
     if name == "params_resume":
-        losses = False  # the resumed run's losses start mid-fit: weights only
+        losses = False  # the resumed run's losses start mid-fit: weights (and the saved optimizer state) only
     if losses:
         got = {**got, **losses_of(timer)}
     else:
@@ -511,9 +718,15 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=512)  # 3.1 M parameters (12 MiB fp32) per block
     p.add_argument("--param-prefetch", type=int, default=1)
     p.add_argument("--chunk-mib", type=int, default=16)  # optimizer chunks about a block's state
-    p.add_argument("--delay-cycles", type=int, default=2_000_000)  # about 1 ms of GPU spin before each copy
-    p.add_argument("--stress-cycles", type=int, default=60_000_000,
-                   help="GPU spin before every staging copy in params_stress (about 30 ms)")
+    p.add_argument("--delay-ms", type=float, default=1.0, help="GPU spin before each staging copy in params_delayed")
+    p.add_argument("--stress-ms", type=float, nargs=2, default=(20.0, 50.0), metavar=("LO", "HI"),
+                   help="params_stress: GPU spin drawn in [LO, HI] ms before every staging and activation copy")
+    p.add_argument("--memory-d-model", type=int, default=2048, help="params_memory's model width")
+    p.add_argument("--memory-layers", type=int, default=8, help="params_memory's blocks")
+    p.add_argument("--time-steps", type=int, default=20, help="params_time's steps (at least 20)")
+    p.add_argument("--time-threshold", type=float, default=1.5,
+                   help="params_time: most offloaded step / max(plain step, disk time of its bytes)")
+    p.add_argument("--disk-probe-mib", type=int, default=1024, help="params_time: bytes of the raw disk probe")
     p.add_argument("--deadline-min", type=float, default=7.0,
                    help="global deadline in minutes (default %(default)s): a case that would not fit in what is left "
                         "is reported skipped, never killed mid-run")

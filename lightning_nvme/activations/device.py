@@ -49,6 +49,12 @@ def release_pinned_cache() -> bool:
 class CudaCopies:
     """Device <-> pinned host copies ordered with events; one side stream per device."""
 
+    @staticmethod
+    def copy(dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One device <-> host copy on the current stream. A seam: ``benchmarks/gpu_check.py``'s stress case
+        delays it on the device, so a missing wait on its event would read or reuse a buffer too early."""
+        dst.copy_(src, non_blocking=True)
+
     def __init__(self) -> None:
         self._streams: dict[torch.device, torch.cuda.Stream] = {}
 
@@ -63,7 +69,7 @@ class CudaCopies:
         host = host_buffer(data.numel(), pinned=True)
         side.wait_stream(torch.cuda.current_stream(data.device))
         with torch.cuda.stream(side):
-            host.copy_(data, non_blocking=True)
+            CudaCopies.copy(host, data)
             done = torch.cuda.Event()
             done.record(side)
         data.record_stream(side)  # the allocator must not hand this memory out before the copy ran
@@ -73,7 +79,7 @@ class CudaCopies:
     def to_device(host: torch.Tensor, device: torch.device) -> tuple[torch.Tensor, torch.cuda.Event]:
         """Copy a host buffer to ``device`` on the current stream; keep ``host`` until the event completes."""
         out = torch.empty(host.numel(), dtype=torch.uint8, device=device)
-        out.copy_(host, non_blocking=True)
+        CudaCopies.copy(out, host)
         done = torch.cuda.Event()
         done.record(torch.cuda.current_stream(device))
         return out, done

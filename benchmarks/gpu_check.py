@@ -552,6 +552,7 @@ def time_case(args: argparse.Namespace, base: pl.LightningModule, data: Tokens, 
     bandwidth measured here; not deterministic (the default kernels), so the numbers are not compared."""
     steps = max(args.time_steps, TIME_MIN_STEPS)
     timed = Tokens(steps, args.batch, args.seq, 256)
+    os.makedirs(store_dir, exist_ok=True)
     write_GBps, read_GBps = raw_disk(store_dir, args.disk_probe_mib * MiB)
     plain_timer, timer = StepTimer(), StepTimer()
     train(copy.deepcopy(base), args, timed, store_dir, [plain_timer], deterministic=False, steps=steps)
@@ -628,6 +629,7 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         state = [k for k in ref if k.startswith("optim/")]
         extra["optimizer_state_equal"] = bool(state) and all(k in got and torch.equal(ref[k], got[k]) for k in state)
         extra["optimizer_state_tensors"] = len(state)
+        extra["copies_ok"] = extra["copies_ok"] and (extra["optimizer_state_equal"] or args.no_baselines)
     elif name in ("params_desk", "params_desk_half"):
         every = name == "params_desk"
         from lightning_nvme.preflight import resources as preflight

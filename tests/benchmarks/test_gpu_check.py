@@ -128,6 +128,8 @@ def test_case_body_runs_on_cpu_through_the_fake_cuda(small_check, monkeypatch, n
         assert result["steps"] >= 3 and result["raw_read_GBps"] > 0 and result["io_mode"], result
     else:
         assert result["bitwise_equal"] and result["baseline_deterministic"], result
+    if name == "params_resume":  # the saved optimizer state, bitwise, beside the resumed weights
+        assert result["optimizer_state_equal"] and result["optimizer_state_tensors"] > 0, result
     if name.startswith("params_") and name not in ("params_compile", "params_exception"):
         assert made, "the fake CUDA staging was used"
     assert rt.live == {}

@@ -36,9 +36,10 @@ Cases (``--only NAME,...`` runs a subset):
 - ``params_stress``: the staging pool shrunk to 2 buffers, activation offload on, and a GPU spin of 20-50 ms
   (``--stress-ms``, drawn per copy, calibrated against CUDA events) on the copy's stream before every staging
   copy (the ``CudaStaging.ops`` seam: blocks up, dirty blocks and shelved blocks back to the host) and every
-  activation copy (``activations.device.CudaCopies.copy``: to the pinned host buffer and back): a missing wait
-  or a buffer reused too early shows as a bitwise difference. On a GPU both seams must have been delayed
-  (``delayed_copies``). The optimizer state's own device -> host copies have no seam here.
+  activation copy (``activations.device.CudaCopies.copy``: to the pinned host buffer and back) and every copy of
+  the optimizer state to the device and back (the ops ``optim.buffers.copy_ops_for`` hands the optimizer, where
+  that seam exists): a missing wait or a buffer reused too early shows as a bitwise difference. On a GPU every
+  seam must have been delayed (``delayed_copies``).
 - ``params_exception``: an exception injected in a block's forward at step 2: it propagates, no host
   registration is left (0) and ``memory_allocated`` is back to its level before (plus cuBLAS workspaces).
 - ``params_memory``: device memory on a model large enough to mean something (``--memory-d-model 2048``,
@@ -428,12 +429,30 @@ def spin_cycles_per_ms() -> float:
     return cycles / max(start.elapsed_time(end), 1e-3)
 
 
+def optimizer_copy_seam() -> bool:
+    """Whether the offloaded optimizer's state copies go through a replaceable ops (``optim.buffers.copy_ops_for``)."""
+    from lightning_nvme.optim import buffers as optim_buffers
+
+    return hasattr(optim_buffers, "copy_ops_for")
+
+
 @contextlib.contextmanager
 def delayed_copies(delays: Delays | None, pool: int | None = None):
     """Within: every ``CudaStaging`` made gets its copies delayed (the instance's ``ops.copy``, so a fake
     ops is wrapped too) and, with ``pool``, a pool of that many buffers; the activations' copies
-    (``CudaCopies.copy``) are delayed as well."""
+    (``CudaCopies.copy``) and the optimizer state's (the ops ``optim.buffers.copy_ops_for`` hands an offloaded
+    optimizer, where that seam exists) are delayed as well."""
+    from lightning_nvme.optim import buffers as optim_buffers
+
     real_for, real_act = staging.staging_for, activation_device.CudaCopies.__dict__["copy"]
+    real_ops_for = getattr(optim_buffers, "copy_ops_for", None)
+
+    def state_ops(params: list[torch.Tensor]) -> Any:
+        assert real_ops_for is not None and delays is not None
+        ops = real_ops_for(params)
+        if ops is not None:
+            ops.copy = delays.wrap("optimizer", ops.copy)
+        return ops
 
     def made(device: torch.device, buffer_bytes: int, pool_size: int) -> staging.Staging:
         stager = real_for(device, buffer_bytes, pool if pool is not None else pool_size)
@@ -445,11 +464,15 @@ def delayed_copies(delays: Delays | None, pool: int | None = None):
     staging.staging_for = made
     if delays is not None:
         activation_device.CudaCopies.copy = staticmethod(delays.wrap("activations", real_act.__func__))
+        if real_ops_for is not None:
+            optim_buffers.copy_ops_for = state_ops
     try:
         yield
     finally:
         staging.staging_for = real_for
         activation_device.CudaCopies.copy = real_act
+        if real_ops_for is not None:
+            optim_buffers.copy_ops_for = real_ops_for
 
 
 def run_unchecked(name: str, args: argparse.Namespace, base: pl.LightningModule, data: Tokens, store_dir: str,
@@ -689,7 +712,9 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         if delays is not None:
             extra["delayed_copies"] = dict(delays.counts)
             if args.accelerator == "gpu":  # every seam was delayed (on CPU the activations stay on the host)
-                seams = ("staging", "activations") if name == "params_stress" else ("staging",)
+                seams: tuple[str, ...] = ("staging", "activations") if name == "params_stress" else ("staging",)
+                if name == "params_stress" and optimizer_copy_seam():
+                    seams += ("optimizer",)
                 extra["copies_ok"] = extra["copies_ok"] and all(delays.counts.get(k, 0) > 0 for k in seams)
         if name in ("params_backward", "params_prefetch2") and args.accelerator == "gpu":
             extra["early_uploads_ok"] = extra["early_uploads"] > 0  # the early-upload path ran

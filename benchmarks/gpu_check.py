@@ -103,6 +103,7 @@ from lightning_nvme import NVMeOffloadStrategy  # noqa: E402
 from lightning_nvme.activations import device as activation_device  # noqa: E402
 from lightning_nvme.callbacks import NVMeActivationOffload  # noqa: E402
 from lightning_nvme.constants import MiB  # noqa: E402
+from lightning_nvme.optim import buffers as optim_buffers  # noqa: E402
 from lightning_nvme.params import staging  # noqa: E402
 from lightning_nvme.store import pinned  # noqa: E402
 
@@ -431,8 +432,6 @@ def spin_cycles_per_ms() -> float:
 
 def optimizer_copy_seam() -> bool:
     """Whether the offloaded optimizer's state copies go through a replaceable ops (``optim.buffers.copy_ops_for``)."""
-    from lightning_nvme.optim import buffers as optim_buffers
-
     return hasattr(optim_buffers, "copy_ops_for")
 
 
@@ -442,8 +441,6 @@ def delayed_copies(delays: Delays | None, pool: int | None = None):
     ops is wrapped too) and, with ``pool``, a pool of that many buffers; the activations' copies
     (``CudaCopies.copy``) and the optimizer state's (the ops ``optim.buffers.copy_ops_for`` hands an offloaded
     optimizer, where that seam exists) are delayed as well."""
-    from lightning_nvme.optim import buffers as optim_buffers
-
     real_for, real_act = staging.staging_for, activation_device.CudaCopies.__dict__["copy"]
     real_ops_for = getattr(optim_buffers, "copy_ops_for", None)
 

@@ -2,16 +2,18 @@
 
 The strategies use two objects: ``Saver`` (``saver``: writes a checkpoint, choosing how its state reaches the file,
 and runs the commit protocol of ``paired``) and ``Resume`` (``load``: reads one back). Below them: the file and its
-protocol (``paired``, ``onefile``), the state files by copy mode (``streamed``, ``snapshot`` for reflink clones,
-``background``/``background_save``), data-parallel shards (``sharded``), weights beside the dict (``weights``), the old
-directory format (``legacy``), conversion to and from plain Lightning checkpoints (``convert``)."""
+protocol (``paired``, ``onefile``), the optimizer state files' format and reading (``state_files``), how a save
+fills them, one module per ``checkpoint_copy`` word (``copy/streamed``, ``copy/reflink``, ``copy/background``),
+data-parallel shards (``sharded``), weights beside the dict (``weights``), the save record and space check
+(``record``), the old directory format (``legacy``), conversion to and from plain Lightning checkpoints
+(``convert``)."""
 
 from lightning_nvme.checkpoint import legacy, paired, sharded
 from lightning_nvme.checkpoint.legacy import is_legacy_dir
 from lightning_nvme.checkpoint.load import Resume, load_checkpoint, open_checkpoint
+from lightning_nvme.checkpoint.record import SaveRecord
 from lightning_nvme.checkpoint.saver import DDP_BACKGROUND_REFUSAL, Saver
-from lightning_nvme.checkpoint.snapshot import SaveRecord
-from lightning_nvme.checkpoint.streamed import OptimizerParts, format_entry, optimizer_placeholder, restore_optimizer
+from lightning_nvme.checkpoint.state_files import OptimizerParts, format_entry, optimizer_placeholder, restore_optimizer
 from lightning_nvme.checkpoint.weights import WeightReaders
 
 __all__ = ["DDP_BACKGROUND_REFUSAL", "OptimizerParts", "Resume", "SaveRecord", "Saver", "WeightReaders",

@@ -26,7 +26,7 @@ import torch
 from lightning_nvme.checkpoint import paired, weights
 from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
-from lightning_nvme.checkpoint.streamed import (
+from lightning_nvme.checkpoint.state_files import (
     file_metadata,
     is_padding,
     open_readers,

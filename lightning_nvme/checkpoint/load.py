@@ -19,7 +19,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
 from lightning_nvme.checkpoint import legacy, onefile, paired, plugin_io, weights
-from lightning_nvme.checkpoint.streamed import OptimizerParts, restore_optimizer
+from lightning_nvme.checkpoint.state_files import OptimizerParts, restore_optimizer
 from lightning_nvme.optim import OffloadedOptimizer
 
 

@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from lightning_nvme.checkpoint import onefile, weights
-from lightning_nvme.checkpoint.streamed import OptimizerParts
+from lightning_nvme.checkpoint.state_files import OptimizerParts
 from lightning_nvme.fs import atomic
 
 PAIRED_FORMAT_VERSION = 3  # of the checkpoint: one file, its state files as records inside it

@@ -31,10 +31,11 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_nvme.checkpoint import background_save, paired, plugin_io, sharded, snapshot, weights
-from lightning_nvme.checkpoint.background import BackgroundCopy
-from lightning_nvme.checkpoint.snapshot import SaveRecord
-from lightning_nvme.checkpoint.streamed import file_metadata, format_entry, optimizer_placeholder, write_optimizer
+from lightning_nvme.checkpoint import paired, plugin_io, sharded, weights
+from lightning_nvme.checkpoint.copy import background, streamed
+from lightning_nvme.checkpoint.copy import reflink as reflink_copy
+from lightning_nvme.checkpoint.record import SaveRecord, check_space, timed, weight_bytes
+from lightning_nvme.checkpoint.state_files import file_metadata, format_entry, optimizer_placeholder
 from lightning_nvme.fs import reflink
 from lightning_nvme.optim import OffloadedOptimizer, Partition
 from lightning_nvme.store import FlatStore
@@ -101,7 +102,7 @@ class Saver:
         self.strategy = strategy
         self.settings = settings
         self.records: list[SaveRecord] = []
-        self.background: BackgroundCopy | None = None
+        self.background: background.BackgroundCopy | None = None
 
     @property
     def copy(self) -> str:
@@ -130,7 +131,7 @@ class Saver:
         streamed = (bool(optimizers) and "optimizer_states" in checkpoint) or beside
         writes_itself = plugin_io.writes_itself(checkpoint_io, filepath, storage_options)
         if self.background is not None:
-            joins = (self.copy == "background" and not background_save.unsupported(live_store, checkpoint)
+            joins = (self.copy == "background" and not background.unsupported(live_store, checkpoint)
                      and writes_itself and streamed)
             path = os.path.abspath(os.fspath(filepath))
             skipped = self.background.settle(path, self.settings.checkpoint_in_flight, joins)
@@ -190,20 +191,20 @@ class Saver:
         cannot; ``"streamed"`` and a background save that cannot run (``fallback`` says why) stream."""
         if self.copy in ("streamed", "background"):
             return False, fallback
-        return snapshot.plan(store, path, regions, self.copy, self.strategy)
+        return reflink_copy.plan(store, path, regions, self.copy, self.strategy)
 
     # ---- local saves ---------------------------------------------------------------------------------------
     def _save_local(self, checkpoint: dict[str, Any], path: str, optimizers: Sequence[OffloadedOptimizer],
                     open_store: OpenStore, live_store: FlatStore | None, params: Blocks | None,
-                    ranks: Ranks | None, partitions: Sequence[Partition], background: bool = True
+                    ranks: Ranks | None, partitions: Sequence[Partition], may_defer: bool = True
                     ) -> SaveRecord | None:
-        """``background=False``: the file must be complete when this returns (it is delivered next)."""
+        """``may_defer=False``: the file must be complete when this returns (it is delivered next)."""
         if ranks is not None:
             return self._save_sharded(checkpoint, path, list(optimizers), open_store, ranks, partitions)
         t0 = time.perf_counter()
         fallback = "checkpoint_copy='streamed'"
         if self.copy == "background":
-            fallback = background_save.unsupported(live_store, checkpoint) if background else (
+            fallback = background.unsupported(live_store, checkpoint) if may_defer else (
                 "background copy: the file is delivered through the plugin or fsspec as soon as it is built")
             if not fallback:
                 assert live_store is not None
@@ -230,16 +231,16 @@ class Saver:
                 markers = []
                 for i, off in enumerate(optimizers):
                     if clone:
-                        marker, cloned = snapshot.write_optimizer(off, directory, i, save_id, block)
+                        marker, cloned = reflink_copy.write_optimizer(off, directory, i, save_id, block)
                         markers.append(marker)
                         record.bytes_cloned += cloned
                     else:
-                        markers.append(write_optimizer(off, directory, i, save_id))
+                        markers.append(streamed.write_optimizer(off, directory, i, save_id))
                 if beside:
                     assert params is not None, "weights streamed beside the file need the offloaded blocks"
                     target = os.path.join(directory, weights.WEIGHTS_FILE)
                     if clone:
-                        record.bytes_cloned += snapshot.write_weights(
+                        record.bytes_cloned += reflink_copy.write_weights(
                             target, checkpoint["state_dict"], store, params.in_store, params.read_block,
                             file_metadata(save_id), block)
                     else:
@@ -250,14 +251,14 @@ class Saver:
                 return markers
 
             state = sum(off.state_bytes for off in optimizers) if not clone else 0
-            snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint), f"{record.path} save")
+            check_space(path, state + weight_bytes(checkpoint), f"{record.path} save")
             paired.save(checkpoint, path, write_parts)
-        self.records.append(snapshot.timed(record, t0))
+        self.records.append(timed(record, t0))
         return record
 
     def _save_background(self, checkpoint: dict[str, Any], path: str, optimizers: list[OffloadedOptimizer],
                          store: FlatStore, params: Blocks | None, t0: float) -> SaveRecord:
-        """Laid out now, the state copied by a thread after the save returns (``background_save``)."""
+        """Laid out now, the state copied by a thread after the save returns (``copy.background``)."""
         if params is not None:
             params.issue_writes()
         store.fence(durable=True)
@@ -266,12 +267,12 @@ class Saver:
         running = self.background if self.background is not None and self.background.in_flight else None
         pending = running.bytes_pending if running is not None else 0  # the copy in flight's files fill up still
         state = sum(off.state_bytes for off in optimizers)
-        snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint) + pending, "background save")
-        self.background = background_save.start(
+        check_space(path, state + weight_bytes(checkpoint) + pending, "background save")
+        self.background = background.start(
             store, checkpoint, path, optimizers, self.settings.checkpoint_copy_buffer_bytes, record,
             params.in_store if params is not None else None, params.read_block if params is not None else None,
             running)
-        self.records.append(snapshot.timed(record, t0))
+        self.records.append(timed(record, t0))
         return record
 
     def _save_sharded(self, checkpoint: dict[str, Any], path: str, optimizers: list[OffloadedOptimizer],
@@ -320,7 +321,7 @@ class Saver:
             raise RuntimeError(f"{self.strategy}: checkpoint {path} was not written: " +
                                "; ".join(f"rank {r}: {msg}" for r, msg in failed))
         if record is not None:
-            self.records.append(snapshot.timed(record, t0))
+            self.records.append(timed(record, t0))
         return record
 
     def _write_shards(self, store: FlatStore, path: str, optimizers: list[OffloadedOptimizer], rank: int,
@@ -361,7 +362,7 @@ class Saver:
             local = os.path.join(staging, os.path.basename(os.fspath(filepath).rstrip("/")) or "checkpoint.ckpt")
             saves = len(self.records)
             record = self._save_local(checkpoint, local, optimizers, open_store, live_store, params, ranks,
-                                      partitions, background=False)
+                                      partitions, may_defer=False)
             how = plugin_io.ship(local, filepath, storage_options, checkpoint_io)
             for done in self.records[saves:]:
                 done.checkpoint = os.fspath(filepath)

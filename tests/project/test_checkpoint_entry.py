@@ -8,7 +8,7 @@ How (``ast``, nothing imported or run): for each strategy module, the names it t
 (or a module under it): every name imported from there, except that an imported *module* counts as each distinct
 attribute the strategy reads from it (``weights.has_refs`` and ``weights.export`` are two names, not one), so
 importing a module wholesale cannot hide what is used. At most ``LIMIT`` per module. And the clone-or-stream
-decision (``snapshot.plan``, which asks ``snapshot.choose``) is called from exactly one place: ``Saver.decide``.
+decision (``copy/reflink.plan``, which asks ``copy/reflink.choose``) is called from exactly one place: ``Saver.decide``.
 """
 
 from __future__ import annotations
@@ -62,7 +62,7 @@ def names_from_checkpoint(source: str) -> set[str]:
 
 def test_counting_sees_through_module_imports() -> None:
     source = ("from lightning_nvme import checkpoint as ckpt\nfrom lightning_nvme.checkpoint import weights, Saver\n"
-              "from lightning_nvme.checkpoint.snapshot import plan\nckpt.paired.save(1)\nweights.has_refs(2)\n"
+              "from lightning_nvme.checkpoint.copy.reflink import plan\nckpt.paired.save(1)\nweights.has_refs(2)\n"
               "weights.export(3)\nweights.has_refs(4)\n")
     assert names_from_checkpoint(source) == {"Saver", "plan", "checkpoint.paired", "weights.has_refs",
                                              "weights.export"}
@@ -76,15 +76,16 @@ def test_strategy_uses_few_checkpoint_names(module: str) -> None:
 
 
 def test_clone_or_stream_decided_once() -> None:
-    """``snapshot.plan`` (the clone-or-stream decision) has one caller in the package: ``Saver.decide``."""
+    """``copy/reflink.plan`` and ``choose`` (the clone-or-stream decision) have one caller in the package outside
+    their module: ``Saver.decide``."""
     callers = []
     for path in PACKAGE.rglob("*.py"):
+        if path == PACKAGE / "checkpoint" / "copy" / "reflink.py":
+            continue
         for node in ast.walk(ast.parse(path.read_text())):
             if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
                 for call in ast.walk(node):
-                    if isinstance(call, ast.Call):
-                        f = call.func
-                        name = f.attr if isinstance(f, ast.Attribute) else f.id if isinstance(f, ast.Name) else ""
-                        if name == "plan" and "snapshot" in ast.unparse(f):
-                            callers.append(f"{path.relative_to(PACKAGE)}:{node.name}")
+                    if isinstance(call, ast.Call) and isinstance(call.func, ast.Attribute) \
+                            and call.func.attr in ("plan", "choose") and "reflink" in ast.unparse(call.func.value):
+                        callers.append(f"{path.relative_to(PACKAGE)}:{node.name}")
     assert callers == ["checkpoint/saver.py:decide"], callers

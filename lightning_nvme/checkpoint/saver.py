@@ -225,33 +225,40 @@ class Saver:
             regions += [b.region for b in params.layout.blocks] if params is not None else []
             clone, reason = self.decide(store, path, regions, fallback)
             record = SaveRecord("reflink" if clone else "streamed", path, reason)
-            block = reflink.probe(os.path.dirname(path)).block_size if clone else 0
+            if not clone:  # each state file written once, straight into its record of the file
+                def plan(save_id: str) -> list[paired.DirectPart]:
+                    parts = [streamed.optimizer_part(off, i, save_id) for i, off in enumerate(optimizers)]
+                    if beside:
+                        assert params is not None, "weights streamed beside the file need the offloaded blocks"
+                        parts.append(streamed.weights_part(checkpoint["state_dict"], params.read_block, save_id))
+                    return parts
+
+                check_space(path, sum(off.state_bytes for off in optimizers) + weight_bytes(checkpoint),
+                            f"{record.path} save")
+                parts = paired.save_direct(checkpoint, path, plan)
+                record.files = sorted(part.name for part in parts)
+                record.bytes_written = sum(part.size for part in parts)
+                self.records.append(timed(record, t0))
+                return record
+            block = reflink.probe(os.path.dirname(path)).block_size
 
             def write_parts(directory: str, save_id: str) -> list[dict[str, Any]]:
                 markers = []
                 for i, off in enumerate(optimizers):
-                    if clone:
-                        marker, cloned = reflink_copy.write_optimizer(off, directory, i, save_id, block)
-                        markers.append(marker)
-                        record.bytes_cloned += cloned
-                    else:
-                        markers.append(streamed.write_optimizer(off, directory, i, save_id))
+                    marker, cloned = reflink_copy.write_optimizer(off, directory, i, save_id, block)
+                    markers.append(marker)
+                    record.bytes_cloned += cloned
                 if beside:
                     assert params is not None, "weights streamed beside the file need the offloaded blocks"
-                    target = os.path.join(directory, weights.WEIGHTS_FILE)
-                    if clone:
-                        record.bytes_cloned += reflink_copy.write_weights(
-                            target, checkpoint["state_dict"], store, params.in_store, params.read_block,
-                            file_metadata(save_id), block)
-                    else:
-                        weights.write(target, checkpoint["state_dict"], params.read_block, file_metadata(save_id))
+                    record.bytes_cloned += reflink_copy.write_weights(
+                        os.path.join(directory, weights.WEIGHTS_FILE), checkpoint["state_dict"], store,
+                        params.in_store, params.read_block, file_metadata(save_id), block)
                 record.files = sorted(os.listdir(directory))
                 size = sum(os.path.getsize(os.path.join(directory, f)) for f in record.files)
                 record.bytes_written = size - record.bytes_cloned
                 return markers
 
-            state = sum(off.state_bytes for off in optimizers) if not clone else 0
-            check_space(path, state + weight_bytes(checkpoint), f"{record.path} save")
+            check_space(path, weight_bytes(checkpoint), f"{record.path} save")
             paired.save(checkpoint, path, write_parts)
         self.records.append(timed(record, t0))
         return record

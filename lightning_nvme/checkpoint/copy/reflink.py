@@ -139,7 +139,7 @@ def header(entries: list[_Entry], metadata: dict[str, str], block: int) -> bytes
 
 def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: str, block: int) -> tuple[dict, int]:
     """Optimizer ``i``'s state file in ``directory`` as clones of its store regions (fsynced); returns its marker
-    (as ``streamed.write_optimizer``'s, plus the param shapes its range entries need) and the bytes cloned.
+    (as ``streamed.optimizer_part``'s, plus the param shapes its range entries need) and the bytes cloned.
     The caller has fenced and fdatasynced the store: a clone copies what is on disk."""
     cloned = write_state(off, os.path.join(directory, optimizer_file(i)), file_metadata(save_id), block)
     marker = {"file": optimizer_file(i), **format_entry(off), "shapes": [list(p.shape) for p in off.params]}

@@ -56,12 +56,20 @@ class ReadAhead:
             self.ring = self._new_ring(store)
         self.ring.store = store
 
-    def fit_ring(self, fence: Callable[[], None]) -> None:
-        """A grown plan may hold a chunk larger than the buffers: rebuild the ring (after ``fence``: no
-        write may still read from the old buffers)."""
+    def fence(self, durable: bool = False) -> None:
+        """Every write to the chunks' regions has completed (``durable``: and reached the disk)."""
+        self.live_store().fence([c.region for c in self.chunks], durable=durable)
+
+    def add(self, chunks: list[Chunk]) -> None:
+        """Give chunks of a grown plan store regions (before they join ``chunks``); a chunk larger than the
+        buffers rebuilds the ring, after a fence: no write may still read from the old buffers."""
+        self.drain()
+        store = self.live_store()
+        store.add_regions([(c.region, c.nbytes) for c in chunks])
+        self.capacity.update({c.index: store.region(c.region).capacity for c in chunks})
         if max(self.capacity.values(), default=MIN_RING_BYTES) > self.live_ring().nbytes:
-            fence()
-            self.ring = self._new_ring(self.live_store())
+            self.fence()
+            self.ring = self._new_ring(store)
 
     def issue(self, c: int) -> None:
         chunk = self.chunks[c]

@@ -145,7 +145,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         if self.param_offload is not None:
             assert self.nvme_store is not None
             s = self.config
-            planned = [piece.param for off in self.offloaded for c in off.chunks for piece in c.pieces]
+            planned = [p for off in self.offloaded for r in off.regions() for p in r.params]
             in_blocks = self.param_offload.layout.block_of()
             stateless = [piece.index for off in self.offloaded for piece in off.resident if id(piece.param) in in_blocks]
             if stateless:
@@ -594,7 +594,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         ``"streamed"`` and a background save that cannot run (``fallback`` says why) stream."""
         if self.config.checkpoint_copy in ("streamed", "background"):
             return False, fallback
-        regions = [c.region for off in optimizers for c in off.chunks]
+        regions = [r.name for off in optimizers for r in off.regions()]
         regions += [b.region for b in params.layout.blocks] if params is not None else []
         return snapshot.plan(store, path, regions, self.config.checkpoint_copy, self.strategy_name)
 

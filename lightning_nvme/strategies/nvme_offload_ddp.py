@@ -293,7 +293,7 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
                       scalars: list[dict[int, dict[str, Any]]]) -> snapshot.SaveRecord:
         """This rank's shards in ``directory``: clones of its own store where the checkpoint's filesystem allows
         (``checkpoint_copy``, as ``nvme_offload``), else streamed; the record says which and why."""
-        regions = [c.region for off in self.offloaded for c in off.chunks]
+        regions = [r.name for off in self.offloaded for r in off.regions()]
         clone, reason = snapshot.plan(store, path, regions, self.config.checkpoint_copy, self.strategy_name)
         record = snapshot.SaveRecord("reflink" if clone else "streamed", path, reason)
         block = reflink.probe(os.path.dirname(os.path.abspath(path))).block_size if clone else 0

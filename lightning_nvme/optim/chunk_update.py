@@ -19,11 +19,11 @@ from torch.optim import Optimizer
 from lightning_nvme.memory import keep_freed_heap, temporaries_off_heap, temporaries_on_heap
 from lightning_nvme.optim import chunk_views
 from lightning_nvme.optim.binding import hooks_silenced
-from lightning_nvme.optim.buffers import ChunkBuffer, DecodeArena, uploads_done
+from lightning_nvme.optim.buffers import ChunkBuffer, DecodeArena
 from lightning_nvme.optim.chunk_views import flat
 from lightning_nvme.optim.formats import fused_update
 from lightning_nvme.optim.formats.state_format import StateFormat
-from lightning_nvme.optim.pipeline import ReadAhead
+from lightning_nvme.optim.pipeline import ReadAhead, WriteBack
 from lightning_nvme.optim.plan import MASTER_KEY, Chunk, ChunkPlan, Piece
 from lightning_nvme.optim.probe import raw_step
 from lightning_nvme.optim.state_io import UpdateListener
@@ -40,7 +40,8 @@ class ChunkUpdater:
     Args:
         optimizer: the user's optimizer, whose own step runs on each chunk.
         plan: the chunks and pieces (read; grown by its owner between steps).
-        reads: the read-ahead the chunks' buffers come from and go back to, written back to its store.
+        reads: the read-ahead the chunks' buffers come from.
+        writeback: where updated chunks go back to the store (and, from a device, how the state is copied back).
         scalars: the scalar state of every initialized piece (shared with the state transfer; a piece is
             initialized when it has an entry).
         empty_state: what ``optimizer.state`` is between updates.
@@ -50,12 +51,14 @@ class ChunkUpdater:
         listener: told before and after each chunk update (settable: a strategy sets it after building).
     """
 
-    def __init__(self, optimizer: Optimizer, plan: ChunkPlan, reads: ReadAhead, scalars: Scalars,
+    def __init__(self, optimizer: Optimizer, plan: ChunkPlan, reads: ReadAhead, writeback: WriteBack, scalars: Scalars,
                  empty_state: defaultdict[Any, dict[str, Any]], *, fmt: StateFormat, clip_value: float | None,
                  free_grads: bool, listener: UpdateListener | None) -> None:
         self.optimizer = optimizer
         self.plan = plan
         self.reads = reads
+        self.writeback = writeback
+        self.ops = writeback.ops  # the device copies (None: parameters on CPU, the update runs on the buffer)
         self.scalars = scalars
         self.empty_state = empty_state
         self.fmt = fmt
@@ -92,6 +95,7 @@ class ChunkUpdater:
                 if c not in self.done:
                     self.update_chunk(c)
             self._update_resident()
+        self.writeback.settle(block=True)  # every write of the step issued: a checkpoint may fence them
         self._step_kwargs = {}
         self._fused_plan = None
         self.steps_done += 1
@@ -156,6 +160,7 @@ class ChunkUpdater:
     def update_chunk(self, c: int, in_backward: bool = False) -> None:
         """Update chunk ``c`` (read ahead or read now), issue its write-back and keep the reads going.
         ``in_backward``: called from a gradient hook (``BackwardTrigger``) while backward runs."""
+        self.writeback.settle()
         buf = self.reads.take(c)
         self.done.add(c)
         self.reads.prefetch(self.plan.order, self.done)
@@ -169,12 +174,11 @@ class ChunkUpdater:
         except BaseException:
             # The buffer goes back to the ring, never written (its state may be half updated): a failed update
             # must not cost the ring one of its buffers. The blocks it held are let go at the end of fit.
-            self.reads.release(buf, None)
+            self.writeback.abandon(buf)
             raise
         finally:
             self._in_backward = False
-        handle = self.reads.live_store().write(chunk.region, buf.data[:self.reads.capacity[c]]) if changed else None
-        self.reads.release(buf, handle)
+        self.writeback.issue(c, buf, changed)
         finished = [p for p in touched if self.plan.finished(chunk, p, self.done)]
         if self.free_grads:
             for p in finished:
@@ -200,12 +204,15 @@ class ChunkUpdater:
         work = [w for w in (self._prepare_piece(piece, buf, state) for piece in generic) if w is not None]
         if not work:
             return bool(fast)
-        uploaded = [piece.param.device for piece, _, _, _ in work if piece.param.device.type == "cuda"]
-        if uploaded:  # the buffer is not read into again before these copies have completed
-            buf.uploaded = uploads_done(uploaded[-1])
+        device = work[-1][0].param.device
+        if self.ops is not None:  # the buffer is not read into again before the copies to the device have completed
+            buf.uploaded = self.ops.event()
+            buf.uploaded.record(self.ops.current_stream(device))
         for piece, target, _, _ in work:
             chunk_params[piece.group].append(target)
         self._step_on(chunk_params, state)
+        if self.ops is not None:
+            self.writeback.begin(chunk.index, buf)
         for piece, target, host, working in work:
             self._finish_piece(piece, target, host, working, state[target], buf)
         return True
@@ -252,10 +259,12 @@ class ChunkUpdater:
             return None
         shape = p.shape if piece.whole else (piece.numel,)
         host = {k: chunk_views.load(self.fmt, buf, piece, k, d, self.arena).view(shape) for k, d in piece.keys}
-        if p.device.type == "cpu":
+        if self.ops is None:
             working = dict(host)
         elif self.initialized(piece):
-            working = {k: v.to(p.device, non_blocking=True) for k, v in host.items()}
+            working = {k: torch.empty_like(v, device=p.device) for k, v in host.items()}
+            for k, v in host.items():  # on the compute stream: the update queued after them reads them
+                self.ops.copy(working[k], v)
         else:  # nothing stored yet: nothing to upload (the optimizer initializes its state, the master is copied)
             working = {k: torch.empty_like(v, device=p.device) for k, v in host.items()}
         grad = p.grad if piece.whole else flat(p.grad)[piece.start:piece.stop]
@@ -282,22 +291,29 @@ class ChunkUpdater:
 
     def _finish_piece(self, piece: Piece, target: torch.Tensor, host: dict[str, torch.Tensor],
                       working: dict[str, torch.Tensor], new: dict[str, Any], buf: ChunkBuffer) -> None:
-        """Bring the updated state back into the chunk buffer and keep the scalar state in memory."""
+        """Bring the updated state back into the chunk buffer (from a device: queued, ``WriteBack``) and keep
+        the scalar state in memory."""
         scalars = {}
         for key, value in new.items():
             if key in host:
-                chunk_views.store(self.fmt, buf, piece, key, value)
+                self._store(buf, piece, key, value)
             else:
                 scalars[key] = value
         self.scalars[(piece.index, piece.start)] = scalars
         if MASTER_KEY in working:
             if MASTER_KEY in host:
-                chunk_views.store(self.fmt, buf, piece, MASTER_KEY, working[MASTER_KEY])
+                self._store(buf, piece, MASTER_KEY, working[MASTER_KEY])
             dst = piece.param.detach() if piece.whole else flat(piece.param.detach())[piece.start:piece.stop]
             self.fmt.write_param(dst, target, self.steps_done, piece.index, piece.start)
             target.grad = None
         elif not piece.whole:
             target.grad = None
+
+    def _store(self, buf: ChunkBuffer, piece: Piece, key: str, value: torch.Tensor) -> None:
+        if self.ops is None:
+            chunk_views.store(self.fmt, buf, piece, key, value)
+        else:
+            self.writeback.copy(piece, key, value)
 
     def _temporaries(self, piece: Piece) -> list[tuple[int, torch.dtype]]:
         """The fp32 tensors ``_prepare_piece`` takes from the arena for ``piece``: decoded state keys, and

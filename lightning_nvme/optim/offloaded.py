@@ -29,11 +29,12 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_nvme.constants import MiB
+from lightning_nvme.optim import buffers
 from lightning_nvme.optim.binding import OptimizerBinding
 from lightning_nvme.optim.buffers import ChunkRing
 from lightning_nvme.optim.chunk_update import ChunkUpdater, Scalars
 from lightning_nvme.optim.formats.state_format import EXACT, StateFormat
-from lightning_nvme.optim.pipeline import ReadAhead
+from lightning_nvme.optim.pipeline import ReadAhead, WriteBack
 from lightning_nvme.optim.plan import Chunk, ChunkPlan, Piece, Plan, plan_chunks
 from lightning_nvme.optim.probe import UnsupportedOptimizerError
 from lightning_nvme.optim.state_io import DictSource, StateSink, StateSource, UpdateListener
@@ -110,11 +111,13 @@ class OffloadedOptimizer:
         store.add_regions([(c.region, c.nbytes) for c in chunks])
         self.scalars: Scalars = {}
         self.transfer: StateTransfer  # set below: the read-ahead asks it which chunks hold state
+        params = self.chunk_plan.params
         self.reads = ReadAhead(store, chunks, {c.index: store.region(c.region).capacity for c in chunks},
-                               prefetch_depth, self._chunk_has_state,
-                               pin=any(p.device.type == "cuda" for p in self.chunk_plan.params))
+                               prefetch_depth, self._chunk_has_state, pin=any(p.device.type == "cuda" for p in params))
+        devices = [p.device for p in params if p.device.type != "cpu"]
+        writeback = WriteBack(self.reads, buffers.copy_ops_for(params), devices[0] if devices else None, fmt)
         empty_state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)  # the optimizer's state between updates
-        self.updater = ChunkUpdater(optimizer, self.chunk_plan, self.reads, self.scalars, empty_state, fmt=fmt,
+        self.updater = ChunkUpdater(optimizer, self.chunk_plan, self.reads, writeback, self.scalars, empty_state, fmt=fmt,
                                     clip_value=clip_value, free_grads=free_grads, listener=listener)
         self.trigger = BackwardTrigger(self.chunk_plan, self.updater, hooks=overlap == "backward" and grad_hooks)
         self.transfer = StateTransfer(optimizer, self.chunk_plan, self.reads, self.scalars, empty_state, fmt=fmt,

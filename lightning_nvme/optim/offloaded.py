@@ -115,10 +115,10 @@ class OffloadedOptimizer:
         self.reads = ReadAhead(store, chunks, {c.index: store.region(c.region).capacity for c in chunks},
                                prefetch_depth, self._chunk_has_state, pin=any(p.device.type == "cuda" for p in params))
         devices = [p.device for p in params if p.device.type != "cpu"]
-        writeback = WriteBack(self.reads, buffers.copy_ops_for(params), devices[0] if devices else None, fmt)
+        self.writeback = WriteBack(self.reads, buffers.copy_ops_for(params), devices[0] if devices else None, fmt)
         empty_state: defaultdict[Any, dict[str, Any]] = defaultdict(dict)  # the optimizer's state between updates
-        self.updater = ChunkUpdater(optimizer, self.chunk_plan, self.reads, writeback, self.scalars, empty_state, fmt=fmt,
-                                    clip_value=clip_value, free_grads=free_grads, listener=listener)
+        self.updater = ChunkUpdater(optimizer, self.chunk_plan, self.reads, self.writeback, self.scalars, empty_state,
+                                    fmt=fmt, clip_value=clip_value, free_grads=free_grads, listener=listener)
         self.trigger = BackwardTrigger(self.chunk_plan, self.updater, hooks=overlap == "backward" and grad_hooks)
         self.transfer = StateTransfer(optimizer, self.chunk_plan, self.reads, self.scalars, empty_state, fmt=fmt,
                                       prefetch_depth=prefetch_depth)
@@ -237,12 +237,14 @@ class OffloadedOptimizer:
                 "the blocks written back after each update are fixed at setup. Make them trainable (and in the "
                 "optimizer) from the start, or set offload_params=False.")
         extra = self.chunk_plan.plan_more(new)  # the same state format as the rest of the plan
+        self.writeback.settle(block=True)  # no buffer of the ring still pending: the ring may be rebuilt
         self.reads.add(extra.chunks)
         self.chunk_plan.merge(extra)
         self.trigger.watch(extra.planned)
 
     def close(self) -> None:
         self.trigger.close()
+        self.writeback.settle(block=True)  # a step that raised after updates in backward left one pending
         self.reads.close()
 
     def fence(self, durable: bool = False) -> None:

@@ -131,3 +131,23 @@ def test_delay_on_the_optimizer_ring_leaves_training_bitwise(tmp_path, monkeypat
     reference = _reference(StateFormat("int8", "fp32"))
     for p, q in zip(reference.parameters(), model.parameters()):
         assert torch.equal(p, q)
+
+
+def test_a_step_raising_after_backward_leaves_the_ring_whole(tmp_path, monkeypatch):
+    """With ``overlap="backward"`` chunks are updated inside backward; a closure raising after it leaves the last
+    one's copies back pending: ``close`` (end of fit) writes it and the ring has every buffer again."""
+    fake_cuda_optimizer(monkeypatch)
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
+    model = _model()
+    off = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store, chunk_bytes=8 << 10, overlap="backward")
+
+    def closure() -> torch.Tensor:
+        model(torch.randn(8, 32)).square().mean().backward()
+        raise RuntimeError("after backward")
+
+    with pytest.raises(RuntimeError, match="after backward"):
+        off.optimizer.step(closure)
+    assert len(off.writeback.pending) == 1  # its copies' event was never seen complete
+    off.close()
+    assert not off.writeback.pending and len(off.ring._free) == off.ring.count
+    store.close()

@@ -34,7 +34,7 @@ from lightning_nvme.checkpoint.state_files import (
     parse_tensor_name,
     tensor_name,
 )
-from lightning_nvme.optim.state_format import STATE_DICT_KEY, StateFormat, decode_entries
+from lightning_nvme.optim.formats.state_format import STATE_DICT_KEY, StateFormat, decode_entries
 
 
 def to_lightning(src: str, dst_file: str) -> None:

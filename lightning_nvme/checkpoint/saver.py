@@ -221,7 +221,7 @@ class Saver:
             if params is not None:
                 params.issue_writes()
             store.fence(durable=True)
-            regions = [c.region for off in optimizers for c in off.chunks]
+            regions = [r.name for off in optimizers for r in off.regions()]
             regions += [b.region for b in params.layout.blocks] if params is not None else []
             clone, reason = self.decide(store, path, regions, fallback)
             record = SaveRecord("reflink" if clone else "streamed", path, reason)
@@ -335,7 +335,7 @@ class Saver:
                       directory: str, save_id: str, scalars: list[dict[int, dict[str, Any]]]) -> SaveRecord:
         """This rank's shards in ``directory``: clones of its own store where the checkpoint's filesystem allows
         (``decide``), else streamed; the record says which and why."""
-        regions = [c.region for off in optimizers for c in off.chunks]
+        regions = [r.name for off in optimizers for r in off.regions()]
         clone, reason = self.decide(store, path, regions)
         record = SaveRecord("reflink" if clone else "streamed", path, reason)
         block = reflink.probe(os.path.dirname(os.path.abspath(path))).block_size if clone else 0

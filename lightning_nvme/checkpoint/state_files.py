@@ -25,7 +25,7 @@ import torch
 
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader
 from lightning_nvme.optim import OffloadedOptimizer
-from lightning_nvme.optim.state_format import StateFormat, StateFormatError
+from lightning_nvme.optim.formats.state_format import StateFormat, StateFormatError
 
 MARKER = "lightning_nvme"
 PARTS_VERSION = "1"  # of the safetensors layout (names, metadata); unchanged since the directory format

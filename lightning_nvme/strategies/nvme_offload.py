@@ -137,7 +137,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         if self.param_offload is not None:
             assert self.nvme_store is not None
             s = self.config
-            planned = [piece.param for off in self.offloaded for c in off.chunks for piece in c.pieces]
+            planned = [p for off in self.offloaded for r in off.regions() for p in r.params]
             in_blocks = self.param_offload.layout.block_of()
             stateless = [piece.index for off in self.offloaded for piece in off.resident if id(piece.param) in in_blocks]
             if stateless:

@@ -96,7 +96,7 @@ class OffloadStrategy(Strategy):
         """The regions a step moves, for the placement plan (``host_memory_budget``): optimizer chunks here,
         parameter blocks in the strategy that offloads them."""
         # a chunk's whole region (page-aligned): what the optimizer reads and writes, and what the shelf holds
-        return [chunk_item(c.region, off.capacity[c.index]) for off in self.offloaded for c in off.chunks]
+        return [chunk_item(r.name, r.nbytes) for off in self.offloaded for r in off.regions()]
 
     # ---- the shelf: what stays in host memory (host_memory_budget, lightning_nvme.strategies.placement) --------------
     def _host_budget(self) -> int:
@@ -118,8 +118,7 @@ class OffloadStrategy(Strategy):
             return
         placed = set(self.shelf_plan.extend(items))
         if placed:
-            fresh = {c.region for off in self.offloaded for c in off.chunks
-                     if c.region in placed and not any(off.initialized(p) for p in c.pieces)}
+            fresh = {r.name for off in self.offloaded for r in off.regions() if r.name in placed and not r.has_state}
             self.nvme_store.shelve([r for r in placed if r not in fresh])  # hold bytes already written
             self.nvme_store.shelve([r for r in placed if r in fresh], load=False)
         rank_zero_info(f"{self.strategy_name}: {self.shelf_plan.summary()}")
@@ -227,7 +226,7 @@ class OffloadStrategy(Strategy):
         state = sum(o.state_bytes for o in self.offloaded)
         resident = sum(o.ring.total_bytes for o in self.offloaded) + self.nvme_store.staging_bytes
         rank_zero_info(f"{self.strategy_name}: optimizer state store {self.nvme_store.path} ({self.nvme_store.mode} "
-                       f"I/O): {state / GiB:.2f} GiB on disk in {sum(len(o.chunks) for o in self.offloaded)} "
+                       f"I/O): {state / GiB:.2f} GiB on disk in {sum(len(o.regions()) for o in self.offloaded)} "
                        f"chunks; {resident / MiB:.0f} MiB of resident buffers; overlap={self.config.overlap}; "
                        f"{fmt.describe()}")
 

@@ -132,7 +132,7 @@ class AdamGPT(GPT):
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
         if self.reference_format is not None:
-            from lightning_nvme.optim.state_format import RoundTripOptimizer, StateFormat
+            from lightning_nvme.optim.formats.state_format import RoundTripOptimizer, StateFormat
 
             RoundTripOptimizer(opt, StateFormat(*self.reference_format))
         return opt

@@ -108,10 +108,12 @@ def test_case_body_runs_on_cpu_through_the_fake_cuda(small_check, monkeypatch, n
     from lightning_nvme.preflight import resources as preflight
 
     gc_mod, args, baselines, root = small_check
-    from fake_cuda import fake_cuda_staging
+    from fake_cuda import fake_cuda_optimizer, fake_cuda_staging
 
     # the parameter path through ``CudaStaging``'s logic over the fake CUDA (device copies are separate CPU
-    # buffers, every copy and event recorded), as on a GPU
+    # buffers, every copy and event recorded), as on a GPU; so are the optimizer state's copies to the device
+    # and back (``fake_cuda_optimizer``)
+    fake_cuda_optimizer(monkeypatch)
     rt, made = fake_cuda_staging(monkeypatch)
     monkeypatch.setattr(preflight, "device_free_bytes", lambda device: 64 << 30)
     monkeypatch.setattr(gc_mod, "TIME_MIN_STEPS", 3)  # CPU timings judge nothing: the body runs, shorter

@@ -33,9 +33,9 @@ Cases (``--only NAME,...`` runs a subset):
   ``record_stream``: it cannot see allocator reuse (issue #33 defect 1), pinned-buffer reuse or disk I/O.
 - ``params_prefetch2``: ``params_backward`` at ``param_prefetch=2``; on a GPU both require ``early_uploads > 0``.
 - ``params_int8``: bf16-true with ``state_format="int8"``, ``master_format="bf16_sr"``.
-- ``params_stress``: the staging pool shrunk to 2 buffers, activation offload on, and a GPU spin of 20-50 ms
-  (``--stress-ms``, drawn per copy, calibrated against CUDA events) on the copy's stream before every staging
-  copy (the ``CudaStaging.ops`` seam: blocks up, dirty blocks and shelved blocks back to the host) and every
+- ``params_stress``: the block buffer pool shrunk to 2 buffers, activation offload on, and a GPU spin of 20-50 ms
+  (``--stress-ms``, drawn per copy, calibrated against CUDA events) on the copy's stream before every block
+  copy (the ``CudaTransfer.ops`` seam: blocks up, dirty blocks and shelved blocks back to the host) and every
   activation copy (``activations.device.CudaCopies.copy``: to the pinned host buffer and back) and every copy of
   the optimizer state to the device and back (the ops ``optim.buffers.copy_ops_for`` hands the optimizer, where
   that seam exists): a missing wait or a buffer reused too early shows as a bitwise difference. On a GPU every
@@ -60,7 +60,7 @@ Cases (``--only NAME,...`` runs a subset):
   the step time beside the plain run's and ``peak_device_MiB``.
 
 Per case: ``bitwise_equal``, ``max_abs_diff``, ``peak_device_MiB`` (``torch.cuda.max_memory_allocated`` of the
-offloaded run) beside ``baseline_peak_device_MiB``, ``peak_device_blocks``, staging copy speeds, step times.
+offloaded run) beside ``baseline_peak_device_MiB``, ``peak_device_blocks``, block copy speeds, step times.
 At the end: ``live_host_registrations`` (host ranges still registered with CUDA, must be 0). The last line
 printed is one JSON object. Exit status: 1 if a case fails on a CUDA machine; without a CUDA device the line
 says ``"skipped": "no CUDA device"`` and the status is 0.
@@ -104,7 +104,7 @@ from lightning_nvme.activations import device as activation_device  # noqa: E402
 from lightning_nvme.callbacks import NVMeActivationOffload  # noqa: E402
 from lightning_nvme.constants import MiB  # noqa: E402
 from lightning_nvme.optim import buffers as optim_buffers  # noqa: E402
-from lightning_nvme.params import staging  # noqa: E402
+from lightning_nvme.params import transfer  # noqa: E402
 from lightning_nvme.store import pinned  # noqa: E402
 
 CASES = ("activation_offload", "params_backward", "params_step", "params_bf16", "params_resume", "params_keep",
@@ -309,10 +309,10 @@ def block_bytes(model: torch.nn.Module) -> int:
     return sum(p.numel() * p.element_size() for _, block in find_blocks(model) for p in block.parameters())
 
 
-def staging_figures(strategy: NVMeOffloadStrategy, timer: StepTimer, args: argparse.Namespace) -> dict[str, Any]:
+def transfer_figures(strategy: NVMeOffloadStrategy, timer: StepTimer, args: argparse.Namespace) -> dict[str, Any]:
     assert strategy.param_offload is not None
     stats = strategy.param_offload.stats
-    st, store = stats.staging, timer.store_stats
+    st, store = stats.transfer, timer.store_stats
     out = {"peak_device_blocks": stats.peak_bound_blocks, "peak_host_blocks": stats.peak_resident_blocks,
            "block_loads": stats.loads, "sync_loads": stats.sync_loads, "early_uploads": stats.early_uploads,
            "writebacks": stats.writebacks,
@@ -437,11 +437,11 @@ def optimizer_copy_seam() -> bool:
 
 @contextlib.contextmanager
 def delayed_copies(delays: Delays | None, pool: int | None = None):
-    """Within: every ``CudaStaging`` made gets its copies delayed (the instance's ``ops.copy``, so a fake
+    """Within: every ``CudaTransfer`` made gets its copies delayed (the instance's ``ops.copy``, so a fake
     ops is wrapped too) and, with ``pool``, a pool of that many buffers; the activations' copies
     (``CudaCopies.copy``) and the optimizer state's (the ops ``optim.buffers.copy_ops_for`` hands an offloaded
     optimizer, where that seam exists) are delayed as well."""
-    real_for, real_act = staging.staging_for, activation_device.CudaCopies.__dict__["copy"]
+    real_for, real_act = transfer.transfer_for, activation_device.CudaCopies.__dict__["copy"]
     real_ops_for = getattr(optim_buffers, "copy_ops_for", None)
 
     def state_ops(params: list[torch.Tensor]) -> Any:
@@ -451,14 +451,14 @@ def delayed_copies(delays: Delays | None, pool: int | None = None):
             ops.copy = delays.wrap("optimizer", ops.copy)
         return ops
 
-    def made(device: torch.device, buffer_bytes: int, pool_size: int) -> staging.Staging:
-        stager = real_for(device, buffer_bytes, pool if pool is not None else pool_size)
-        ops = getattr(stager, "ops", None)
+    def made(device: torch.device, buffer_bytes: int, pool_size: int) -> transfer.BlockTransfer:
+        mover = real_for(device, buffer_bytes, pool if pool is not None else pool_size)
+        ops = getattr(mover, "ops", None)
         if delays is not None and ops is not None:
-            ops.copy = delays.wrap("staging", ops.copy)
-        return stager
+            ops.copy = delays.wrap("blocks", ops.copy)
+        return mover
 
-    staging.staging_for = made
+    transfer.transfer_for = made
     if delays is not None:
         activation_device.CudaCopies.copy = staticmethod(delays.wrap("activations", real_act.__func__))
         if real_ops_for is not None:
@@ -466,7 +466,7 @@ def delayed_copies(delays: Delays | None, pool: int | None = None):
     try:
         yield
     finally:
-        staging.staging_for = real_for
+        transfer.transfer_for = real_for
         activation_device.CudaCopies.copy = real_act
         if real_ops_for is not None:
             optim_buffers.copy_ops_for = real_ops_for
@@ -618,7 +618,7 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
     elif name == "params_keep":
         strategy = offload(args, store_dir, restore_params=False)
         trainer = train(copy.deepcopy(base), args, data, store_dir, [timer], strategy=strategy)
-        extra = staging_figures(strategy, timer, args)
+        extra = transfer_figures(strategy, timer, args)
         from safetensors.torch import load_file
 
         path = os.path.join(store_dir, "kept.safetensors")
@@ -645,7 +645,7 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
             ref, again = (saved_and_resumed(lambda: "auto", [], False) for _ in range(2))
         strategies: list[NVMeOffloadStrategy] = []
         got = saved_and_resumed(lambda: strategies.append(offload(args, store_dir)) or strategies[-1], [timer], True)
-        extra = staging_figures(strategies[0], timer, args)
+        extra = transfer_figures(strategies[0], timer, args)
         state = [k for k in ref if k.startswith("optim/")]
         extra["optimizer_state_equal"] = bool(state) and all(k in got and torch.equal(ref[k], got[k]) for k in state)
         extra["optimizer_state_tensors"] = len(state)
@@ -659,7 +659,7 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         moves = TrainingMoves()
         model = copy.deepcopy(base)
         train(model, args, data, store_dir, [timer, moves], strategy=strategy)
-        extra = staging_figures(strategy, timer, args)
+        extra = transfer_figures(strategy, timer, args)
         assert strategy.desk_plan is not None
         plan = strategy.desk_plan.as_dict()
         extra.update(desk_plan=plan, **moves.moved)
@@ -705,11 +705,11 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         # params_stress: a pool of 2, each buffer reused as soon as the rules allow
         with delayed_copies(delays, pool=2 if name == "params_stress" else None):
             train(model, args, data, store_dir, callbacks, strategy=strategy, precision=precision)
-        extra = staging_figures(strategy, timer, args)
+        extra = transfer_figures(strategy, timer, args)
         if delays is not None:
             extra["delayed_copies"] = dict(delays.counts)
             if args.accelerator == "gpu":  # every seam was delayed (on CPU the activations stay on the host)
-                seams: tuple[str, ...] = ("staging", "activations") if name == "params_stress" else ("staging",)
+                seams: tuple[str, ...] = ("blocks", "activations") if name == "params_stress" else ("blocks",)
                 if name == "params_stress" and optimizer_copy_seam():
                     seams += ("optimizer",)
                 extra["copies_ok"] = extra["copies_ok"] and all(delays.counts.get(k, 0) > 0 for k in seams)
@@ -742,9 +742,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--d-model", type=int, default=512)  # 3.1 M parameters (12 MiB fp32) per block
     p.add_argument("--param-prefetch", type=int, default=1)
     p.add_argument("--chunk-mib", type=int, default=16)  # optimizer chunks about a block's state
-    p.add_argument("--delay-ms", type=float, default=1.0, help="GPU spin before each staging copy in params_delayed")
+    p.add_argument("--delay-ms", type=float, default=1.0, help="GPU spin before each block copy in params_delayed")
     p.add_argument("--stress-ms", type=float, nargs=2, default=(20.0, 50.0), metavar=("LO", "HI"),
-                   help="params_stress: GPU spin drawn in [LO, HI] ms before every staging and activation copy")
+                   help="params_stress: GPU spin drawn in [LO, HI] ms before every block and activation copy")
     p.add_argument("--memory-d-model", type=int, default=2048, help="params_memory's model width")
     p.add_argument("--memory-layers", type=int, default=8, help="params_memory's blocks")
     p.add_argument("--time-steps", type=int, default=20, help="params_time's steps (at least 20)")

@@ -6,12 +6,12 @@
   it, and the next kernel launch (``launch``) raises it. It counts register/unregister pairs.
 - ``install(monkeypatch)``: makes ``torch.cuda.is_available()`` true and routes both torch's
   ``cudart()`` bindings and ``lightning_nvme.store.pinned``'s runtime to one fake.
-- ``fake_cuda_staging(monkeypatch)``: ``install`` plus every ``CudaStaging`` the parameter path makes built on a
+- ``fake_cuda_transfer(monkeypatch)``: ``install`` plus every ``CudaTransfer`` the parameter path makes built on a
   ``FakeOps`` and kept in the returned list, so a test can read their logs.
 - ``fake_cuda_optimizer(monkeypatch)``: every ``OffloadedOptimizer`` made afterwards copies its state through a
   ``FakeOps`` (``optim.buffers.copy_ops_for``), so the device path of the update (copies to the device on the
   compute stream, back on a side stream, store writes after their event) runs on CPU; returns the list made.
-- ``FakeOps``: streams and events recorded in a log (``CudaStaging``'s ``ops`` seam); an event completes
+- ``FakeOps``: streams and events recorded in a log (``CudaTransfer``'s ``ops`` seam); an event completes
   only when synchronized, so nothing may rely on a copy having run. Device buffers are CPU tensors it
   sees (``record_stream``) and can count while alive. It also keeps what PyTorch's caching allocator
   knows of each device buffer (the stream it was made on, the streams it was ``record_stream``-ed on)
@@ -144,7 +144,7 @@ def _is_of(t: torch.Tensor | None, buf: torch.Tensor) -> bool:
 
 
 class FakeOps:
-    """Records the CUDA calls of ``CudaStaging``; the copies themselves run on CPU tensors. ``delay_s``:
+    """Records the CUDA calls of ``CudaTransfer``; the copies themselves run on CPU tensors. ``delay_s``:
     sleep before each copy (as ``gpu_check``'s injected delay does on a real device)."""
 
     def __init__(self, delay_s: float = 0.0, runtime: FakeCudaRuntime | None = None) -> None:
@@ -184,7 +184,7 @@ class FakeOps:
         return FakeEvent(self.log, self.events)
 
     def record_stream(self, t: torch.Tensor, stream: FakeStream) -> None:
-        """``CudaStaging`` records each device copy on the compute stream: that is where it is seen."""
+        """``CudaTransfer`` records each device copy on the compute stream: that is where it is seen."""
         self.log.append(("record_stream", stream.name))
         t = t if t._base is None else t._base  # a view records its whole allocation, as the allocator does
         if not any(t is d for d in self.device_buffers):
@@ -213,7 +213,7 @@ class FakeOps:
     def unprotected_uses(self) -> list[tuple[int, str]]:
         """(device buffer index, stream) of each copy that used a device buffer on a stream its memory is not
         protected on. The caching allocator protects a buffer on the stream it was allocated on (the stream of
-        its first copy: ``CudaStaging.upload`` allocates and fills it on the upload stream) and on every stream
+        its first copy: ``CudaTransfer.upload`` allocates and fills it on the upload stream) and on every stream
         it was ``record_stream``-ed on; once the last reference goes, the memory may be handed to the next
         allocation as soon as *those* streams reach that point, while a copy queued on another stream may
         still be reading or writing it."""
@@ -230,19 +230,19 @@ class FakeOps:
         return sum(torch._C._storage_Use_Count(t.untyped_storage()._cdata) > 2 for t in self.device_buffers)
 
 
-def fake_cuda_staging(monkeypatch) -> tuple[FakeCudaRuntime, list]:
-    """``install`` the fake runtime and route ``staging_for`` to ``CudaStaging`` on a ``FakeOps``: the
-    parameter path runs its CUDA logic on CPU. Returns the runtime and the list of stagings made."""
-    from lightning_nvme.params import staging
+def fake_cuda_transfer(monkeypatch) -> tuple[FakeCudaRuntime, list]:
+    """``install`` the fake runtime and route ``transfer_for`` to ``CudaTransfer`` on a ``FakeOps``: the
+    parameter path runs its CUDA logic on CPU. Returns the runtime and the list of transfers made."""
+    from lightning_nvme.params import transfer
 
     rt = install(monkeypatch)
-    made: list[staging.CudaStaging] = []
+    made: list[transfer.CudaTransfer] = []
 
     def fake(device, buffer_bytes, pool_size):
-        made.append(staging.CudaStaging(device, buffer_bytes, pool_size, ops=FakeOps(runtime=rt)))
+        made.append(transfer.CudaTransfer(device, buffer_bytes, pool_size, ops=FakeOps(runtime=rt)))
         return made[-1]
 
-    monkeypatch.setattr(staging, "staging_for", fake)
+    monkeypatch.setattr(transfer, "transfer_for", fake)
     return rt, made
 
 

@@ -5,7 +5,7 @@ only the page-aligned tail holding the trainable ones (the LoRA case writes adap
 
 A parameter belongs to a block only if every module that registers it is inside that one block;
 tied or shared parameters (GPT-2's token embedding and LM head, a weight used by two blocks) and
-parameters outside every block stay resident and are counted as such.
+parameters outside every block stay in memory (``ParamLayout.outside_blocks``), never streamed.
 """
 
 from __future__ import annotations
@@ -57,15 +57,15 @@ class BlockLayout:
 @dataclass
 class ParamLayout:
     blocks: list[BlockLayout]
-    resident: list[tuple[str, nn.Parameter]]  # parameters kept in memory (outside blocks, shared, tied)
+    outside_blocks: list[tuple[str, nn.Parameter]]  # kept in memory: outside every block, shared, tied
 
     @property
     def offloaded_bytes(self) -> int:
         return sum(s.nbytes for b in self.blocks for s in b.slots)
 
     @property
-    def resident_bytes(self) -> int:
-        return sum(p.numel() * p.element_size() for _, p in self.resident)
+    def outside_bytes(self) -> int:
+        return sum(p.numel() * p.element_size() for _, p in self.outside_blocks)
 
     def block_of(self) -> dict[int, BlockLayout]:
         """``id(param)`` -> its block."""
@@ -81,12 +81,12 @@ def plan_layout(model: nn.Module, blocks: list[tuple[str, nn.Module]], region_pr
         owner = next((i for i, prefix in block_prefixes if name.startswith(prefix)), -1)
         owners[id(p)].add(owner)
     layouts = [BlockLayout(i, name, module, f"{region_prefix}/block{i}") for i, (name, module) in enumerate(blocks)]
-    resident: list[tuple[str, nn.Parameter]] = []
+    outside: list[tuple[str, nn.Parameter]] = []
     members: dict[int, list[tuple[str, nn.Parameter]]] = defaultdict(list)
     for pid, (name, p) in params.items():
         where = owners[pid]
         if len(where) != 1 or -1 in where:
-            resident.append((name, p))
+            outside.append((name, p))
         else:
             members[next(iter(where))].append((name, p))
     for index, named in members.items():
@@ -107,4 +107,4 @@ def plan_layout(model: nn.Module, blocks: list[tuple[str, nn.Module]], region_pr
     kept = [b for b in layouts if b.slots]
     for i, b in enumerate(kept):
         b.index = i  # position in forward order; the region name keeps the module's position
-    return ParamLayout(kept, resident)
+    return ParamLayout(kept, outside)

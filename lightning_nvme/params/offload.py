@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_nvme.checkpoint.weights import BesideWeight, WeightReaders
-from lightning_nvme.params import staging
+from lightning_nvme.params import transfer
 from lightning_nvme.params.layout import BlockLayout, ParamLayout, plan_layout
 from lightning_nvme.params.materialize import materialize
 from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
@@ -32,7 +32,7 @@ class ParamOffload:
         block_classes: module classes (or dotted paths) that are blocks; ``None``: those the model names
             (``param_block_classes()``), else the children of the largest ``ModuleList``/``Sequential``.
         prefetch: blocks read ahead of need, in forward (and reverse, in backward) order.
-        device: where the parameters are used (``cuda``: bound blocks are copied there, see ``staging``).
+        device: where the parameters are used (``cuda``: bound blocks are copied there, see ``transfer``).
     """
 
     def __init__(self, model: nn.Module, block_classes: BlockClasses = None, prefetch: int = 1,
@@ -85,9 +85,9 @@ class ParamOffload:
             store.add_regions(self.regions())
             writes = self.prefetch + 1
             # host buffers: the blocks resident at once (about prefetch + 2) plus the write-backs in flight
-            stager = staging.staging_for(self.device, max(store.region(b.region).capacity for b in self.blocks),
+            mover = transfer.transfer_for(self.device, max(store.region(b.region).capacity for b in self.blocks),
                                          pool_size=self.prefetch + 2 + writes)
-            self.residency = BlockResidency(store, self.blocks, max_pending_writes=writes, staging=stager)
+            self.residency = BlockResidency(store, self.blocks, max_pending_writes=writes, transfer=mover)
         return self.residency
 
     def materialize(self, store: FlatStore, device: torch.device) -> None:
@@ -104,7 +104,7 @@ class ParamOffload:
 
     def place(self, store: FlatStore, device: torch.device) -> None:
         """Move an in-memory model's blocks into the store before the model goes to ``device``, leaving
-        placeholders already on ``device``: only resident parameters are then copied there whole."""
+        placeholders already on ``device``: only the parameters outside blocks are then copied there whole."""
         residency = self.attach_store(store)
         for block in self.blocks:
             if not residency.placed(block):
@@ -146,7 +146,7 @@ class ParamOffload:
             # here would stall the host on the GPU every step. Whoever needs them in the store asks
             # (``issue_writes``: a checkpoint, a background save, ``read_values``; ``stop`` drains).
             self.residency.poll_writes()
-            self.residency.staging.finish_step()
+            self.residency.transfer.finish_step()
 
     def stop(self, restore: bool) -> None:
         """End of fit: with ``restore``, every block's values go back into its module (the module is
@@ -181,7 +181,7 @@ class ParamOffload:
             # fit gathers them from it, a new run makes its own store): the RAM copies need no write-back.
             self.residency.store.discard_shelved([b.region for b in self.blocks])
         self.residency.drain()
-        self.residency.staging.close()
+        self.residency.transfer.close()
         if restore:
             self._final_stats = self.residency.stats
             self.residency = None

@@ -5,7 +5,7 @@ update waiting for it); the last release writes it back if an update changed it 
 parameters' ``.data`` for placeholders. Reads are issued ahead (``prefetch``) into page-aligned host
 buffers; memory is bounded by the hold/prefetch rules of ``BlockScheduler`` plus ``max_pending_writes``
 buffers whose write-back is still in flight. What the parameters point at while a block is bound is the
-``Staging``'s business (``lightning_nvme.params.staging``): the host buffer itself on CPU, a device copy
+``BlockTransfer``'s business (``lightning_nvme.params.transfer``): the host buffer itself on CPU, a device copy
 on CUDA, written back through the host buffer once its copy has completed.
 
 A block *kept* on the device (``keep``, ``device_memory_budget``) is loaded like any other the first time;
@@ -28,7 +28,7 @@ import torch
 
 from lightning_nvme.optim.plan import placeholder
 from lightning_nvme.params.layout import BlockLayout
-from lightning_nvme.params.staging import DONE, HostStaging, Ready, Staging, StagingStats
+from lightning_nvme.params.transfer import DONE, BlockTransfer, HostTransfer, Ready, TransferStats
 from lightning_nvme.store import FlatStore, IOHandle
 
 
@@ -48,7 +48,7 @@ class ResidencyStats:
     early_uploads: int = 0  # device copies started once a read ahead completed, before the block was needed
     kept_blocks: int = 0  # blocks whose device copy stays bound between uses (``keep``)
     kept_bytes: int = 0
-    staging: StagingStats = field(default_factory=StagingStats)
+    transfer: TransferStats = field(default_factory=TransferStats)
 
 
 @dataclass
@@ -71,12 +71,12 @@ class _State:
 
 class BlockResidency:
     def __init__(self, store: FlatStore, blocks: list[BlockLayout], max_pending_writes: int = 2,
-                 staging: Staging | None = None) -> None:
+                 transfer: BlockTransfer | None = None) -> None:
         self.store = store
         self.blocks = blocks
         self.max_pending_writes = max_pending_writes
-        self.staging = staging if staging is not None else HostStaging()
-        self.stats = ResidencyStats(staging=self.staging.stats)
+        self.transfer = transfer if transfer is not None else HostTransfer()
+        self.stats = ResidencyStats(transfer=self.transfer.stats)
         self._state = [_State() for _ in blocks]
         # write-backs waiting for their device -> host copy, then in flight to the store (together bounded)
         self._copies: deque[tuple[BlockLayout, torch.Tensor, int, Ready, int]] = deque()
@@ -102,32 +102,32 @@ class BlockResidency:
         ``copy=False`` views of one buffer (the block's, or a fresh one read for the caller; one block of memory)."""
         st = self._state[block.index]
         if st.base and st.kept is None:  # only the trainable tail in memory: the frozen head from the store, the tail over it
-            buf = self.staging.caller_buffer(self._capacity(block))
+            buf = self.transfer.caller_buffer(self._capacity(block))
             self._issue_writes(of=block)
             self.store.wait(self.store.read(block.region, buf[:st.base]))
             self._wait_read(block)
             if st.device is not None and st.device is not st.buffer:
-                self.staging.to_host(st.device, buf[st.base:]).synchronize()
+                self.transfer.to_host(st.device, buf[st.base:]).synchronize()
             else:
                 assert st.buffer is not None
                 buf[st.base:].copy_(st.buffer)
             return {s.name: self._view(buf, s) for s in block.slots}
         if st.kept is not None:  # its device copy is the truth
-            buf = self.staging.caller_buffer(self._capacity(block))
-            self.staging.to_host(st.kept, buf).synchronize()
+            buf = self.transfer.caller_buffer(self._capacity(block))
+            self.transfer.to_host(st.kept, buf).synchronize()
             copy = False
         elif st.buffer is not None:
             self._wait_read(block)
             buf = st.buffer
             if st.device is not None and st.device is not st.buffer:  # a device copy is the truth: fetch it
-                buf = self.staging.caller_buffer(self._capacity(block))
-                self.staging.to_host(st.device, buf).synchronize()
+                buf = self.transfer.caller_buffer(self._capacity(block))
+                self.transfer.to_host(st.device, buf).synchronize()
                 copy = False  # the fresh buffer is the caller's already
-            elif self.staging.reuses_buffers:
+            elif self.transfer.reuses_buffers:
                 copy = True  # the resident buffer goes back to a pool when evicted: the caller gets copies
         else:
             self._issue_writes(of=block)
-            buf = self.staging.caller_buffer(self._capacity(block))
+            buf = self.transfer.caller_buffer(self._capacity(block))
             self.store.wait(self.store.read(block.region, buf))
             copy = False  # the fresh buffer is the caller's already
         return {s.name: self._view(buf, s).clone() if copy else self._view(buf, s) for s in block.slots}
@@ -137,7 +137,7 @@ class BlockResidency:
         return self._state[block.index].buffer is not None
 
     def retained(self, block: BlockLayout) -> bool:
-        """Its device copy outlived its last eviction (see ``Staging.retained``)."""
+        """Its device copy outlived its last eviction (see ``BlockTransfer.retained``)."""
         return self._state[block.index].retained
 
     def holders(self, block: BlockLayout) -> Counter:
@@ -181,7 +181,7 @@ class BlockResidency:
         self._wait_read(block)
         if not st.bound:
             assert st.buffer is not None  # loaded just above
-            st.device, st.uploaded = self.staging.to_device(st.buffer, st.uploaded), None
+            st.device, st.uploaded = self.transfer.to_device(st.buffer, st.uploaded), None
             for slot in block.slots:
                 if slot.offset >= st.base:
                     slot.param.data = self._view(st.device, slot, st.base)
@@ -193,7 +193,7 @@ class BlockResidency:
         st = self._state[block.index]
         self._issue_writes(of=block)  # the read must see this block's last write-back
         st.base = block.writable_offset
-        st.buffer = self.staging.host_buffer(self._capacity(block) - st.base)
+        st.buffer = self.transfer.host_buffer(self._capacity(block) - st.base)
         st.read = self.store.read(block.region, st.buffer, offset=st.base)
         self.stats.tail_loads += 1
         self.stats.bytes_read += st.buffer.numel()
@@ -207,7 +207,7 @@ class BlockResidency:
         (``but`` the block acquired: its copy is not early). Why so often: at ``param_prefetch=1`` the next
         block's read is issued at a block's pre-forward, just before the check there; the post-forward check
         finds it completed, one block's compute before it is needed."""
-        if not self.staging.device_copies:
+        if not self.transfer.device_copies:
             return
         for block in self.blocks:
             st = self._state[block.index]
@@ -216,7 +216,7 @@ class BlockResidency:
             if st.read is not None and not st.read.done():
                 continue
             self._wait_read(block)  # completed: only collects it
-            st.uploaded = self.staging.upload(st.buffer)
+            st.uploaded = self.transfer.upload(st.buffer)
             if st.uploaded is not None:
                 self.stats.early_uploads += 1
 
@@ -259,12 +259,12 @@ class BlockResidency:
             ready = DONE
             if st.device is not None:  # only what is written back comes back (a LoRA block: its adapters, not its head)
                 lo = max(start - st.base, 0)
-                ready = self.staging.to_host(st.device[lo:], buf[lo:])
+                ready = self.transfer.to_host(st.device[lo:], buf[lo:])
             self._write(block, buf, start, ready, st.base)
         else:
-            self.staging.recycle(st.buffer)
+            self.transfer.recycle(st.buffer)
         self._unbind(block)
-        st.retained = st.device is not None and st.device is not st.buffer and self.staging.retained(st.device)
+        st.retained = st.device is not None and st.device is not st.buffer and self.transfer.retained(st.device)
         if st.bound:
             self._count_bound(-1)
         self._count(block, -1)
@@ -332,7 +332,7 @@ class BlockResidency:
             raise RuntimeError(f"block {block.name} is held ({dict(st.refs)}); its device copy cannot go (a bug)")
         if write and st.dirty:
             buf = self._new_buffer(block)
-            self._write(block, buf, 0 if st.dirty_whole else block.writable_offset, self.staging.to_host(st.kept, buf))
+            self._write(block, buf, 0 if st.dirty_whole else block.writable_offset, self.transfer.to_host(st.kept, buf))
         self.stats.kept_blocks -= 1
         self.stats.kept_bytes -= block.nbytes
         self._count_bound(-1)
@@ -344,7 +344,7 @@ class BlockResidency:
         st = self._state[block.index]
         assert st.buffer is not None  # evicting a block in memory
         if not st.shelved and st.device is not st.buffer:
-            self.staging.recycle(st.buffer)
+            self.transfer.recycle(st.buffer)
         st.kept, st.buffer, st.read, st.uploaded, st.shelved = st.device, None, None, None, False
         st.refs.clear()
         self._count(block, -1)
@@ -367,7 +367,7 @@ class BlockResidency:
 
     def _new_buffer(self, block: BlockLayout) -> torch.Tensor:
         """Page-aligned and as long as the region: the store moves it with O_DIRECT, no staging copy."""
-        return self.staging.host_buffer(self._capacity(block))
+        return self.transfer.host_buffer(self._capacity(block))
 
     @staticmethod
     def _view(buf: torch.Tensor, slot, base: int = 0) -> torch.Tensor:
@@ -387,7 +387,7 @@ class BlockResidency:
         start -= base
         if start >= buf.numel():  # nothing to write (unreachable today: a trainable tail is never empty)
             ready.synchronize()  # the device -> host copy may still write into the buffer
-            self.staging.recycle(buf)
+            self.transfer.recycle(buf)
             return
         self._copies.append((block, buf, start, ready, base))
         self._issue_writes()
@@ -410,7 +410,7 @@ class BlockResidency:
     def _wait_oldest_write(self) -> None:
         handle, buf = self._writes.popleft()
         self.store.wait(handle)
-        self.staging.recycle(buf)
+        self.transfer.recycle(buf)
 
     def unbind(self, block: BlockLayout, device: torch.device) -> None:
         """Give a block that is not resident placeholders on ``device`` (the end of fit: on the CPU)."""

@@ -148,8 +148,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             self.param_offload.start(self.nvme_store, planned)
             layout = self.param_offload.layout
             rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
-                           f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
-                           f"outside blocks, in memory ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
+                           f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.outside_blocks)} parameters "
+                           f"outside blocks, in memory ({layout.outside_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
             self._plan_desk()
 
     def _plan_desk(self) -> None:
@@ -159,7 +159,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             return
         assert self.nvme_store is not None and self.param_offload.residency is not None
         budget = self.config.device_memory_budget
-        if not self.param_offload.residency.staging.device_copies:
+        if not self.param_offload.residency.transfer.device_copies:
             raise ConfigError("device_memory_budget", f"{self.strategy_name}: device_memory_budget={budget} keeps "
                               "blocks in GPU memory, but the parameters are used in host memory (device "
                               f"{self.root_device}): it would be ignored. Fix: host_memory_budget keeps blocks in "

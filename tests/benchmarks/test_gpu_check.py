@@ -102,19 +102,19 @@ def test_every_case_is_run_on_cpu_below(small_check):
 
 @pytest.mark.parametrize("name", CASES_ON_CPU)
 def test_case_body_runs_on_cpu_through_the_fake_cuda(small_check, monkeypatch, name):
-    """Each case's body on CPU, the parameter path through ``CudaStaging``'s logic (fake CUDA), small sizes: the
+    """Each case's body on CPU, the parameter path through ``CudaTransfer``'s logic (fake CUDA), small sizes: the
     script cannot rot unnoticed before a GPU runs it. What a GPU adds (real streams, the sanitizer, timings,
     device memory) is not checked here."""
     from lightning_nvme.preflight import resources as preflight
 
     gc_mod, args, baselines, root = small_check
-    from fake_cuda import fake_cuda_optimizer, fake_cuda_staging
+    from fake_cuda import fake_cuda_optimizer, fake_cuda_transfer
 
-    # the parameter path through ``CudaStaging``'s logic over the fake CUDA (device copies are separate CPU
+    # the parameter path through ``CudaTransfer``'s logic over the fake CUDA (device copies are separate CPU
     # buffers, every copy and event recorded), as on a GPU; so are the optimizer state's copies to the device
     # and back (``fake_cuda_optimizer``)
     fake_cuda_optimizer(monkeypatch)
-    rt, made = fake_cuda_staging(monkeypatch)
+    rt, made = fake_cuda_transfer(monkeypatch)
     monkeypatch.setattr(preflight, "device_free_bytes", lambda device: 64 << 30)
     monkeypatch.setattr(gc_mod, "TIME_MIN_STEPS", 3)  # CPU timings judge nothing: the body runs, shorter
     store = root / name
@@ -133,5 +133,5 @@ def test_case_body_runs_on_cpu_through_the_fake_cuda(small_check, monkeypatch, n
     if name == "params_resume":  # the saved optimizer state, bitwise, beside the resumed weights
         assert result["optimizer_state_equal"] and result["optimizer_state_tensors"] > 0, result
     if name.startswith("params_") and name not in ("params_compile", "params_exception"):
-        assert made, "the fake CUDA staging was used"
+        assert made, "the fake CUDA transfer was used"
     assert rt.live == {}

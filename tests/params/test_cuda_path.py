@@ -12,10 +12,10 @@ import torch
 from fake_cuda import ERROR_ALREADY_REGISTERED, FakeCudaRuntime, FakeOps, install
 from torch import nn
 
-from lightning_nvme.params import ParamOffload, is_placeholder, staging
+from lightning_nvme.params import ParamOffload, is_placeholder, transfer
 from lightning_nvme.params.layout import plan_layout
 from lightning_nvme.params.policy import find_blocks
-from lightning_nvme.params.staging import CudaStaging, HostStaging
+from lightning_nvme.params.transfer import CudaTransfer, HostTransfer
 from lightning_nvme.store import FlatStore, aligned_empty
 
 CPU = torch.device("cpu")
@@ -32,7 +32,7 @@ def test_cpu_run_on_a_gpu_host_registers_no_host_memory(tmp_path, monkeypatch):
     store.wait(store.write("r", data[1:]))  # not page-aligned: through the staging pool
     out = store.aligned_empty(1 << 16)
     store.wait(store.read("r", out))
-    HostStaging().host_buffer(1 << 16)  # a CPU-device block load
+    HostTransfer().host_buffer(1 << 16)  # a CPU-device block load
     store.close()
     assert rt.registers == 0 and rt.live == {}
 
@@ -50,15 +50,15 @@ def test_freed_pinned_buffers_are_unregistered_and_their_address_reusable(monkey
     assert rt.live == {} and rt.registers == rt.unregisters == 4
 
 
-def test_cuda_staging_pool_unregistered_at_close_and_when_dropped(monkeypatch):
+def test_cuda_transfer_pool_unregistered_at_close_and_when_dropped(monkeypatch):
     rt = install(monkeypatch)
-    stage = CudaStaging(CPU, 8192, pool_size=2, ops=FakeOps())
+    stage = CudaTransfer(CPU, 8192, pool_size=2, ops=FakeOps())
     bufs = [stage.host_buffer(8192) for _ in range(2)]
     assert len(rt.live) == 2 and stage.stats.pinned_buffers == 2
     stage.close()
     assert rt.live == {}  # unregistered although the caller still holds the buffers
     del bufs
-    stage = CudaStaging(CPU, 8192, pool_size=2, ops=FakeOps())
+    stage = CudaTransfer(CPU, 8192, pool_size=2, ops=FakeOps())
     stage.host_buffer(8192)
     del stage  # never closed (an exception in setup): freeing the memory unregisters it first
     gc.collect()
@@ -96,9 +96,9 @@ def test_refused_registration_clears_cuda_last_error(monkeypatch):
     rt.launch()  # raises if the failure was left as the last error
 
 
-def test_refused_registration_in_cuda_staging_falls_back_and_clears(monkeypatch):
+def test_refused_registration_in_cuda_transfer_falls_back_and_clears(monkeypatch):
     rt = install(monkeypatch, FakeCudaRuntime(refuse=True))
-    stage = CudaStaging(CPU, 8192, pool_size=2, ops=FakeOps())
+    stage = CudaTransfer(CPU, 8192, pool_size=2, ops=FakeOps())
     bufs = [stage.host_buffer(8192) for _ in range(3)]
     assert len(rt.failures) == 1 and stage.stats.pageable_buffers == 3 and stage.stats.pinned_buffers == 0
     rt.launch()
@@ -110,7 +110,7 @@ def test_registration_is_portable(monkeypatch):
     """Flag 0 registers for the current context only; ``cudaHostRegisterPortable`` (1) for all of them."""
     rt = install(monkeypatch)
     aligned_empty(8192, pin=True)
-    CudaStaging(CPU, 8192, pool_size=1, ops=FakeOps()).host_buffer(8192)
+    CudaTransfer(CPU, 8192, pool_size=1, ops=FakeOps()).host_buffer(8192)
     gc.collect()
     assert rt.flags == [1, 1]
 
@@ -187,8 +187,8 @@ def spy_placeholders(monkeypatch) -> dict[int, torch.device]:
 
 def _offloaded_on_cuda(tmp_path, monkeypatch):
     """Blocks placed with placeholders on the GPU before the model moves there (``model_to_device`` on CUDA);
-    host buffers are bound as they are (the staging is not what is checked here)."""
-    monkeypatch.setattr(staging, "staging_for", lambda device, buffer_bytes, pool_size: HostStaging())
+    host buffers are bound as they are (the transfer is not what is checked here)."""
+    monkeypatch.setattr(transfer, "transfer_for", lambda device, buffer_bytes, pool_size: HostTransfer())
     torch.manual_seed(0)
     model = nn.Sequential(*(nn.Linear(64, 64) for _ in range(3)))
     for m in model:
@@ -229,8 +229,8 @@ def test_restore_params_false_leaves_host_placeholders(tmp_path, monkeypatch):
 
 
 # ---- 5. device memory without activation checkpointing ---------------------------------------------------
-class _Cuda(CudaStaging):
-    """The CUDA staging's logic on CPU (fake streams and events, registration through the fake runtime)."""
+class _Cuda(CudaTransfer):
+    """The CUDA transfer's logic on CPU (fake streams and events, registration through the fake runtime)."""
 
     made: list[_Cuda] = []
 
@@ -244,7 +244,7 @@ def _blocks_on_fake_cuda(tmp_path, monkeypatch, checkpointing: bool):
 
     install(monkeypatch)
     _Cuda.made = []
-    monkeypatch.setattr(staging, "staging_for", _Cuda)
+    monkeypatch.setattr(transfer, "transfer_for", _Cuda)
     torch.manual_seed(0)
     blocks = nn.ModuleList(nn.Sequential(nn.Linear(64, 64), nn.GELU()) for _ in range(4))
 

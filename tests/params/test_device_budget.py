@@ -1,5 +1,5 @@
 """device_memory_budget: parameter blocks kept on the GPU between uses, checked on CPU through the fake CUDA of
-``fake_cuda`` (the CUDA staging's logic: device copies are separate buffers, host <-> device copies recorded).
+``fake_cuda`` (the CUDA transfer's logic: device copies are separate buffers, host <-> device copies recorded).
 Which blocks stay (the plan), that a kept block is never read, copied or written back again during training
 (every host <-> device copy and store request counted per block), results bitwise equal to the budget-0 path
 through the same fake runtime and to in-memory training, checkpoints and resume unchanged, the refusals."""
@@ -17,10 +17,10 @@ from torch import nn
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.callbacks import IOTelemetry
 from lightning_nvme.checks import ConfigError
-from lightning_nvme.params import find_blocks, is_placeholder, staging
+from lightning_nvme.params import find_blocks, is_placeholder, transfer
 from lightning_nvme.params.layout import plan_layout
 from lightning_nvme.params.residency import BlockResidency
-from lightning_nvme.params.staging import CudaStaging
+from lightning_nvme.params.transfer import CudaTransfer
 from lightning_nvme.preflight import resources
 from lightning_nvme.store import FlatStore
 from lightning_nvme.strategies.placement import desk_block_item, plan_desk
@@ -29,8 +29,8 @@ CPU = torch.device("cpu")
 EVERYTHING = 1 << 30
 
 
-class CountingCuda(CudaStaging):
-    """The CUDA staging's logic on CPU, recording which block each host <-> device copy moved once ``training``."""
+class CountingCuda(CudaTransfer):
+    """The CUDA transfer's logic on CPU, recording which block each host <-> device copy moved once ``training``."""
 
     made: list[CountingCuda] = []
 
@@ -102,7 +102,7 @@ def fake_cuda(monkeypatch):
     """Blocks staged through ``CountingCuda``; the device reports 64 GiB free."""
     install(monkeypatch)
     CountingCuda.made = []
-    monkeypatch.setattr(staging, "staging_for", CountingCuda)
+    monkeypatch.setattr(transfer, "transfer_for", CountingCuda)
     monkeypatch.setattr(resources, "device_free_bytes", lambda device: 64 << 30)
     return monkeypatch
 
@@ -219,7 +219,7 @@ def test_keep_copies_once_then_reads_the_device_copy_and_writes_it_back_at_unkee
     store = FlatStore(tmp_path, io_chunk_bytes=4096)
     store.add_regions([(b.region, b.nbytes) for b in layout.blocks])
     capacity = max(store.region(b.region).capacity for b in layout.blocks)
-    res = BlockResidency(store, layout.blocks, staging=CudaStaging(CPU, capacity, pool_size=3, ops=ops))
+    res = BlockResidency(store, layout.blocks, transfer=CudaTransfer(CPU, capacity, pool_size=3, ops=ops))
     for block in layout.blocks:
         res.place(block)
     res.drain()
@@ -262,7 +262,7 @@ def test_refused_where_it_would_be_ignored_or_cannot_fit(tmp_path, monkeypatch):
     with pytest.raises(ConfigError, match="device_memory_budget.*host memory.*host_memory_budget"):  # a CPU run
         fit(tmp_path / "cpu", offload(tmp_path / "cpu", device_memory_budget=1 << 20), steps=1)
     install(monkeypatch)
-    monkeypatch.setattr(staging, "staging_for", CountingCuda)
+    monkeypatch.setattr(transfer, "transfer_for", CountingCuda)
     monkeypatch.setattr(resources, "device_free_bytes", lambda device: 5 << 20)
     with pytest.raises(ConfigError, match=r"device_memory_budget.*6291456 bytes.*only 5242880 bytes"):
         fit(tmp_path / "big", offload(tmp_path / "big", device_memory_budget=6 << 20), {"checkpointing": True},

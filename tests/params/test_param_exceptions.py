@@ -1,7 +1,7 @@
 """Issue #33, item 8: an exception raised inside a training step with offloaded parameters (in a block's forward,
 in its backward, inside an optimizer update) leaves no block held or resident, no host range registered with
 CUDA and no device copy alive once Lightning has torn the run down. Checked on CPU through the fake CUDA
-(``fake_cuda``: ``CudaStaging``'s logic, registrations counted, device copies as CPU buffers it can count)."""
+(``fake_cuda``: ``CudaTransfer``'s logic, registrations counted, device copies as CPU buffers it can count)."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ import gc
 import pytest
 import torch
 from _param_offload_model import TinyGPT
-from fake_cuda import fake_cuda_staging
+from fake_cuda import fake_cuda_transfer
 from lightning.pytorch import Callback
 from test_param_offload import offload, trainer
 
@@ -57,7 +57,7 @@ class Inject(Callback):
 @pytest.mark.parametrize("where,overlap", [("forward", "backward"), ("backward", "backward"),
                                            ("update", "backward"), ("update", "step")])
 def test_exception_in_a_step_leaves_nothing_held(tmp_path, monkeypatch, where, overlap):
-    rt, made = fake_cuda_staging(monkeypatch)
+    rt, made = fake_cuda_transfer(monkeypatch)
     inject = Inject(where, monkeypatch)
     t = trainer(tmp_path, offload(tmp_path, overlap=overlap), steps=4, callbacks=[inject])
     with pytest.raises(Boom):

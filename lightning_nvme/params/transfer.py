@@ -4,9 +4,9 @@ Why one object with two implementations: ``BlockResidency`` makes the same calls
 (``host_buffer`` -> store read -> ``to_device`` at acquire -> ``to_host`` before a write-back ->
 ``recycle``); only what they move differs, so the CPU tests exercise the accelerator's call sequence.
 
-- ``HostStaging`` (CPU): the page-aligned buffer the store reads into *is* the parameters' storage.
+- ``HostTransfer`` (CPU): the page-aligned buffer the store reads into *is* the parameters' storage.
   ``to_device`` returns it, ``to_host`` has nothing to copy: no copy at all.
-- ``CudaStaging``: the host buffer is pinned staging. Once its read has completed (or at acquire at the
+- ``CudaTransfer``: the host buffer is pinned. Once its read has completed (or at acquire at the
   latest) it is copied to a device buffer on a side stream ("up"); at acquire the compute stream waits on
   the copy's event before the parameters point at the device buffer (which is then the source of truth).
   Before a dirty block's write-back, another stream ("down") waits on an event recorded on the compute
@@ -24,7 +24,7 @@ errors cleared, unregistered by ``close`` or at the latest before its memory is 
 fresh buffer: registration pins the pages at every block load (slow); why not
 ``torch.empty(pin_memory=True)``: its allocator rounds sizes up to a power of two and does not promise page
 alignment. Needs beyond the pool get pageable buffers (correct, copies synchronous; counted in
-``StagingStats.pageable_buffers``). The CPU staging pins nothing (no device copy: no CUDA context).
+``TransferStats.pageable_buffers``). The CPU transfer pins nothing (no device copy: no CUDA context).
 """
 
 from __future__ import annotations
@@ -59,7 +59,7 @@ DONE: Ready = _Done()
 
 
 @dataclass
-class StagingStats:
+class TransferStats:
     h2d_bytes: int = 0  # host -> device copies whose timing is known (completed)
     d2h_bytes: int = 0
     h2d_s: float = 0.0  # their summed duration on the side streams (CUDA events)
@@ -68,8 +68,8 @@ class StagingStats:
     pageable_buffers: int = 0  # host buffers handed out beyond the pool (or when registration failed)
 
 
-class Staging(Protocol):
-    stats: StagingStats
+class BlockTransfer(Protocol):
+    stats: TransferStats
     reuses_buffers: bool  # host buffers return to a pool (values handed out must be copies)
     device_copies: bool  # bound parameters are copies in device memory (not the host buffer itself)
 
@@ -92,14 +92,14 @@ class Staging(Protocol):
     def close(self) -> None: ...
 
 
-class HostStaging:
+class HostTransfer:
     """CPU: the host buffer is the parameters' storage; every call but the allocation is a no-op."""
 
     reuses_buffers = False
     device_copies = False
 
     def __init__(self) -> None:
-        self.stats = StagingStats()
+        self.stats = TransferStats()
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """Page-aligned and padded: the store moves it with O_DIRECT, no staging copy (as ``FlatStore.aligned_empty``)."""
@@ -132,7 +132,7 @@ class HostStaging:
 
 
 class CudaOps:
-    """The CUDA calls ``CudaStaging`` makes (a test substitutes an object that records them)."""
+    """The CUDA calls ``CudaTransfer`` makes (a test substitutes an object that records them)."""
 
     def stream(self, device: torch.device) -> Any:
         return torch.cuda.Stream(device)
@@ -154,7 +154,7 @@ class CudaOps:
         dst.copy_(src, non_blocking=True)
 
 
-class CudaStaging:
+class CudaTransfer:
     """Args:
         device: the accelerator the parameters are bound on.
         buffer_bytes: the largest block region (every pool buffer holds any block).
@@ -173,7 +173,7 @@ class CudaStaging:
         # uploads, the next block's upload would queue behind it.
         self.up = self.ops.stream(device)
         self.down = self.ops.stream(device)
-        self.stats = StagingStats()
+        self.stats = TransferStats()
         self._pinned: dict[int, torch.Tensor] = {}  # data_ptr -> pool buffer
         self._free: list[tuple[torch.Tensor, Ready]] = []  # with the copy that may still read it
         self._reading: dict[int, Ready] = {}  # pool buffer -> its last host -> device copy
@@ -182,7 +182,7 @@ class CudaStaging:
     # ---- host buffers --------------------------------------------------------------------------------
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         if nbytes > self.buffer_bytes:
-            raise ValueError(f"block of {nbytes} bytes exceeds the staging buffers ({self.buffer_bytes} bytes; a bug)")
+            raise ValueError(f"block of {nbytes} bytes exceeds the pool's buffers ({self.buffer_bytes} bytes; a bug)")
         if self._free:
             base, busy = self._free.pop()
             busy.synchronize()  # a host -> device copy may still read it; the store is about to overwrite it
@@ -288,10 +288,10 @@ class CudaStaging:
         self._pinned, self._free, self._reading, self.pool_size = {}, [], {}, 0
 
 
-def staging_for(device: torch.device, buffer_bytes: int, pool_size: int) -> Staging:
-    """The staging for parameters bound on ``device`` (the strategy refuses other device types first)."""
+def transfer_for(device: torch.device, buffer_bytes: int, pool_size: int) -> BlockTransfer:
+    """The transfer for parameters bound on ``device`` (the strategy refuses other device types first)."""
     if device.type == "cpu":
-        return HostStaging()
+        return HostTransfer()
     if device.type == "cuda":
-        return CudaStaging(device, buffer_bytes, pool_size)
+        return CudaTransfer(device, buffer_bytes, pool_size)
     raise ValueError(f"offload_params=True supports cpu and cuda devices, not {device}")

@@ -1,5 +1,5 @@
-"""The staging between a block's host buffer and the device its parameters are used on
-(``lightning_nvme.params.staging``): on CPU no copy at all; the CUDA implementation's ordering (copy on a
+"""The transfer between a block's host buffer and the device its parameters are used on
+(``lightning_nvme.params.transfer``): on CPU no copy at all; the CUDA implementation's ordering (copy on a
 side stream (uploads and downloads on two), the compute stream waits on its event before the parameters point at the device buffer, a
 dirty block's store write only after its device -> host copy completed, a bounded pinned pool) checked
 on CPU with recorded streams and events in place of CUDA's, and training through it (the device copy a
@@ -9,14 +9,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_cuda import FakeCudaRuntime, FakeOps, fake_cuda_staging, install
+from fake_cuda import FakeCudaRuntime, FakeOps, fake_cuda_transfer, install
 from torch import nn
 
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.params import find_blocks, is_placeholder
 from lightning_nvme.params.layout import plan_layout
 from lightning_nvme.params.residency import BlockResidency
-from lightning_nvme.params.staging import CudaStaging, HostStaging
+from lightning_nvme.params.transfer import CudaTransfer, HostTransfer
 from lightning_nvme.store import FlatStore
 
 CPU = torch.device("cpu")
@@ -29,13 +29,13 @@ def _blocks_in_store(tmp_path, stager_of):
     store = FlatStore(tmp_path, io_chunk_bytes=4096)
     store.add_regions([(b.region, b.nbytes) for b in layout.blocks])
     capacity = max(store.region(b.region).capacity for b in layout.blocks)
-    residency = BlockResidency(store, layout.blocks, max_pending_writes=2, staging=stager_of(capacity))
+    residency = BlockResidency(store, layout.blocks, max_pending_writes=2, transfer=stager_of(capacity))
     for block in layout.blocks:
         residency.place(block)
     residency.drain()
     for name in ("read", "write"):  # log the store requests in the same sequence as the CUDA calls
         def logged(region, t, offset=0, _do=getattr(store, name), _name=name):
-            log = getattr(residency.staging, "ops", None)
+            log = getattr(residency.transfer, "ops", None)
             if log is not None:
                 log.log.append((_name, region))
             return _do(region, t, offset)
@@ -43,10 +43,10 @@ def _blocks_in_store(tmp_path, stager_of):
     return model, layout.blocks, residency, store
 
 
-def test_cuda_staging_orders_copies_with_events(tmp_path, monkeypatch):
+def test_cuda_transfer_orders_copies_with_events(tmp_path, monkeypatch):
     rt = install(monkeypatch)
     ops = FakeOps()
-    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=3, ops=ops))
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaTransfer(CPU, cap, pool_size=3, ops=ops))
     block, weight = blocks[0], model[0].weight
     assert is_placeholder(weight)  # placed: the module holds placeholders
     ops.log.clear()
@@ -79,9 +79,9 @@ def test_cuda_staging_orders_copies_with_events(tmp_path, monkeypatch):
     res.release(block, "forward")
     res.drain()
     store.close()
-    stats = res.staging.stats
+    stats = res.transfer.stats
     assert stats.pinned_buffers <= 3 and stats.pageable_buffers == 0
-    res.staging.close()
+    res.transfer.close()
     assert rt.live == {}  # the pool is unregistered
     assert stats.h2d_bytes == 2 * block_capacity(store, block) and stats.d2h_bytes == 2 * block_capacity(store, block)
 
@@ -94,7 +94,7 @@ def test_device_copy_is_protected_on_the_stream_that_copies_it_back(tmp_path, mo
     another block's bytes."""
     install(monkeypatch)
     ops = FakeOps()
-    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=3, ops=ops))
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaTransfer(CPU, cap, pool_size=3, ops=ops))
     for block in blocks:
         res.acquire(block, "forward")
         with torch.no_grad():
@@ -118,7 +118,7 @@ def test_shelved_dirty_block_comes_back_asynchronously_through_pinned_memory(tmp
     the latest before the block is read again."""
     rt = install(monkeypatch)
     ops = FakeOps(runtime=rt)
-    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=3, ops=ops))
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaTransfer(CPU, cap, pool_size=3, ops=ops))
     store.shelve([b.region for b in blocks])
     try:
         block, weight = blocks[0], model[0].weight
@@ -145,7 +145,7 @@ def test_shelved_dirty_block_comes_back_asynchronously_through_pinned_memory(tmp
         assert torch.equal(weight, expected)
         res.release(block, "forward")
         assert torch.equal(res.read_values(block)["0.weight"], expected)
-        assert res.staging.stats.pageable_buffers == 0
+        assert res.transfer.stats.pageable_buffers == 0
     finally:
         res.drain()
         store.close()
@@ -155,29 +155,29 @@ def block_capacity(store: FlatStore, block) -> int:
     return store.region(block.region).capacity
 
 
-def test_cuda_staging_pool_is_bounded_and_reused(tmp_path, monkeypatch):
+def test_cuda_transfer_pool_is_bounded_and_reused(tmp_path, monkeypatch):
     rt = install(monkeypatch)
     ops = FakeOps()
-    _, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=2, ops=ops))
-    pinned_after_setup, pageable = set(rt.live), res.staging.stats.pageable_buffers
+    _, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaTransfer(CPU, cap, pool_size=2, ops=ops))
+    pinned_after_setup, pageable = set(rt.live), res.transfer.stats.pageable_buffers
     assert len(pinned_after_setup) == 2
     for block in blocks:  # three blocks resident at once: the third host buffer is pageable
         res.acquire(block, "user")
-    assert res.staging.stats.pageable_buffers == pageable + 1
+    assert res.transfer.stats.pageable_buffers == pageable + 1
     for block in blocks:
         res.release(block, "user")
     for block in blocks:  # the pool's buffers are reused, none registered again
         res.acquire(block, "user")
         res.release(block, "user")
-    assert set(rt.live) == pinned_after_setup and res.staging.stats.pinned_buffers == len(pinned_after_setup)
+    assert set(rt.live) == pinned_after_setup and res.transfer.stats.pinned_buffers == len(pinned_after_setup)
     assert res.stats.peak_bound_blocks == 3
     res.drain()
     store.close()
 
 
-def test_cuda_staging_without_registration_falls_back_to_pageable_buffers_once(monkeypatch):
+def test_cuda_transfer_without_registration_falls_back_to_pageable_buffers_once(monkeypatch):
     rt = install(monkeypatch, FakeCudaRuntime(refuse=True))
-    stage = CudaStaging(CPU, 8192, pool_size=2, ops=FakeOps())
+    stage = CudaTransfer(CPU, 8192, pool_size=2, ops=FakeOps())
     bufs = [stage.host_buffer(8192) for _ in range(3)]
     assert len(rt.failures) == 1 and stage.stats.pageable_buffers == 3 and stage.stats.pinned_buffers == 0
     for b in bufs:
@@ -185,7 +185,7 @@ def test_cuda_staging_without_registration_falls_back_to_pageable_buffers_once(m
     assert stage.host_buffer(4096).numel() == 4096 and len(rt.failures) == 1
 
 
-class RecordingHostStaging(HostStaging):
+class RecordingHostTransfer(HostTransfer):
     def __init__(self) -> None:
         super().__init__()
         self.calls: list[str] = []
@@ -197,10 +197,10 @@ class RecordingHostStaging(HostStaging):
         return attr
 
 
-def test_host_staging_is_the_same_call_sequence_without_copies(tmp_path):
-    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: RecordingHostStaging())
+def test_host_transfer_is_the_same_call_sequence_without_copies(tmp_path):
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: RecordingHostTransfer())
     block, weight = blocks[0], model[0].weight
-    res.staging.calls.clear()
+    res.transfer.calls.clear()
     res.prefetch(block)
     res.acquire(block, "forward")
     host = res.read_values(block, copy=False)["0.weight"]
@@ -209,17 +209,17 @@ def test_host_staging_is_the_same_call_sequence_without_copies(tmp_path):
     res.mark_dirty(block)
     res.release(block, "forward")
     res.drain()
-    assert res.staging.calls == ["host_buffer", "to_device", "to_host", "recycle"]
+    assert res.transfer.calls == ["host_buffer", "to_device", "to_host", "recycle"]
     assert torch.equal(res.read_values(block)["0.weight"], host)
     store.close()
 
 
-def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_factory, monkeypatch):
-    """The whole training path with the CUDA staging's logic (device copies as separate CPU buffers,
+def test_training_through_cuda_transfer_is_bitwise_equal(tmp_path, tmp_path_factory, monkeypatch):
+    """The whole training path with the CUDA transfer's logic (device copies as separate CPU buffers,
     events recorded): the device copy is what is updated and written back."""
     from test_param_offload import assert_same_params, fit, offload, reference
 
-    rt, made = fake_cuda_staging(monkeypatch)
+    rt, made = fake_cuda_transfer(monkeypatch)
     ref, _ = reference(tmp_path_factory, checkpointing=True)  # required on CUDA (tests/params/test_cuda_path.py)
     strategy = offload(tmp_path)
     off, t = fit(tmp_path / "off", strategy, {"checkpointing": True})
@@ -227,18 +227,18 @@ def test_training_through_cuda_staging_is_bitwise_equal(tmp_path, tmp_path_facto
     stats = strategy.param_offload.stats
     assert len(made) == 1 and rt.live == {} and rt.registers > 0  # unregistered at the end of fit
     assert stats.peak_bound_blocks <= 1 + 2  # device copies: param_prefetch + 2 blocks at most
-    assert 0 < stats.staging.pinned_buffers <= 1 + 2 + 2 and stats.staging.pageable_buffers == 0  # the pool's size
-    assert stats.staging.h2d_bytes > 0 and stats.staging.d2h_bytes > 0
+    assert 0 < stats.transfer.pinned_buffers <= 1 + 2 + 2 and stats.transfer.pageable_buffers == 0  # the pool's size
+    assert stats.transfer.h2d_bytes > 0 and stats.transfer.d2h_bytes > 0
     assert made[0].ops.unprotected_uses() == []  # every device copy protected on each stream that used it
 
 
-def test_training_with_blocks_on_the_shelf_through_cuda_staging_is_bitwise_equal(tmp_path, monkeypatch):
-    """Every block on the shelf (``host_memory_budget``) with the CUDA staging's logic: each dirty block's
+def test_training_with_blocks_on_the_shelf_through_cuda_transfer_is_bitwise_equal(tmp_path, monkeypatch):
+    """Every block on the shelf (``host_memory_budget``) with the CUDA transfer's logic: each dirty block's
     device copy comes back through pinned memory (no pageable copy back), protected until copied, and the
     trained weights equal in-memory training's bitwise."""
     from test_param_offload import assert_same_params, fit, offload
 
-    rt, made = fake_cuda_staging(monkeypatch)
+    rt, made = fake_cuda_transfer(monkeypatch)
     strategy = offload(tmp_path, host_memory_budget=1 << 30)
     off, _ = fit(tmp_path / "off", strategy, {"checkpointing": True}, steps=8)
     ref8, _ = fit(tmp_path / "ref8", "auto", {"checkpointing": True}, steps=8)
@@ -300,7 +300,7 @@ def test_upload_starts_when_the_read_ahead_completes_and_compute_waits_only_at_a
     compute stream waits for it only when the block is acquired, and no second copy is made then."""
     install(monkeypatch)
     ops = FakeOps()
-    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=3, ops=ops))
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaTransfer(CPU, cap, pool_size=3, ops=ops))
     first, ahead = blocks[0], blocks[1]
     res.acquire(first, "forward")
     res.prefetch(ahead)
@@ -332,7 +332,7 @@ def test_update_reads_only_the_trainable_tail(tmp_path, monkeypatch, device):
     """``acquire(tail=True)`` (an optimizer update) of a block not in memory reads its trainable tail alone: the
     frozen parameters stay placeholders. The block's true values while so (``read_values``), once needed whole
     (an acquire for forward: the changed tail written back, the block read), and after eviction are the updated
-    ones, through either staging."""
+    ones, through either transfer."""
     if device == "cuda-logic":
         install(monkeypatch)
     torch.manual_seed(0)
@@ -344,8 +344,8 @@ def test_update_reads_only_the_trainable_tail(tmp_path, monkeypatch, device):
     store = FlatStore(tmp_path, io_chunk_bytes=4096)
     store.add_regions([(b.region, b.nbytes) for b in layout.blocks])
     capacity = max(store.region(b.region).capacity for b in layout.blocks)
-    stager = CudaStaging(CPU, capacity, pool_size=3, ops=FakeOps()) if device == "cuda-logic" else HostStaging()
-    res = BlockResidency(store, layout.blocks, max_pending_writes=2, staging=stager)
+    mover = CudaTransfer(CPU, capacity, pool_size=3, ops=FakeOps()) if device == "cuda-logic" else HostTransfer()
+    res = BlockResidency(store, layout.blocks, max_pending_writes=2, transfer=mover)
     for block in layout.blocks:
         res.place(block)
     res.drain()
@@ -395,8 +395,8 @@ def test_dirty_tail_copies_only_the_tail_back(tmp_path, monkeypatch):
     try:
         store.add_regions([(b.region, b.nbytes) for b in layout.blocks])
         capacity = max(store.region(b.region).capacity for b in layout.blocks)
-        stager = CudaStaging(CPU, capacity, pool_size=3, ops=FakeOps())
-        res = BlockResidency(store, layout.blocks, max_pending_writes=2, staging=stager)
+        mover = CudaTransfer(CPU, capacity, pool_size=3, ops=FakeOps())
+        res = BlockResidency(store, layout.blocks, max_pending_writes=2, transfer=mover)
         for block in layout.blocks:
             res.place(block)
         res.drain()
@@ -405,13 +405,13 @@ def test_dirty_tail_copies_only_the_tail_back(tmp_path, monkeypatch):
         with torch.no_grad():
             model[0][1].weight.add_(1)
         res.mark_dirty(block)
-        stager.collect(wait=True)
-        before = stager.stats.d2h_bytes
+        mover.collect(wait=True)
+        before = mover.stats.d2h_bytes
         res.release(block, "forward")
         res.drain()
-        stager.collect(wait=True)
+        mover.collect(wait=True)
         tail = store.region(block.region).capacity - block.writable_offset
-        assert 0 < tail < capacity and stager.stats.d2h_bytes - before == tail
+        assert 0 < tail < capacity and mover.stats.d2h_bytes - before == tail
         values = res.read_values(block)  # from the store: the updated tail, the head unchanged
         assert torch.equal(values["0.1.weight"], original["0.1.weight"] + 1)
         assert torch.equal(values["0.0.weight"], original["0.0.weight"])
@@ -429,7 +429,7 @@ def test_early_upload_fires_at_the_default_prefetch(tmp_path, monkeypatch):
 
     install(monkeypatch)
     ops = FakeOps()
-    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaStaging(CPU, cap, pool_size=4, ops=ops))
+    model, blocks, res, store = _blocks_in_store(tmp_path, lambda cap: CudaTransfer(CPU, cap, pool_size=4, ops=ops))
     read = store.read
 
     def read_completing_during_compute(region, t, offset=0):

@@ -31,7 +31,7 @@ class ChunkBuffer:
 class CudaOps:
     """The CUDA calls the optimizer's device copies make, one object so a test substitutes one that records
     them (``tests/fake_cuda.FakeOps``) and ``gpu_check`` one that delays them. The same protocol as
-    ``params.staging.CudaOps`` (a layer above, so not imported from here)."""
+    ``params.transfer.CudaOps`` (a layer above, so not imported from here)."""
 
     def stream(self, device: torch.device) -> Any:
         return torch.cuda.Stream(device)

@@ -336,7 +336,9 @@ class ShardedParams:
     def _reduce(self, u: Unit) -> None:
         """The block's gradients are all accumulated: average them across ranks, keep the owned shard."""
         u.arrived.clear()
-        flat = u.flat.pack([p.grad for p in u.trainable],
+        grads = [p.grad for p in u.trainable]
+        assert all(g is not None for g in grads)  # every one arrived (``_grad_hook``)
+        flat = u.flat.pack(grads,  # type: ignore[arg-type]
                            torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
         flat.mul_(1.0 / self.world)  # averages as DDP does: multiply by 1/N, then sum
         lo, hi = u.flat.bounds(self.rank)

@@ -134,6 +134,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         """No ``DistributedDataParallel``: the blocks' gradients are reduce-scattered and the other parameters'
         all-reduced by ``ShardedParams``. As DDP does when it wraps the model, every rank starts from rank 0's
         parameters and buffers."""
+        assert self.model is not None
         _sync_module_states(self.model)
 
     @override

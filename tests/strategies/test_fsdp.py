@@ -1,7 +1,8 @@
 """NVMeOffloadFSDPStrategy on 1, 2 and 4 processes (Gloo, CPU): AdamW on a tied GPT and a tiny Hugging Face Llama
-equal plain DDP (bitwise at 2 ranks, where the reduce-scatter and DDP's all-reduce add the same two numbers; within
-a stated bound at 4), each rank's store holds 1/N of the blocks, checkpoints resume bitwise at the same N and
-reshard on load 2 -> 1 and 1 -> 2, and what is not supported yet is refused by name.
+equal plain DDP (bitwise at 1 and 2 ranks, where the reduce-scatter and DDP's all-reduce add the same numbers in the
+same order; within a stated bound at 4), each rank's store holds 1/N of the blocks and of the optimizer state,
+checkpoints resume bitwise at the same N and reshard on load 2 -> 1 and 1 -> 2, and what is not supported yet is
+refused by name.
 
 As ``test_ddp.py``: Lightning's own launcher starts the processes; each job runs this file as a script
 (``python tests/strategies/test_fsdp.py SPEC.json``) which trains every run of the spec and saves what each rank saw.
@@ -51,15 +52,6 @@ def assert_bitwise(a: dict, b: dict, what: str) -> None:
     assert a["params"].keys() == b["params"].keys()
     for name, p in a["params"].items():
         assert torch.equal(p, b["params"][name]), f"{what}: parameter {name} differs"
-
-
-def max_relative(a: dict, b: dict) -> float:
-    """Largest |a - b| / max(|a|, 1e-3) over every element of every parameter."""
-    worst = 0.0
-    for name, p in a["params"].items():
-        q = b["params"][name]
-        worst = max(worst, float(((p - q).abs() / p.abs().clamp_min(1e-3)).max()))
-    return worst
 
 
 def same_losses(a: list[float], b: list[float], digits: int = 6) -> bool:
@@ -191,20 +183,31 @@ def test_flat_shards_cover_every_element_once():
 @pytest.fixture(scope="module")
 def four(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp4")
-    runs = [spec(tmp, "ddp_gpt", "ddp"), spec(tmp, "fsdp_gpt", "fsdp")]
+    runs = [spec(tmp, "ddp_gpt", "ddp"), spec(tmp, "fsdp_gpt", "fsdp"),
+            spec(tmp, "ddp_sgd", "ddp", optimizer="sgd", steps=1), spec(tmp, "fsdp_sgd", "fsdp", optimizer="sgd", steps=1)]
     launch(tmp, runs, world=4)
     return {r["name"]: results(r, 4) for r in runs}
 
 
-def test_four_ranks_equal_plain_ddp_within_the_reduction_order_bound(four):
-    """At 4 ranks Gloo's reduce-scatter and DDP's bucketed all-reduce may add the four partial gradients in different
-    orders: the parameters agree within 1e-5 relative after 24 AdamW steps (bitwise where the orders agree), the
-    losses to 6 digits."""
+def test_four_ranks_equal_plain_ddp_up_to_the_order_of_the_sum(four):
+    """At 4 ranks each element's gradient is the sum of four partial gradients (each pre-scaled by 1/4, exactly), in
+    the order of Gloo's reduce-scatter for the rank owning it; DDP's bucketed all-reduce adds them in the order of its
+    ring, which depends on the element's position in its bucket. So one step differs by a rounding of the sum (SGD:
+    every tensor within 2 ulp of its largest magnitude; observed 1.1), and AdamW, whose normalised update turns a
+    last-bit difference of a near-zero gradient into a full step for that element, keeps the losses equal to 4 digits
+    over 24 steps (observed: within 1e-5 relative).
+    At 2 ranks the two orders are the same (a + b) and the runs are bitwise equal (tests above)."""
+    ref, fsdp = four["ddp_sgd"], four["fsdp_sgd"]
+    for rank in range(4):
+        for name, p in ref[rank]["params"].items():
+            q = fsdp[rank]["params"][name]
+            ulp = torch.finfo(p.dtype).eps * p.abs().max()
+            assert (p - q).abs().max() <= 2 * ulp, f"rank {rank}: {name}"
     ref, fsdp = four["ddp_gpt"], four["fsdp_gpt"]
     for rank in range(4):
         assert fsdp[rank]["global_step"] == STEPS
-        assert max_relative(ref[rank], fsdp[rank]) < 1e-5
-        assert same_losses(ref[rank]["losses"], fsdp[rank]["losses"])
+        assert fsdp[rank]["losses"][0] == ref[rank]["losses"][0]
+        assert same_losses(ref[rank]["losses"], fsdp[rank]["losses"], digits=4)
         assert_bitwise(fsdp[0], fsdp[rank], "replicas")
     assert fsdp[0]["shard_bytes"] * 4 == pytest.approx(sum(fsdp[0]["block_bytes"]), rel=0.05)
 
@@ -213,11 +216,10 @@ def test_four_ranks_equal_plain_ddp_within_the_reduction_order_bound(four):
 class _Llama:
     @staticmethod
     def build():
+        from _param_offload_model import tokens
         from lightning.pytorch import LightningModule
         from torch.utils.data import DataLoader
         from transformers import LlamaConfig, LlamaForCausalLM
-
-        from _param_offload_model import tokens
 
         class TinyLlama(LightningModule):
             def __init__(self, batch_size: int) -> None:
@@ -255,10 +257,9 @@ def _worker(spec_path: str) -> None:
 
 
 def _train(run: dict, world: int) -> None:
+    from _param_offload_model import TinyGPT
     from lightning.pytorch import Callback, Trainer
     from lightning.pytorch.strategies import DDPStrategy
-
-    from _param_offload_model import TinyGPT
 
     import lightning_nvme  # noqa: F401
     from lightning_nvme import NVMeOffloadFSDPStrategy
@@ -268,7 +269,7 @@ def _train(run: dict, world: int) -> None:
     if run.get("model") == "llama":
         model = _Llama.build()(batch_size=batch)
     else:
-        model = TinyGPT(batch_size=batch)
+        model = TinyGPT(run.get("optimizer", "adamw"), batch_size=batch)
     if run.get("frozen_block_param"):
         model.model.transformer["h"][0].ln_1.weight.requires_grad_(False)
     if run["strategy"] == "ddp":

@@ -27,7 +27,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import DDPStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -230,7 +230,11 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
     def teardown(self) -> None:
         try:
             if self.sharded is not None and self.sharded.active:
-                self.sharded.stop(restore=True)
+                # after a failure another rank may be gone: gathering the weights back would fail or hang, so the
+                # module keeps placeholders (the last checkpoint is the way back, as after a kill)
+                trainer = getattr(self.lightning_module, "_trainer", None)
+                failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+                self.sharded.stop(restore=not failed)
         finally:
             group, self._shard_group = self._shard_group, None
             super().teardown()

@@ -26,7 +26,7 @@ SAVE_EPOCH = 1  # a checkpoint at the end of the second epoch (step 16)
 
 
 # ---- the launcher side (pytest) ---------------------------------------------------------------------------
-def launch(tmp_path, runs: list[dict], world: int, expect_kill: bool = False) -> None:
+def launch(tmp_path, runs: list[dict], world: int, expect_kill: bool = False, expect_failure: bool = False) -> None:
     spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
     spec.write_text(json.dumps({"world": world, "runs": runs}))
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
@@ -35,6 +35,8 @@ def launch(tmp_path, runs: list[dict], world: int, expect_kill: bool = False) ->
                           capture_output=True, text=True)
     if expect_kill:
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    elif expect_failure:
+        assert proc.returncode != 0, proc.stderr[-3000:]
     else:
         assert proc.returncode == 0, proc.stderr[-6000:]
 
@@ -69,7 +71,7 @@ def two(tmp_path_factory):
     resumes a checkpoint saved in ``on_train_epoch_end`` with one extra batch of the finished epoch (its loop
     state says the epoch is not over), so no resumed run, plain or not, follows the uninterrupted one."""
     tmp = tmp_path_factory.mktemp("fsdp")
-    ck = {name: str(tmp / f"{name}.ckpt") for name in ("ddp2", "fsdp2", "ddp1", "fsdp1")}
+    ck = {name: str(tmp / f"{name}.ckpt") for name in ("ddp2", "fsdp2", "ddp1", "fsdp1", "killed")}
     runs = [spec(tmp, "ddp_gpt", "ddp", save=ck["ddp2"]),
             spec(tmp, "fsdp_gpt", "fsdp", save=ck["fsdp2"]),
             spec(tmp, "ddp_llama", "ddp", model="llama"),
@@ -82,7 +84,10 @@ def two(tmp_path_factory):
             spec(tmp, "refuse_accumulate", "fsdp", accumulate=2, expect_error=True),
             spec(tmp, "refuse_frozen", "fsdp", frozen_block_param=True, expect_error=True)]
     launch(tmp, ones, world=1)
-    again = [spec(tmp, "ddp_2_to_2", "ddp", resume=ck["ddp2"]),
+    killed = spec(tmp, "fsdp_killed", "fsdp", save=ck["killed"], kill_step=20, timeout_s=120)
+    launch(tmp, [killed], world=2, expect_failure=True)
+    again = [spec(tmp, "fsdp_after_kill", "fsdp", resume=ck["killed"], store=killed["store"]),
+             spec(tmp, "ddp_2_to_2", "ddp", resume=ck["ddp2"]),
              spec(tmp, "fsdp_2_to_2", "fsdp", resume=ck["fsdp2"]),
              spec(tmp, "ddp_1_to_2", "ddp", resume=ck["ddp1"]),
              spec(tmp, "fsdp_1_to_2", "fsdp", resume=ck["fsdp1"])]
@@ -127,10 +132,14 @@ def test_each_rank_stores_half_of_every_block_and_of_the_optimizer_state(two):
 
 
 @pytest.mark.parametrize(("fsdp", "ddp", "world"), [("fsdp_2_to_2", "ddp_2_to_2", 2), ("fsdp_2_to_1", "ddp_2_to_1", 1),
-                                                    ("fsdp_1_to_2", "ddp_1_to_2", 2)])
+                                                    ("fsdp_1_to_2", "ddp_1_to_2", 2),
+                                                    ("fsdp_after_kill", "ddp_2_to_2", 2)])
 def test_resume_in_new_processes_is_bitwise_at_the_same_and_at_another_world_size(two, fsdp, ddp, world):
     """The checkpoint holds the whole weights and each rank's optimizer shard by parameter and element range, so it
-    reshards on load; resumed, it trains bitwise as plain DDP resumed from its own checkpoint of the same run."""
+    reshards on load; resumed, it trains bitwise as plain DDP resumed from its own checkpoint of the same run.
+    ``fsdp_after_kill``: a run that saved at step 16 had rank 1 SIGKILLed in the middle of step 20's backward (two
+    blocks already updated and written back to its store, the others not; rank 0 then fails on the broken group);
+    its checkpoint, resumed on the killed run's own store directory, is the step-16 state, not the torn one."""
     for rank in range(world):
         assert two[fsdp][rank]["global_step"] == STEPS
         assert_bitwise(two[ddp][rank], two[fsdp][rank], f"{fsdp}, rank {rank}")
@@ -275,7 +284,10 @@ def _train(run: dict, world: int) -> None:
     if run["strategy"] == "ddp":
         strategy = DDPStrategy()
     else:
-        strategy = NVMeOffloadFSDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10))
+        from datetime import timedelta
+
+        strategy = NVMeOffloadFSDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
+                                           timeout=timedelta(seconds=run.get("timeout_s", 1800)))
     losses: list[float] = []
     batches: list[tuple[int, int, int]] = []
 
@@ -284,12 +296,15 @@ def _train(run: dict, world: int) -> None:
             losses.append(float(outputs["loss"]))
             batches.append((trainer.current_epoch, batch_idx, int(batch[0].sum())))
 
+        def on_before_backward(self, trainer, pl_module, loss):
+            if trainer.global_step == run.get("kill_step") and trainer.global_rank == 1:
+                # mid-step: once the last two blocks are updated and written back, during block 1's backward
+                weight = pl_module.model.transformer["h"][1].mlp.c_fc.weight
+                weight.register_post_accumulate_grad_hook(lambda p: os.kill(os.getpid(), signal.SIGKILL))
+
         def on_train_epoch_end(self, trainer, pl_module):
             if run.get("save") and trainer.current_epoch == SAVE_EPOCH:
                 trainer.save_checkpoint(run["save"])
-                if run.get("kill"):
-                    trainer.strategy.barrier()
-                    os.kill(os.getpid(), signal.SIGKILL)
 
     trainer = Trainer(default_root_dir=run["root"], strategy=strategy, accelerator="cpu", devices=world,
                       max_steps=run.get("steps", STEPS), accumulate_grad_batches=run.get("accumulate", 1),

@@ -1,12 +1,14 @@
 """nvme_offload_fsdp vs plain DDP on 2 processes (Gloo, CPU): memory and store bytes per rank, step time against
 its bound.
 
-One 2-process job (Lightning's own launcher) alternates, pair by pair (the disk and the shared cores drift, so a
-ratio is only honest between neighbours):
+2-process jobs (Lightning's own launcher, fresh processes each, so a peak RSS is that run's own) alternate, pair by
+pair (the disk and the shared cores drift, so a ratio is only honest between neighbours):
   ddp   Lightning's "ddp": the whole model, gradient and AdamW state in memory on every rank
   fsdp  "nvme_offload_fsdp": each rank's 1/2 of every block, of its gradient and of the AdamW state, in its store
 then a 1-process job runs one step of "nvme_offload_fsdp" to measure the single-process store (the baseline of
 ``store_share_per_rank``). The model is the package's GPT (tied embeddings, ``--layers`` blocks of width ``--embd``).
+Peak RSS is the training's: VmHWM reset when training starts (after setup, which builds the model in memory and
+shards it: a meta-device build is not supported yet) and read when it ends (before the weights are gathered back).
 
 The bound of an fsdp step is max(compute, each rank's bytes moved / its disk's bandwidth, collective bytes / the
 measured Gloo bandwidth): compute is the ddp step of the same pair (forward, backward, AdamW on the whole model: an
@@ -106,6 +108,9 @@ def worker(args) -> None:
         def __init__(self) -> None:
             self.t0 = self.t1 = 0.0
 
+        def on_train_start(self, trainer, *_):
+            _reset_peak_rss()
+
         def on_train_batch_start(self, trainer, *_):
             if trainer.global_step == args.warmup:
                 trainer.strategy.barrier()
@@ -116,12 +121,12 @@ def worker(args) -> None:
             if store is not None:
                 store.fence(durable=True)
             self.t1 = time.perf_counter()
+            self.peak = peak_rss_mib()
 
     records = []
-    kinds = ("ddp", "fsdp") if args.world > 1 else ("fsdp",)
     gloo = 0.0
     for pair in range(args.pairs):
-        for kind in kinds:
+        for kind in [args.kind]:
             store_dir = os.path.join(args.dir, f"store-{kind}-{pair}")
             strategy = (DDPStrategy() if kind == "ddp" else
                         NVMeOffloadFSDPStrategy(store_dir=store_dir, chunk_bytes=args.chunk_mib << 20, min_free_bytes=0,
@@ -131,9 +136,8 @@ def worker(args) -> None:
                               max_steps=total_steps, logger=False, enable_checkpointing=False,
                               enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
             model = Model()
-            _reset_peak_rss()
             trainer.fit(model)
-            rec = {"pair": pair, "kind": kind, "rank": trainer.global_rank, "peak_rss_MiB": peak_rss_mib(),
+            rec = {"pair": pair, "kind": kind, "rank": trainer.global_rank, "peak_rss_MiB": clock.peak,
                    "step_s": (clock.t1 - clock.t0) / args.steps, "params": sum(p.numel() for p in model.parameters())}
             if kind == "fsdp":
                 s = trainer.strategy
@@ -154,18 +158,22 @@ def worker(args) -> None:
         json.dump(records, f)
 
 
-def _job(args, scratch: str, world: int, pairs: int, steps: int, warmup: int) -> list[list[dict]]:
-    out = os.path.join(scratch, f"result-w{world}")
+def _job(args, scratch: str, kind: str, world: int, steps: int, warmup: int, pair: int = 0) -> list[dict]:
+    """One fit in fresh processes; each rank's record."""
+    out = os.path.join(scratch, f"result-{kind}-w{world}-{pair}")
     forwarded = [a for a in sys.argv[1:]]
-    cmd = [sys.executable, os.path.abspath(__file__), *forwarded, "--worker", out, "--dir", scratch,
-           "--world", str(world), "--pairs", str(pairs), "--steps", str(steps), "--warmup", str(warmup)]
+    cmd = [sys.executable, os.path.abspath(__file__), *forwarded, "--worker", out, "--dir", scratch, "--kind", kind,
+           "--world", str(world), "--pairs", "1", "--steps", str(steps), "--warmup", str(warmup)]
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
     env.setdefault("OMP_NUM_THREADS", "1")
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
     if proc.returncode != 0:
         sys.stderr.write(proc.stderr[-5000:])
         raise SystemExit(f"benchmark worker failed with exit code {proc.returncode}")
-    return [json.load(open(f"{out}.rank{r}.json")) for r in range(world)]
+    records = [json.load(open(f"{out}.rank{r}.json"))[0] for r in range(world)]
+    for rec in records:
+        rec["pair"] = pair
+    return records
 
 
 def main() -> None:
@@ -181,6 +189,7 @@ def main() -> None:
     parser.add_argument("--chunk-mib", type=int, default=8)
     parser.add_argument("--dir", default=None, help="store and scratch directory (default: a temp dir here)")
     parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default="fsdp", help=argparse.SUPPRESS)
     parser.add_argument("--worker", dest="out", default=None, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.out is not None:
@@ -188,8 +197,12 @@ def main() -> None:
 
     t0 = time.perf_counter()
     with tempfile.TemporaryDirectory(dir=args.dir or ROOT, prefix=".bench-fsdp-") as scratch:
-        ranks = _job(args, scratch, 2, args.pairs, args.steps, args.warmup)
-        single = _job(args, scratch, 1, 1, 1, 0)[0][-1]
+        ranks: list[list[dict]] = [[], []]
+        for pair in range(args.pairs):
+            for kind in ("ddp", "fsdp"):
+                for rank, rec in enumerate(_job(args, scratch, kind, 2, args.steps, args.warmup, pair)):
+                    ranks[rank].append(rec)
+        single = _job(args, scratch, "fsdp", 1, 1, 0)[0]
         raw_w, raw_r = raw_disk(scratch, 256 << 20)
     wall = time.perf_counter() - t0
 
@@ -201,7 +214,7 @@ def main() -> None:
             step[key] = max(step.get(key, 0.0), rec["step_s"])
     last = [next(r for r in reversed(recs) if r["kind"] == "fsdp") for recs in ranks]
     ddp_last = [next(r for r in reversed(recs) if r["kind"] == "ddp") for recs in ranks]
-    gloo = last[0]["gloo_GBps"]
+    gloo = statistics.median(r["gloo_GBps"] for r in ranks[0] if r["gloo_GBps"])
     share = (world - 1) / world
     collective = share * (3 * last[0]["block_bytes"] + 3 * last[0]["replicated_bytes"])
     bounds, ratios = [], []

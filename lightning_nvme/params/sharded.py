@@ -3,7 +3,8 @@
 The engine of ``nvme_offload_fsdp`` (ZeRO stage 3 with an NVMe tier). Per block (``params.policy`` decides which
 modules are blocks, as for ``offload_params``), per step::
 
-    forward   pre-hook: read this rank's shard (read ahead ``prefetch`` blocks) -> all_gather -> bind -> compute
+    forward   pre-hook: read this rank's shard (read ahead ``prefetch`` blocks) -> all_gather -> bind -> compute;
+              the next block's all_gather is started here, asynchronously, and runs while this block computes
               post-hook: unbind (placeholders), the gathered block is freed
     backward  a hook on the block's outputs: read the shard, all_gather again, bind
               once every trainable parameter's gradient is accumulated: reduce_scatter of the block's flat
@@ -69,6 +70,7 @@ class Unit:
     trainable: list[torch.Tensor]
     owned_params: list[torch.Tensor]  # trainable parameters with elements in this rank's shard
     full: torch.Tensor | None = None  # the gathered flat tensor while bound
+    ahead: tuple[torch.Tensor, Any] | None = None  # a gather started one block early (forward): (output, work)
     grad: torch.Tensor | None = None  # the flat gradient while the update is pending (owned slice reduced)
     refs: Counter = field(default_factory=Counter)
     arrived: set[int] = field(default_factory=set)  # id(param): gradients accumulated this backward
@@ -215,12 +217,13 @@ class ShardedParams:
             u.pending.clear()
             u.grad = None
             if restore:
-                full = self._gathered(u)
+                full = self._take_ahead(u)
+                full = full if full is not None else self._gathered(u)
                 for s in u.flat.slots:
                     s.param.data = u.flat.view(full, s)
             else:
-                self._unbind(u)
-            u.full = None
+                self._unbind(u)  # a gather started ahead is not waited for: another rank may be gone
+            u.full, u.ahead = None, None
         self.residency.release_all()
         self.residency.drain()
         self.residency = None
@@ -238,9 +241,31 @@ class ShardedParams:
             self.residency.release(u.shard, GATHER)
         return full
 
+    def _gather_ahead(self, u: Unit) -> None:
+        """Start ``u``'s all-gather now (asynchronously), so it runs while the block before it computes. Its shard
+        stays held until the gather is waited for (the collective reads it)."""
+        assert self.residency is not None
+        if u.full is not None or u.ahead is not None:
+            return
+        self.residency.acquire(u.shard, GATHER)
+        full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        u.ahead = (full, gather(full, u.shard.slots[0].param.data.to(self.device), group=self.group, async_op=True))
+
+    def _take_ahead(self, u: Unit) -> torch.Tensor | None:
+        if u.ahead is None:
+            return None
+        assert self.residency is not None
+        (full, work), u.ahead = u.ahead, None
+        work.wait()
+        self.residency.release(u.shard, GATHER)
+        return full
+
     def _hold(self, u: Unit, why: str) -> None:
         if u.full is None:
-            u.full = self._gathered(u)
+            u.full = self._take_ahead(u)
+            if u.full is None:
+                u.full = self._gathered(u)
             for s in u.flat.slots:
                 s.param.data = u.flat.view(u.full, s)
         u.refs[why] += 1
@@ -281,7 +306,11 @@ class ShardedParams:
                     self._recomputed.append(u)
                 return None
             self._hold(u, FWD)
-            self._prefetch(self.units[u.index + 1:u.index + 1 + self.prefetch])
+            # reads run one block further ahead than the gathers: the next block's read had this block's
+            # predecessor's compute to complete, its gather gets this block's compute
+            self._prefetch(self.units[u.index + 2:u.index + 2 + self.prefetch])
+            if u.index + 1 < len(self.units):
+                self._gather_ahead(self.units[u.index + 1])
             call = _Call(u)
             self._stack[u.index].append(call)
             if not torch.is_grad_enabled():
@@ -407,6 +436,8 @@ class ShardedParams:
         for call in self._open:
             self._post_backward(call)
         self._open = []
+        for u in self.units:
+            self._take_ahead(u)  # started for a block the pass never reached: waited for (issued on every rank), dropped
         if self.residency is not None:
             self.residency.evict_unheld()
             self.residency.poll_writes()

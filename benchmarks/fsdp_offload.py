@@ -156,6 +156,10 @@ def worker(args) -> None:
         rec["gloo_GBps"] = gloo
     with open(f"{args.out}.rank{trainer.global_rank}.json", "w") as f:
         json.dump(records, f)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # gloo's threads, left to interpreter exit, can abort it (SIGABRT, "terminate called")
+        dist.destroy_process_group()
 
 
 def _job(args, scratch: str, kind: str, world: int, steps: int, warmup: int, pair: int = 0) -> list[dict]:

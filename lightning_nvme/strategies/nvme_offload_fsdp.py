@@ -221,12 +221,6 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         return super().lightning_module_state_dict()
 
     @override
-    def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
-        if self.sharded is not None:
-            self.sharded.issue_writes()
-        super()._save_streamed(checkpoint, path)
-
-    @override
     def teardown(self) -> None:
         try:
             if self.sharded is not None and self.sharded.active:

@@ -272,7 +272,7 @@ def _train(run: dict, world: int) -> None:
 
     import lightning_nvme  # noqa: F401
     from lightning_nvme import NVMeOffloadFSDPStrategy
-    from lightning_nvme.optim import OffloadedOptimizer
+    from lightning_nvme.optim.chunk_update import ChunkUpdater
 
     batch = 8 // world
     if run.get("model") == "llama":
@@ -311,14 +311,14 @@ def _train(run: dict, world: int) -> None:
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, callbacks=[Record()])
     updated_in_backward = 0
-    original = OffloadedOptimizer._update_chunk
+    original = ChunkUpdater.update_chunk
 
-    def counting(self, c):
+    def counting(self, c, in_backward=False):
         nonlocal updated_in_backward
-        updated_in_backward += bool(self._armed)
-        return original(self, c)
+        updated_in_backward += bool(in_backward)
+        return original(self, c, in_backward)
 
-    OffloadedOptimizer._update_chunk = counting
+    ChunkUpdater.update_chunk = counting
     try:
         trainer.fit(model, ckpt_path=run.get("resume"))
     except Exception as e:  # noqa: BLE001  (a run that must be refused records its error)
@@ -328,7 +328,7 @@ def _train(run: dict, world: int) -> None:
         torch.save({"error": f"{type(e).__name__}: {e}"}, f"{run['out']}.rank{trainer.global_rank}.pt")
         return
     finally:
-        OffloadedOptimizer._update_chunk = original
+        ChunkUpdater.update_chunk = original
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "global_step": trainer.global_step,
            "losses": losses, "batches": batches, "updated_in_backward": updated_in_backward}
     if run["strategy"] == "fsdp":

@@ -22,10 +22,17 @@ Every collective runs on ``group`` from a module or autograd hook whose order is
 model, the same graph); an optimizer update never communicates, because each rank updates only its own shard from
 its own store. The block's shard goes through ``BlockResidency`` (the store reads, the bounded write-backs, the
 shelf), as a one-parameter block: its values are the shard.
+``ShardedParams`` arguments: ``model`` (the LightningModule: its blocks are sharded, every other parameter stays
+replicated); ``block_classes`` (as ``offload_params``' ``param_block_classes``); ``rank``, ``world``; ``group`` (the
+process group of the gathers and reductions: its own, so they never interleave with others'); ``prefetch`` (blocks
+whose shard is read ahead); ``device`` (where gathered blocks and gradients live); ``reduced`` (called with the
+parameters whose averaged, owned gradient is final: the strategy hands them to the offloaded optimizer's
+``grad_ready``, which may update them at once).
 """
 
 from __future__ import annotations
 
+import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -98,17 +105,64 @@ class _PostBackward(torch.autograd.Function):
         return (None, *grads)
 
 
+class ShardIO:
+    """A rank's block shards in its store, and the gathers that make whole blocks of them (the collectives that read
+    a shard). Its ``residency`` exists from ``ShardedParams.start`` on."""
+
+    def __init__(self, rank: int, group: Any, device: torch.device) -> None:
+        self.rank, self.group, self.device = rank, group, device
+        self.residency: BlockResidency | None = None
+
+    def gathered(self, u: Unit) -> torch.Tensor:
+        """The whole block as one flat tensor: this rank's shard from the store, all-gathered (a collective)."""
+        assert self.residency is not None
+        self.residency.acquire(u.shard, GATHER)
+        try:
+            local = u.shard.slots[0].param.data
+            full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
+            _all_gather(full, local.to(self.device), self.group)
+        finally:
+            self.residency.release(u.shard, GATHER)
+        return full
+
+    def gather_ahead(self, u: Unit) -> None:
+        """Start ``u``'s all-gather now (asynchronously), so it runs while the block before it computes. Its shard
+        stays held until the gather is waited for (the collective reads it)."""
+        assert self.residency is not None
+        if u.full is not None or u.ahead is not None:
+            return
+        self.residency.acquire(u.shard, GATHER)
+        full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        u.ahead = (full, gather(full, u.shard.slots[0].param.data.to(self.device), group=self.group, async_op=True))
+
+    def take_ahead(self, u: Unit) -> torch.Tensor | None:
+        if u.ahead is None:
+            return None
+        assert self.residency is not None
+        (full, work), u.ahead = u.ahead, None
+        work.wait()
+        self.residency.release(u.shard, GATHER)
+        return full
+
+    def write_shard(self, u: Unit, full: torch.Tensor) -> None:
+        """This rank's slice of ``full`` becomes the block's shard in the store (written asynchronously)."""
+        assert self.residency is not None
+        lo, hi = u.flat.bounds(self.rank)
+        if self.residency.is_resident(u.shard):
+            self.residency.evict(u.shard)  # read ahead for a pass to come, never used: dropped (it is unchanged)
+        u.shard.slots[0].param.data = full[lo:hi]
+        self.residency.place(u.shard)  # copies into an aligned buffer, writes it, leaves a placeholder
+
+    def prefetch(self, units: Iterable[Unit]) -> None:
+        assert self.residency is not None
+        for u in units:
+            if u.full is None:
+                self.residency.prefetch(u.shard)
+
+
 class ShardedParams:
-    """Args:
-        model: the LightningModule (its blocks are sharded; every other parameter stays replicated).
-        block_classes: as ``offload_params``' ``param_block_classes`` (``None``: the model's, else the largest list).
-        rank, world: this rank and the number of ranks in ``group``.
-        group: the process group of the gathers and reductions (its own, so they never interleave with others').
-        prefetch: blocks whose shard is read ahead of need.
-        device: where the parameters are used (the gathered blocks and the gradients live there).
-        reduced: called with the parameters whose (averaged, owned) gradient is final: the strategy hands them
-            to the offloaded optimizer (``grad_ready``), which may update them at once.
-    """
+    """The blocks of ``model`` sharded over ``world`` ranks of ``group`` (arguments: the module docstring)."""
 
     def __init__(self, model: nn.Module, block_classes: BlockClasses, rank: int, world: int, group: Any,
                  prefetch: int = 1, device: torch.device | None = None,
@@ -147,7 +201,7 @@ class ShardedParams:
         self.replicated = [FlatShards(named, world) for named in by_dtype.values()]  # owned 1/N, gathered after a step
         self._unit_of = {id(p): u for u in self.units for p in u.trainable}
         self._outside_ids = {id(p) for _, p in self.outside}
-        self.residency: BlockResidency | None = None
+        self.io = ShardIO(rank, group, self.device)
         self._handles: list[Any] = []
         self._stack: dict[int, list[_Call]] = {u.index: [] for u in self.units}
         self._open: list[_Call] = []
@@ -175,6 +229,14 @@ class ShardedParams:
         return sum(s.numel * torch.empty((), dtype=u.flat.dtype).element_size() for u in self.units for s in u.flat.slots)
 
     @property
+    def residency(self) -> BlockResidency | None:
+        return self.io.residency
+
+    @residency.setter
+    def residency(self, value: BlockResidency | None) -> None:
+        self.io.residency = value
+
+    @property
     def active(self) -> bool:
         return self.residency is not None
 
@@ -192,17 +254,17 @@ class ShardedParams:
             with torch.no_grad():
                 full = u.flat.pack([p.detach() for p in u.trainable],
                                    torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
-            self._write_shard(u, full)
+            self.io.write_shard(u, full)
             self._unbind(u)
         self.residency.drain()
         for u in self.units:
             self._handles.append(u.module.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
             self._handles.append(u.module.register_forward_hook(self._post_forward(u)))
-            self._handles.append(u.module._register_state_dict_hook(self._gather_hook(u)))
+            self._handles.append(u.module._register_state_dict_hook(_gather_hook(self, u)))
             for p in u.trainable:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(u)))
         for _, p in self.outside:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._outside_grad_hook))
+            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_all_reduce_hook, self)))
 
     def stop(self, restore: bool = True) -> None:
         """End of fit: with ``restore`` every block is gathered back into its module (a collective: every rank
@@ -217,8 +279,8 @@ class ShardedParams:
             u.pending.clear()
             u.grad = None
             if restore:
-                full = self._take_ahead(u)
-                full = full if full is not None else self._gathered(u)
+                full = self.io.take_ahead(u)
+                full = full if full is not None else self.io.gathered(u)
                 for s in u.flat.slots:
                     s.param.data = u.flat.view(full, s)
             else:
@@ -229,43 +291,11 @@ class ShardedParams:
         self.residency = None
 
     # ---- gather, bind, release ---------------------------------------------------------------------------
-    def _gathered(self, u: Unit) -> torch.Tensor:
-        """The whole block as one flat tensor: this rank's shard from the store, all-gathered (a collective)."""
-        assert self.residency is not None
-        self.residency.acquire(u.shard, GATHER)
-        try:
-            local = u.shard.slots[0].param.data
-            full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
-            _all_gather(full, local.to(self.device), self.group)
-        finally:
-            self.residency.release(u.shard, GATHER)
-        return full
-
-    def _gather_ahead(self, u: Unit) -> None:
-        """Start ``u``'s all-gather now (asynchronously), so it runs while the block before it computes. Its shard
-        stays held until the gather is waited for (the collective reads it)."""
-        assert self.residency is not None
-        if u.full is not None or u.ahead is not None:
-            return
-        self.residency.acquire(u.shard, GATHER)
-        full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        u.ahead = (full, gather(full, u.shard.slots[0].param.data.to(self.device), group=self.group, async_op=True))
-
-    def _take_ahead(self, u: Unit) -> torch.Tensor | None:
-        if u.ahead is None:
-            return None
-        assert self.residency is not None
-        (full, work), u.ahead = u.ahead, None
-        work.wait()
-        self.residency.release(u.shard, GATHER)
-        return full
-
     def _hold(self, u: Unit, why: str) -> None:
         if u.full is None:
-            u.full = self._take_ahead(u)
+            u.full = self.io.take_ahead(u)
             if u.full is None:
-                u.full = self._gathered(u)
+                u.full = self.io.gathered(u)
             for s in u.flat.slots:
                 s.param.data = u.flat.view(u.full, s)
         u.refs[why] += 1
@@ -282,21 +312,6 @@ class ShardedParams:
             s.param.data = placeholder(s.shape, u.flat.dtype, self.device)
         u.full = None
 
-    def _write_shard(self, u: Unit, full: torch.Tensor) -> None:
-        """This rank's slice of ``full`` becomes the block's shard in the store (written asynchronously)."""
-        assert self.residency is not None
-        lo, hi = u.flat.bounds(self.rank)
-        if self.residency.is_resident(u.shard):
-            self.residency.evict(u.shard)  # read ahead for a pass to come, never used: dropped (it is unchanged)
-        u.shard.slots[0].param.data = full[lo:hi]
-        self.residency.place(u.shard)  # copies into an aligned buffer, writes it, leaves a placeholder
-
-    def _prefetch(self, units: Iterable[Unit]) -> None:
-        assert self.residency is not None
-        for u in units:
-            if u.full is None:
-                self.residency.prefetch(u.shard)
-
     # ---- forward ---------------------------------------------------------------------------------------------
     def _pre_forward(self, u: Unit) -> Callable[..., Any]:
         def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
@@ -308,9 +323,9 @@ class ShardedParams:
             self._hold(u, FWD)
             # reads run one block further ahead than the gathers: the next block's read had this block's
             # predecessor's compute to complete, its gather gets this block's compute
-            self._prefetch(self.units[u.index + 2:u.index + 2 + self.prefetch])
+            self.io.prefetch(self.units[u.index + 2:u.index + 2 + self.prefetch])
             if u.index + 1 < len(self.units):
-                self._gather_ahead(self.units[u.index + 1])
+                self.io.gather_ahead(self.units[u.index + 1])
             call = _Call(u)
             self._stack[u.index].append(call)
             if not torch.is_grad_enabled():
@@ -344,7 +359,7 @@ class ShardedParams:
         call.pre = True
         u = call.unit
         self._hold(u, BWD)
-        self._prefetch(reversed(self.units[max(0, u.index - self.prefetch):u.index]))
+        self.io.prefetch(reversed(self.units[max(0, u.index - self.prefetch):u.index]))
         task = torch._C._current_graph_task_id()
         if task != self._callback_queued_for:
             self._callback_queued_for = task
@@ -383,13 +398,6 @@ class ShardedParams:
             self._hold(u, UPDATE)  # the update writes into the gathered block; its owned slice is then written back
             self.reduced(u.owned_params)
 
-    def _outside_grad_hook(self, p: torch.Tensor) -> None:
-        """A replicated parameter's gradient is final: average it across ranks (as DDP), hand it on."""
-        assert p.grad is not None
-        p.grad.mul_(1.0 / self.world)
-        dist.all_reduce(p.grad, group=self.group)
-        self.reduced([p])
-
     def _end_backward(self) -> None:
         for call in self._open:
             self._post_backward(call)
@@ -423,7 +431,7 @@ class ShardedParams:
 
     def _updated(self, u: Unit) -> None:
         assert u.full is not None
-        self._write_shard(u, u.full)
+        self.io.write_shard(u, u.full)
         u.grad = None
         self._let_go(u, UPDATE)
 
@@ -437,7 +445,7 @@ class ShardedParams:
             self._post_backward(call)
         self._open = []
         for u in self.units:
-            self._take_ahead(u)  # started for a block the pass never reached: waited for (issued on every rank), dropped
+            self.io.take_ahead(u)  # started for a block the pass never reached: waited for (issued on every rank), dropped
         if self.residency is not None:
             self.residency.evict_unheld()
             self.residency.poll_writes()
@@ -451,20 +459,25 @@ class ShardedParams:
                 for s in flat.slots:
                     s.param.copy_(flat.view(out, s))
 
-    def issue_writes(self) -> None:
-        if self.residency is not None:
-            self.residency.issue_writes()
 
-    # ---- state_dict ----------------------------------------------------------------------------------------
-    def _gather_hook(self, u: Unit) -> Any:
-        names = {id(s.param): s for s in u.flat.slots}
-        local = [(n, names[id(p)]) for n, p in u.module.named_parameters(remove_duplicate=False) if id(p) in names]
+def _gather_hook(engine: ShardedParams, u: Unit) -> Any:
+    """``state_dict()`` of a sharded block: its weights gathered from every rank (a collective: every rank calls it)."""
+    names = {id(s.param): s for s in u.flat.slots}
+    local = [(n, names[id(p)]) for n, p in u.module.named_parameters(remove_duplicate=False) if id(p) in names]
 
-        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
-            if self.residency is None:
-                return
-            full = u.full if u.full is not None else self._gathered(u)
-            for name, slot in local:
-                if prefix + name in state_dict:
-                    state_dict[prefix + name] = u.flat.view(full, slot).clone()
-        return hook
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+        if engine.residency is None:
+            return
+        full = u.full if u.full is not None else engine.io.gathered(u)
+        for name, slot in local:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = u.flat.view(full, slot).clone()
+    return hook
+
+
+def _all_reduce_hook(engine: ShardedParams, p: torch.Tensor) -> None:
+    """A replicated parameter's gradient is final: average it across ranks (as DDP: 1/N, then sum), hand it on."""
+    assert p.grad is not None
+    p.grad.mul_(1.0 / engine.world)
+    dist.all_reduce(p.grad, group=engine.group)
+    engine.reduced([p])

@@ -216,6 +216,16 @@ class DDPOffloadSettings(OffloadSettings):
         nbytes(ALIGN, typical=str(16 * MiB)))
 
 
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class FSDPOffloadSettings(DDPOffloadSettings):
+    """Arguments of ``nvme_offload_fsdp``: those of ``nvme_offload_ddp``; only ``overlap``'s default differs (each
+    block's gradient shard is consumed during its backward, docs/fsdp.md)."""
+
+    overlap: str = setting(
+        "backward", "``\"step\"``: state I/O overlaps forward and backward; ``\"backward\"``: chunks are also updated "
+                    "during backward as their gradients become final.", one_of(*OVERLAP_MODES))
+
+
 def check_values(**values: Any) -> None:
     """Check some settings on their own (e.g. those an I/O profile holds), by the checks defined above."""
     fields = {f.name: f for f in dataclasses.fields(DDPOffloadSettings)}

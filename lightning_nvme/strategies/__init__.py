@@ -2,5 +2,6 @@
 
 from lightning_nvme.strategies.nvme_offload import NVMeOffloadStrategy
 from lightning_nvme.strategies.nvme_offload_ddp import NVMeOffloadDDPStrategy
+from lightning_nvme.strategies.nvme_offload_fsdp import NVMeOffloadFSDPStrategy
 
-__all__ = ["NVMeOffloadDDPStrategy", "NVMeOffloadStrategy"]
+__all__ = ["NVMeOffloadDDPStrategy", "NVMeOffloadFSDPStrategy", "NVMeOffloadStrategy"]

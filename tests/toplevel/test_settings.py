@@ -12,13 +12,14 @@ from typing import Any
 import pytest
 from omegaconf import OmegaConf
 
-from lightning_nvme import NVMeOffloadDDPStrategy, NVMeOffloadStrategy
+from lightning_nvme import NVMeOffloadDDPStrategy, NVMeOffloadFSDPStrategy, NVMeOffloadStrategy
 from lightning_nvme.checks import ConfigError
-from lightning_nvme.settings import DDPOffloadSettings, OffloadSettings, markdown_table
+from lightning_nvme.settings import DDPOffloadSettings, FSDPOffloadSettings, OffloadSettings, markdown_table
 
 MiB = 1 << 20
 STRATEGIES = [(NVMeOffloadStrategy, OffloadSettings, "nvme_offload"),
-              (NVMeOffloadDDPStrategy, DDPOffloadSettings, "nvme_offload_ddp")]
+              (NVMeOffloadDDPStrategy, DDPOffloadSettings, "nvme_offload_ddp"),
+              (NVMeOffloadFSDPStrategy, FSDPOffloadSettings, "nvme_offload_fsdp")]
 # The one YAML value that is not the constructor's default: the store directory follows the run's paths group
 # (which itself falls back to $LIGHTNING_NVME_STORE_DIR, as the constructor's None does).
 YAML_INTERPOLATED = {"store_dir": "${paths.store_dir}"}

@@ -1,0 +1,257 @@
+"""nvme_offload_fsdp vs plain DDP on 2 processes (Gloo, CPU): memory and store bytes per rank, step time against
+its bound.
+
+2-process jobs (Lightning's own launcher, fresh processes each, so a peak RSS is that run's own) alternate, pair by
+pair (the disk and the shared cores drift, so a ratio is only honest between neighbours):
+  ddp   Lightning's "ddp": the whole model, gradient and AdamW state in memory on every rank
+  fsdp  "nvme_offload_fsdp": each rank's 1/2 of every block, of its gradient and of the AdamW state, in its store
+then a 1-process job runs one step of "nvme_offload_fsdp" to measure the single-process store (the baseline of
+``store_share_per_rank``). The model is the package's GPT (tied embeddings, ``--layers`` blocks of width ``--embd``).
+Peak RSS is the training's: VmHWM reset when training starts (after setup, which builds the model in memory and
+shards it: a meta-device build is not supported yet) and read when it ends (before the weights are gathered back).
+
+The bound of an fsdp step is max(compute, each rank's bytes moved / its disk's bandwidth, collective bytes / the
+measured Gloo bandwidth): compute is the ddp step of the same pair (forward, backward, AdamW on the whole model: an
+upper estimate of the fsdp rank's compute), the disk bandwidth is this run's raw read/write of the store's disk, the
+Gloo bandwidth an all-gather of 64 MiB timed in the job. Bytes moved per rank and step: its block shards read twice
+(forward, backward) and written once, its optimizer state read and written once. Collective bytes per rank: every
+block gathered twice and reduce-scattered once, the replicated parameters all-reduced and gathered once, each moving
+(N - 1)/N of the tensor per rank.
+
+    python benchmarks/fsdp_offload.py                         # ~55M params, 2 pairs of 4 timed steps
+    python benchmarks/fsdp_offload.py --layers 12 --embd 1024 # bigger (store: ~12 bytes/param over both ranks)
+
+Last line: one JSON object.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+
+ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+sys.path.insert(0, ROOT)
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _disk import peak_rss_mib, raw_disk, spread  # noqa: E402
+
+MiB = 1 << 20
+
+
+def _reset_peak_rss() -> None:
+    """Linux: writing 5 to clear_refs resets VmHWM, so each fit's peak is its own."""
+    try:
+        with open("/proc/self/clear_refs", "w") as f:
+            f.write("5")
+    except OSError:
+        pass
+
+
+def _gloo_gbps(nbytes: int = 64 * MiB, reps: int = 3) -> float:
+    """Bytes each rank receives per second in an all-gather of ``nbytes`` (the default group, after a fit)."""
+    import torch
+    import torch.distributed as dist
+
+    world = dist.get_world_size()
+    shard = torch.ones(nbytes // 4 // world)
+    out = torch.empty(shard.numel() * world)
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(out, shard)
+    dist.barrier()
+    t0 = time.perf_counter()
+    for _ in range(reps):
+        gather(out, shard)
+    seconds = (time.perf_counter() - t0) / reps
+    return shard.numel() * 4 * (world - 1) / seconds / 1e9
+
+
+def worker(args) -> None:
+    """Runs in every rank (Lightning relaunches this command for the other ranks)."""
+    import torch
+    from lightning.pytorch import Callback, LightningModule, Trainer
+    from lightning.pytorch.strategies import DDPStrategy
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import lightning_nvme  # noqa: F401
+    from lightning_nvme import NVMeOffloadFSDPStrategy
+    from lightning_nvme.models.gpt import GPT, GPTConfig
+
+    total_steps = args.warmup + args.steps
+    g = torch.Generator().manual_seed(0)
+    n = total_steps * args.batch * args.world
+    x = torch.randint(0, args.vocab, (n, args.tokens + 1), generator=g)
+    data = TensorDataset(x[:, :-1], x[:, 1:])
+
+    class Model(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            self.model = GPT(GPTConfig(vocab_size=args.vocab, n_positions=args.tokens, n_embd=args.embd,
+                                       n_layer=args.layers, n_head=max(1, args.embd // 64)))
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+
+        def train_dataloader(self):
+            return DataLoader(data, batch_size=args.batch, shuffle=False)
+
+    class Clock(Callback):
+        def __init__(self) -> None:
+            self.t0 = self.t1 = 0.0
+
+        def on_train_start(self, trainer, *_):
+            _reset_peak_rss()
+
+        def on_train_batch_start(self, trainer, *_):
+            if trainer.global_step == args.warmup:
+                trainer.strategy.barrier()
+                self.t0 = time.perf_counter()
+
+        def on_train_end(self, trainer, *_):
+            store = getattr(trainer.strategy, "nvme_store", None)
+            if store is not None:
+                store.fence(durable=True)
+            self.t1 = time.perf_counter()
+            self.peak = peak_rss_mib()
+
+    records = []
+    gloo = 0.0
+    for pair in range(args.pairs):
+        for kind in [args.kind]:
+            store_dir = os.path.join(args.dir, f"store-{kind}-{pair}")
+            strategy = (DDPStrategy() if kind == "ddp" else
+                        NVMeOffloadFSDPStrategy(store_dir=store_dir, chunk_bytes=args.chunk_mib << 20, min_free_bytes=0,
+                                                inline_weights_bytes=1 << 40))
+            clock = Clock()
+            trainer = Trainer(default_root_dir=args.dir, strategy=strategy, accelerator="cpu", devices=args.world,
+                              max_steps=total_steps, logger=False, enable_checkpointing=False,
+                              enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
+            model = Model()
+            trainer.fit(model)
+            rec = {"pair": pair, "kind": kind, "rank": trainer.global_rank, "peak_rss_MiB": clock.peak,
+                   "step_s": (clock.t1 - clock.t0) / args.steps, "params": sum(p.numel() for p in model.parameters())}
+            if kind == "fsdp":
+                s = trainer.strategy
+                path = s.offloaded[0].store_ref.path
+                units = s.sharded.units
+                rec.update(store_file_bytes=os.path.getsize(path),
+                           shard_bytes=sum(u.flat.shard_bytes for u in units),
+                           block_bytes=sum(u.flat.total * 4 for u in units),
+                           replicated_bytes=sum(f.total * 4 for f in s.sharded.replicated),
+                           state_bytes=s.offloaded[0].state_bytes)
+                os.remove(path)  # the next fit's store: the disk budget holds one at a time
+            records.append(rec)
+            if args.world > 1 and not gloo:
+                gloo = _gloo_gbps()
+    for rec in records:
+        rec["gloo_GBps"] = gloo
+    with open(f"{args.out}.rank{trainer.global_rank}.json", "w") as f:
+        json.dump(records, f)
+    import torch.distributed as dist
+
+    if dist.is_initialized():  # gloo's threads, left to interpreter exit, can abort it (SIGABRT, "terminate called")
+        dist.destroy_process_group()
+
+
+def _job(args, scratch: str, kind: str, world: int, steps: int, warmup: int, pair: int = 0) -> list[dict]:
+    """One fit in fresh processes; each rank's record."""
+    out = os.path.join(scratch, f"result-{kind}-w{world}-{pair}")
+    forwarded = [a for a in sys.argv[1:]]
+    cmd = [sys.executable, os.path.abspath(__file__), *forwarded, "--worker", out, "--dir", scratch, "--kind", kind,
+           "--world", str(world), "--pairs", "1", "--steps", str(steps), "--warmup", str(warmup)]
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE")}
+    env.setdefault("OMP_NUM_THREADS", "1")
+    proc = subprocess.run(cmd, env=env, capture_output=True, text=True)
+    if proc.returncode != 0:
+        sys.stderr.write(proc.stderr[-5000:])
+        raise SystemExit(f"benchmark worker failed with exit code {proc.returncode}")
+    records = [json.load(open(f"{out}.rank{r}.json"))[0] for r in range(world)]
+    for rec in records:
+        rec["pair"] = pair
+    return records
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=6)
+    parser.add_argument("--embd", type=int, default=768)
+    parser.add_argument("--vocab", type=int, default=16384)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--batch", type=int, default=2, help="sequences per rank and step")
+    parser.add_argument("--pairs", type=int, default=2)
+    parser.add_argument("--warmup", type=int, default=1)
+    parser.add_argument("--steps", type=int, default=4)
+    parser.add_argument("--chunk-mib", type=int, default=8)
+    parser.add_argument("--dir", default=None, help="store and scratch directory (default: a temp dir here)")
+    parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
+    parser.add_argument("--kind", default="fsdp", help=argparse.SUPPRESS)
+    parser.add_argument("--worker", dest="out", default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.out is not None:
+        return worker(args)
+
+    t0 = time.perf_counter()
+    with tempfile.TemporaryDirectory(dir=args.dir or ROOT, prefix=".bench-fsdp-") as scratch:
+        ranks: list[list[dict]] = [[], []]
+        for pair in range(args.pairs):
+            for kind in ("ddp", "fsdp"):
+                for rank, rec in enumerate(_job(args, scratch, kind, 2, args.steps, args.warmup, pair)):
+                    ranks[rank].append(rec)
+        single = _job(args, scratch, "fsdp", 1, 1, 0)[0]
+        raw_w, raw_r = raw_disk(scratch, 256 << 20)
+    wall = time.perf_counter() - t0
+
+    world = 2
+    step: dict[tuple[int, str], float] = {}  # (pair, kind) -> the slower rank's step time
+    for recs in ranks:
+        for rec in recs:
+            key = (rec["pair"], rec["kind"])
+            step[key] = max(step.get(key, 0.0), rec["step_s"])
+    last = [next(r for r in reversed(recs) if r["kind"] == "fsdp") for recs in ranks]
+    ddp_last = [next(r for r in reversed(recs) if r["kind"] == "ddp") for recs in ranks]
+    gloo = statistics.median(r["gloo_GBps"] for r in ranks[0] if r["gloo_GBps"])
+    share = (world - 1) / world
+    collective = share * (3 * last[0]["block_bytes"] + 3 * last[0]["replicated_bytes"])
+    bounds, ratios = [], []
+    for p in range(args.pairs):
+        compute = step[(p, "ddp")]
+        disk = max((2 * r["shard_bytes"] + r["state_bytes"]) / (raw_r * 1e9) +
+                   (r["shard_bytes"] + r["state_bytes"]) / (raw_w * 1e9) for r in last)
+        bound = max(compute, disk, collective / (gloo * 1e9))
+        bounds.append(bound)
+        ratios.append(step[(p, "fsdp")] / bound)
+    params = last[0]["params"]
+    for p in range(args.pairs):
+        print(f"pair {p}: ddp {step[(p, 'ddp')]:.2f} s/step   nvme_offload_fsdp {step[(p, 'fsdp')]:.2f} s/step   "
+              f"bound {bounds[p]:.2f} s   ratio {ratios[p]:.2f}")
+    print(json.dumps({
+        "world_size": world, "params": params,
+        "peak_rss_MiB_per_rank": [round(r["peak_rss_MiB"], 1) for r in last],
+        "peak_rss_MiB_per_rank_ddp": [round(r["peak_rss_MiB"], 1) for r in ddp_last],
+        "resident_bytes_per_param_per_rank": [round(r["peak_rss_MiB"] * MiB / params, 3) for r in last],
+        "store_bytes_per_rank": [r["store_file_bytes"] for r in last],
+        "store_bytes_single_process": single["store_file_bytes"],
+        "store_share_per_rank": [round(r["store_file_bytes"] / single["store_file_bytes"], 4) for r in last],
+        "step_s": round(statistics.median(step[(p, "fsdp")] for p in range(args.pairs)), 3),
+        "step_s_ddp": round(statistics.median(step[(p, "ddp")] for p in range(args.pairs)), 3),
+        "step_vs_bound": round(statistics.median(ratios), 3), "step_vs_bound_spread": spread(ratios),
+        "bound_s": [round(b, 3) for b in bounds],
+        "disk_bytes_per_rank_step": [3 * r["shard_bytes"] + 2 * r["state_bytes"] for r in last],
+        "collective_bytes_per_rank_step": int(collective), "gloo_GBps": round(gloo, 3),
+        "raw_write_GBps": round(raw_w, 3), "raw_read_GBps": round(raw_r, 3),
+        "load_avg_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
+        "pairs": args.pairs, "timed_steps": args.steps, "wall_s": round(wall, 1),
+    }))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,483 @@
+"""``ShardedParams``: each block's parameters sharded 1/N across data-parallel ranks, each rank's shard in its store.
+
+The engine of ``nvme_offload_fsdp`` (ZeRO stage 3 with an NVMe tier). Per block (``params.policy`` decides which
+modules are blocks, as for ``offload_params``), per step::
+
+    forward   pre-hook: read this rank's shard (read ahead ``prefetch`` blocks) -> all_gather -> bind -> compute;
+              the next block's all_gather is started here, asynchronously, and runs while this block computes
+              post-hook: unbind (placeholders), the gathered block is freed
+    backward  a hook on the block's outputs: read the shard, all_gather again, bind
+              once every trainable parameter's gradient is accumulated: reduce_scatter of the block's flat
+              gradient (pre-scaled by 1/N, as DDP averages) -> the owned shard of the averaged gradient
+              the optimizer updates the owned elements (``OffloadedOptimizer(owned=...)``, told by ``reduced``),
+              then the updated shard is written back to the store asynchronously; the identity function on the
+              block's inputs says when the block's backward is over, and the block is unbound
+
+Parameters outside every block (embeddings, tied heads, final norms) stay in memory on every rank, replicated as
+under DDP: their gradients are all-reduced (same pre-scaling) as each becomes final, each rank updates the 1/N of
+their elements it owns (so their optimizer state is sharded too), and one all-gather after the step makes the
+replicas equal again.
+
+Every collective runs on ``group`` from a module or autograd hook whose order is the same on every rank (the same
+model, the same graph); an optimizer update never communicates, because each rank updates only its own shard from
+its own store. The block's shard goes through ``BlockResidency`` (the store reads, the bounded write-backs, the
+shelf), as a one-parameter block: its values are the shard.
+``ShardedParams`` arguments: ``model`` (the LightningModule: its blocks are sharded, every other parameter stays
+replicated); ``block_classes`` (as ``offload_params``' ``param_block_classes``); ``rank``, ``world``; ``group`` (the
+process group of the gathers and reductions: its own, so they never interleave with others'); ``prefetch`` (blocks
+whose shard is read ahead); ``device`` (where gathered blocks and gradients live); ``reduced`` (called with the
+parameters whose averaged, owned gradient is final: the strategy hands them to the offloaded optimizer's
+``grad_ready``, which may update them at once).
+"""
+
+from __future__ import annotations
+
+import functools
+from collections import Counter
+from collections.abc import Callable, Iterable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils._pytree import tree_flatten, tree_unflatten
+
+from lightning_nvme.optim.plan import placeholder
+from lightning_nvme.params.layout import BlockLayout, ParamSlot, plan_layout
+from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
+from lightning_nvme.params.residency import BlockResidency
+from lightning_nvme.params.schedule import in_backward
+from lightning_nvme.params.shards import FlatShards
+from lightning_nvme.params.transfer import HostTransfer
+
+FWD, BWD, UPDATE, USER, RECOMPUTE, GATHER = "forward", "backward", "update", "user", "recompute", "gather"
+
+
+def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(out, shard, group=group)
+
+
+def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
+    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+    scatter(out, flat, group=group)
+
+
+@dataclass
+class Unit:
+    """One block: its flat layout, its shard in the store (a one-slot ``BlockLayout``), what is gathered now."""
+
+    index: int
+    name: str
+    module: nn.Module
+    flat: FlatShards
+    shard: BlockLayout  # the residency's view: region ``fsdp/block<i>``, one slot whose "parameter" is the shard
+    trainable: list[torch.Tensor]
+    owned_params: list[torch.Tensor]  # trainable parameters with elements in this rank's shard
+    full: torch.Tensor | None = None  # the gathered flat tensor while bound
+    ahead: tuple[torch.Tensor, Any] | None = None  # a gather started one block early (forward): (output, work)
+    grad: torch.Tensor | None = None  # the flat gradient while the update is pending (owned slice reduced)
+    refs: Counter = field(default_factory=Counter)
+    arrived: set[int] = field(default_factory=set)  # id(param): gradients accumulated this backward
+    pending: set[int] = field(default_factory=set)  # id(param): owned, not yet updated this step
+
+
+@dataclass
+class _Call:
+    unit: Unit
+    pre: bool = False
+    post: bool = False
+
+
+class _PostBackward(torch.autograd.Function):
+    """Identity on the block's inputs; its backward runs once the inputs' gradients are complete."""
+
+    @staticmethod
+    def forward(ctx: Any, done: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
+        ctx.done = done
+        return inputs
+
+    @staticmethod
+    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
+        ctx.done()
+        return (None, *grads)
+
+
+class ShardIO:
+    """A rank's block shards in its store, and the gathers that make whole blocks of them (the collectives that read
+    a shard). Its ``residency`` exists from ``ShardedParams.start`` on."""
+
+    def __init__(self, rank: int, group: Any, device: torch.device) -> None:
+        self.rank, self.group, self.device = rank, group, device
+        self.residency: BlockResidency | None = None
+
+    def gathered(self, u: Unit) -> torch.Tensor:
+        """The whole block as one flat tensor: this rank's shard from the store, all-gathered (a collective)."""
+        assert self.residency is not None
+        self.residency.acquire(u.shard, GATHER)
+        try:
+            local = u.shard.slots[0].param.data
+            full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
+            _all_gather(full, local.to(self.device), self.group)
+        finally:
+            self.residency.release(u.shard, GATHER)
+        return full
+
+    def gather_ahead(self, u: Unit) -> None:
+        """Start ``u``'s all-gather now (asynchronously), so it runs while the block before it computes. Its shard
+        stays held until the gather is waited for (the collective reads it)."""
+        assert self.residency is not None
+        if u.full is not None or u.ahead is not None:
+            return
+        self.residency.acquire(u.shard, GATHER)
+        full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
+        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+        u.ahead = (full, gather(full, u.shard.slots[0].param.data.to(self.device), group=self.group, async_op=True))
+
+    def take_ahead(self, u: Unit) -> torch.Tensor | None:
+        if u.ahead is None:
+            return None
+        assert self.residency is not None
+        (full, work), u.ahead = u.ahead, None
+        work.wait()
+        self.residency.release(u.shard, GATHER)
+        return full
+
+    def write_shard(self, u: Unit, full: torch.Tensor) -> None:
+        """This rank's slice of ``full`` becomes the block's shard in the store (written asynchronously)."""
+        assert self.residency is not None
+        lo, hi = u.flat.bounds(self.rank)
+        if self.residency.is_resident(u.shard):
+            self.residency.evict(u.shard)  # read ahead for a pass to come, never used: dropped (it is unchanged)
+        u.shard.slots[0].param.data = full[lo:hi]
+        self.residency.place(u.shard)  # copies into an aligned buffer, writes it, leaves a placeholder
+
+    def prefetch(self, units: Iterable[Unit]) -> None:
+        assert self.residency is not None
+        for u in units:
+            if u.full is None:
+                self.residency.prefetch(u.shard)
+
+
+class ShardedParams:
+    """The blocks of ``model`` sharded over ``world`` ranks of ``group`` (arguments: the module docstring)."""
+
+    def __init__(self, model: nn.Module, block_classes: BlockClasses, rank: int, world: int, group: Any,
+                 prefetch: int = 1, device: torch.device | None = None,
+                 reduced: Callable[[Sequence[torch.Tensor]], None] | None = None) -> None:
+        self.model = model
+        self.rank, self.world, self.group = rank, world, group
+        self.prefetch = prefetch
+        self.device = device or torch.device("cpu")
+        self.reduced = reduced or (lambda params: None)
+        classes = block_classes if block_classes is not None else model_block_classes(model)
+        blocks = find_blocks(model, classes)
+        if not blocks:
+            raise ValueError(f"nvme_offload_fsdp: no blocks found in {type(model).__name__} (no nn.ModuleList or "
+                             f"nn.Sequential with parameters, or no module of param_block_classes={classes}). Name the "
+                             "block module classes with param_block_classes=[...], e.g. your transformer layer class.")
+        layout = plan_layout(model, blocks, region_prefix="fsdp")
+        self.units: list[Unit] = []
+        for block in layout.blocks:
+            frozen = [s.name for s in block.slots if not s.trainable]
+            if frozen:
+                raise ValueError(f"nvme_offload_fsdp: block {block.name} has frozen parameters {frozen[:3]} (e.g. a "
+                                 "LoRA base): sharding frozen weights is not supported yet. Use strategy='nvme_offload' "
+                                 "(one device) with offload_params=True, or make every block parameter trainable.")
+            flat = FlatShards([(s.name, s.param) for s in block.slots], world)
+            holder = nn.Parameter(torch.empty(0, dtype=flat.dtype), requires_grad=False)
+            slot = ParamSlot("shard", holder, torch.Size([flat.shard]), flat.dtype, 0, flat.shard_bytes)
+            shard = BlockLayout(block.index, f"{block.name} (shard {rank}/{world})", block.module, block.region,
+                                [slot], flat.shard_bytes, 0)
+            owned = list({id(s.param): s.param for s, _, _ in flat.owned(rank)}.values())
+            self.units.append(Unit(block.index, block.name, block.module, flat, shard, [s.param for s in block.slots],
+                                   owned))
+        self.outside = [(n, p) for n, p in layout.outside_blocks if p.requires_grad]
+        by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
+        for n, p in self.outside:
+            by_dtype.setdefault(p.dtype, []).append((n, p))
+        self.replicated = [FlatShards(named, world) for named in by_dtype.values()]  # owned 1/N, gathered after a step
+        self._unit_of = {id(p): u for u in self.units for p in u.trainable}
+        self._outside_ids = {id(p) for _, p in self.outside}
+        self.io = ShardIO(rank, group, self.device)
+        self._handles: list[Any] = []
+        self._stack: dict[int, list[_Call]] = {u.index: [] for u in self.units}
+        self._open: list[_Call] = []
+        self._recomputed: list[Unit] = []
+        self._callback_queued_for = -1
+
+    # ---- geometry --------------------------------------------------------------------------------------
+    def owned_ranges(self, params: Sequence[torch.Tensor], rank: int) -> dict[int, list[tuple[int, int]]]:
+        """Param index (in ``params``, an optimizer's flat order) -> the element ranges ``rank`` owns."""
+        index = {id(p): i for i, p in enumerate(params)}
+        out: dict[int, list[tuple[int, int]]] = {}
+        for flat in [u.flat for u in self.units] + self.replicated:
+            for slot, lo, hi in flat.owned(rank):
+                i = index.get(id(slot.param))
+                if i is not None and slot.param.requires_grad:
+                    out.setdefault(i, []).append((lo, hi))
+        return out
+
+    def regions(self) -> list[tuple[str, int]]:
+        return [(u.shard.region, u.shard.nbytes) for u in self.units]
+
+    @property
+    def sharded_bytes(self) -> int:
+        """Bytes of block parameters (the whole model's, not this rank's shard)."""
+        return sum(s.numel * torch.empty((), dtype=u.flat.dtype).element_size() for u in self.units for s in u.flat.slots)
+
+    @property
+    def residency(self) -> BlockResidency | None:
+        return self.io.residency
+
+    @residency.setter
+    def residency(self, value: BlockResidency | None) -> None:
+        self.io.residency = value
+
+    @property
+    def active(self) -> bool:
+        return self.residency is not None
+
+    # ---- lifecycle ---------------------------------------------------------------------------------------
+    def start(self, store: Any, optimized: Iterable[torch.Tensor]) -> None:
+        """Write this rank's shard of every block to the store, leave placeholders in the module, install hooks.
+        ``optimized``: the parameters offloaded optimizers update (a block waits for their update only)."""
+        ids = {id(p) for p in optimized}
+        for u in self.units:
+            u.owned_params = [p for p in u.owned_params if id(p) in ids]
+        store.add_regions(self.regions())
+        self.residency = BlockResidency(store, [u.shard for u in self.units], max_pending_writes=self.prefetch + 1,
+                                        transfer=HostTransfer())
+        for u in self.units:
+            with torch.no_grad():
+                full = u.flat.pack([p.detach() for p in u.trainable],
+                                   torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
+            self.io.write_shard(u, full)
+            self._unbind(u)
+        self.residency.drain()
+        for u in self.units:
+            self._handles.append(u.module.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
+            self._handles.append(u.module.register_forward_hook(self._post_forward(u)))
+            self._handles.append(u.module._register_state_dict_hook(_gather_hook(self, u)))
+            for p in u.trainable:
+                self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(u)))
+        for _, p in self.outside:
+            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_all_reduce_hook, self)))
+
+    def stop(self, restore: bool = True) -> None:
+        """End of fit: with ``restore`` every block is gathered back into its module (a collective: every rank
+        calls it), the hooks go, the residency drains."""
+        if self.residency is None:
+            return
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+        for u in self.units:
+            u.refs.clear()
+            u.pending.clear()
+            u.grad = None
+            if restore:
+                full = self.io.take_ahead(u)
+                full = full if full is not None else self.io.gathered(u)
+                for s in u.flat.slots:
+                    s.param.data = u.flat.view(full, s)
+            else:
+                self._unbind(u)  # a gather started ahead is not waited for: another rank may be gone
+            u.full, u.ahead = None, None
+        self.residency.release_all()
+        self.residency.drain()
+        self.residency = None
+
+    # ---- gather, bind, release ---------------------------------------------------------------------------
+    def _hold(self, u: Unit, why: str) -> None:
+        if u.full is None:
+            u.full = self.io.take_ahead(u)
+            if u.full is None:
+                u.full = self.io.gathered(u)
+            for s in u.flat.slots:
+                s.param.data = u.flat.view(u.full, s)
+        u.refs[why] += 1
+
+    def _let_go(self, u: Unit, why: str) -> None:
+        if u.refs[why] <= 0:
+            raise RuntimeError(f"block {u.name}: release({why!r}) without a matching hold (a bug)")
+        u.refs[why] -= 1
+        if not +u.refs:
+            self._unbind(u)
+
+    def _unbind(self, u: Unit) -> None:
+        for s in u.flat.slots:
+            s.param.data = placeholder(s.shape, u.flat.dtype, self.device)
+        u.full = None
+
+    # ---- forward ---------------------------------------------------------------------------------------------
+    def _pre_forward(self, u: Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, kwargs: dict) -> tuple[tuple, dict] | None:
+            if in_backward():  # recomputation under activation checkpointing: held for its backward already
+                if u.full is None or not +u.refs:
+                    self._hold(u, RECOMPUTE)
+                    self._recomputed.append(u)
+                return None
+            self._hold(u, FWD)
+            # reads run one block further ahead than the gathers: the next block's read had this block's
+            # predecessor's compute to complete, its gather gets this block's compute
+            self.io.prefetch(self.units[u.index + 2:u.index + 2 + self.prefetch])
+            if u.index + 1 < len(self.units):
+                self.io.gather_ahead(self.units[u.index + 1])
+            call = _Call(u)
+            self._stack[u.index].append(call)
+            if not torch.is_grad_enabled():
+                return None
+            flat, spec = tree_flatten((args, kwargs))
+            needs = [i for i, t in enumerate(flat) if torch.is_tensor(t) and t.requires_grad]
+            if not needs:
+                return None
+            wrapped = _PostBackward.apply(lambda: self._post_backward(call), *(flat[i] for i in needs))
+            for i, t in zip(needs, wrapped):
+                flat[i] = t
+            return tree_unflatten(flat, spec)
+        return hook
+
+    def _post_forward(self, u: Unit) -> Callable[..., Any]:
+        def hook(module: nn.Module, args: tuple, output: Any) -> None:
+            if in_backward():
+                return
+            call = self._stack[u.index].pop()
+            outputs = [t for t in tree_flatten(output)[0] if torch.is_tensor(t) and t.requires_grad]
+            if outputs and torch.is_grad_enabled():
+                self._open.append(call)
+                register_multi_grad_hook(outputs, lambda _grad: self._pre_backward(call), mode="any")
+            self._let_go(u, FWD)
+        return hook
+
+    # ---- backward --------------------------------------------------------------------------------------------
+    def _pre_backward(self, call: _Call) -> None:
+        if call.pre:
+            return
+        call.pre = True
+        u = call.unit
+        self._hold(u, BWD)
+        self.io.prefetch(reversed(self.units[max(0, u.index - self.prefetch):u.index]))
+        task = torch._C._current_graph_task_id()
+        if task != self._callback_queued_for:
+            self._callback_queued_for = task
+            torch.autograd.Variable._execution_engine.queue_callback(self._end_backward)
+
+    def _post_backward(self, call: _Call) -> None:
+        if call.pre and not call.post:
+            call.post = True
+            self._let_go(call.unit, BWD)
+
+    def _grad_hook(self, u: Unit) -> Callable[[torch.Tensor], None]:
+        def hook(p: torch.Tensor) -> None:
+            u.arrived.add(id(p))
+            if len(u.arrived) == len(u.trainable):
+                self._reduce(u)
+        return hook
+
+    def _reduce(self, u: Unit) -> None:
+        """The block's gradients are all accumulated: average them across ranks, keep the owned shard."""
+        u.arrived.clear()
+        grads = [p.grad for p in u.trainable]
+        assert all(g is not None for g in grads)  # every one arrived (``_grad_hook``)
+        flat = u.flat.pack(grads,  # type: ignore[arg-type]
+                           torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
+        flat.mul_(1.0 / self.world)  # averages as DDP does: multiply by 1/N, then sum
+        lo, hi = u.flat.bounds(self.rank)
+        mine = torch.empty(hi - lo, dtype=flat.dtype, device=self.device)
+        _reduce_scatter(mine, flat, self.group)
+        flat[lo:hi].copy_(mine)  # only the owned slice is read from here on (the others are this rank's own sums)
+        owned = {id(p) for p in u.owned_params}
+        for s in u.flat.slots:
+            s.param.grad = u.flat.view(flat, s) if id(s.param) in owned else None
+        if owned:
+            u.grad = flat
+            u.pending = set(owned)
+            self._hold(u, UPDATE)  # the update writes into the gathered block; its owned slice is then written back
+            self.reduced(u.owned_params)
+
+    def _end_backward(self) -> None:
+        for call in self._open:
+            self._post_backward(call)
+        self._open = [c for c in self._open if not c.pre]
+        for u in self._recomputed:
+            self._let_go(u, RECOMPUTE)
+        self._recomputed = []
+        self._callback_queued_for = -1
+        for u in self.units:
+            if u.arrived:
+                missing = [s.name for s in u.flat.slots if id(s.param) not in u.arrived]
+                u.arrived.clear()
+                raise RuntimeError(f"nvme_offload_fsdp: parameters {missing} of block {u.name} received no gradient "
+                                   "in this backward while others of the block did; every trainable parameter of a "
+                                   "sharded block must take part in the loss (or be frozen).")
+
+    # ---- updates (``UpdateListener`` of the offloaded optimizer) -----------------------------------------------
+    def before_update(self, touched: Sequence[torch.Tensor]) -> None:
+        """Nothing to load: a block's owned parameters stay gathered from its reduce-scatter to its update."""
+
+    def after_update(self, touched: Sequence[torch.Tensor], finished: Sequence[torch.Tensor]) -> None:
+        done: dict[int, Unit] = {}
+        for p in finished:
+            u = self._unit_of.get(id(p))
+            if u is not None and id(p) in u.pending:
+                u.pending.discard(id(p))
+                done[u.index] = u
+        for u in done.values():
+            if not u.pending:
+                self._updated(u)
+
+    def _updated(self, u: Unit) -> None:
+        assert u.full is not None
+        self.io.write_shard(u, u.full)
+        u.grad = None
+        self._let_go(u, UPDATE)
+
+    def finish_step(self) -> None:
+        """After the optimizer step: every block updated and written back, nothing gathered; then the replicated
+        parameters gathered from their owners (a collective, in the same order on every rank)."""
+        for u in self.units:
+            if u.pending:
+                raise RuntimeError(f"nvme_offload_fsdp: block {u.name} was not updated in this step (a bug)")
+        for call in self._open:
+            self._post_backward(call)
+        self._open = []
+        for u in self.units:
+            self.io.take_ahead(u)  # started for a block the pass never reached: waited for (issued on every rank), dropped
+        if self.residency is not None:
+            self.residency.evict_unheld()
+            self.residency.poll_writes()
+        for flat in self.replicated:
+            lo, hi = flat.bounds(self.rank)
+            with torch.no_grad():
+                full = flat.pack([p.detach() for p in (s.param for s in flat.slots)],
+                                 torch.empty(flat.total, dtype=flat.dtype, device=self.device))
+                out = torch.empty_like(full)
+                _all_gather(out, full[lo:hi].clone(), self.group)
+                for s in flat.slots:
+                    s.param.copy_(flat.view(out, s))
+
+
+def _gather_hook(engine: ShardedParams, u: Unit) -> Any:
+    """``state_dict()`` of a sharded block: its weights gathered from every rank (a collective: every rank calls it)."""
+    names = {id(s.param): s for s in u.flat.slots}
+    local = [(n, names[id(p)]) for n, p in u.module.named_parameters(remove_duplicate=False) if id(p) in names]
+
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+        if engine.residency is None:
+            return
+        full = u.full if u.full is not None else engine.io.gathered(u)
+        for name, slot in local:
+            if prefix + name in state_dict:
+                state_dict[prefix + name] = u.flat.view(full, slot).clone()
+    return hook
+
+
+def _all_reduce_hook(engine: ShardedParams, p: torch.Tensor) -> None:
+    """A replicated parameter's gradient is final: average it across ranks (as DDP: 1/N, then sum), hand it on."""
+    assert p.grad is not None
+    p.grad.mul_(1.0 / engine.world)
+    dist.all_reduce(p.grad, group=engine.group)
+    engine.reduced([p])

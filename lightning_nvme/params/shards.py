@@ -1,0 +1,83 @@
+"""Where each rank's shard of a block lies: a block's parameters as one flat tensor, cut into N equal shards.
+
+``nvme_offload_fsdp`` keeps only rank r's shard ``flat[r * S:(r + 1) * S]`` of every block in r's store. The
+flat layout is the same on every rank (computed from the module), so a shard is all a rank needs to take part in
+``all_gather`` (forward, backward) and ``reduce_scatter`` (gradients) of the block.
+
+Why each parameter starts ``PARAM_SLOT_ALIGN`` bytes into the flat tensor (as in a store block's region): kernels
+may choose their code path by pointer alignment, and a gathered parameter must compute exactly as one allocated by
+torch. The gaps and the tail padding (to ``N * S``) are zeros that belong to no parameter.
+
+The shard a rank owns is also the optimizer state it owns: ``owned`` maps it back to element ranges of each
+parameter, the form ``OffloadedOptimizer(owned=...)`` and the data-parallel checkpoints (``Partition``) use, so a
+checkpoint saved at N ranks reshards on load at any other N exactly as ``nvme_offload_ddp``'s does.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from lightning_nvme.params.layout import PARAM_SLOT_ALIGN
+
+
+@dataclass(frozen=True)
+class FlatSlot:
+    """Parameter ``param`` (``name`` in its block) at elements ``[offset, offset + numel)`` of the flat tensor."""
+
+    name: str
+    param: torch.Tensor
+    offset: int
+    numel: int
+    shape: torch.Size
+
+
+class FlatShards:
+    """The flat layout of some parameters (one dtype) and its cut into ``world`` shards of ``shard`` elements."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], world: int) -> None:
+        dtypes = {p.dtype for _, p in named}
+        if len(dtypes) != 1:
+            raise ValueError(f"parameters {[n for n, _ in named]} have dtypes {sorted(map(str, dtypes))}: one flat "
+                             "shard holds one dtype")
+        self.dtype = next(iter(dtypes))
+        self.world = world
+        self.align = max(1, PARAM_SLOT_ALIGN // torch.empty((), dtype=self.dtype).element_size())
+        self.slots: list[FlatSlot] = []
+        offset = 0
+        for name, p in named:
+            self.slots.append(FlatSlot(name, p, offset, p.numel(), p.shape))
+            offset = -(-(offset + p.numel()) // self.align) * self.align
+        self.used = offset
+        per_rank = -(-offset // world)
+        self.shard = max(self.align, -(-per_rank // self.align) * self.align)  # each shard starts aligned too
+        self.total = self.shard * world
+
+    @property
+    def shard_bytes(self) -> int:
+        return self.shard * torch.empty((), dtype=self.dtype).element_size()
+
+    def bounds(self, rank: int) -> tuple[int, int]:
+        return rank * self.shard, (rank + 1) * self.shard
+
+    def owned(self, rank: int) -> list[tuple[FlatSlot, int, int]]:
+        """``(slot, start, stop)``: the elements of each parameter that lie in ``rank``'s shard (param order)."""
+        lo, hi = self.bounds(rank)
+        out = []
+        for s in self.slots:
+            start, stop = max(lo, s.offset), min(hi, s.offset + s.numel)
+            if start < stop:
+                out.append((s, start - s.offset, stop - s.offset))
+        return out
+
+    def view(self, flat: torch.Tensor, slot: FlatSlot) -> torch.Tensor:
+        """``slot``'s parameter inside ``flat`` (the whole flat tensor), shaped like the parameter."""
+        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+
+    def pack(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
+        """``tensors`` (one per slot, shaped like it) copied into ``out`` (``total`` elements), gaps zeroed."""
+        out.zero_()
+        for s, t in zip(self.slots, tensors):
+            self.view(out, s).copy_(t)
+        return out

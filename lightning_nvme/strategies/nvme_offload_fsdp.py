@@ -1,0 +1,239 @@
+"""``NVMeOffloadFSDPStrategy`` (``Trainer(strategy="nvme_offload_fsdp", devices=N)``): parameters, gradients and
+optimizer state sharded 1/N across the ranks, each rank's shard in its own store on its local disk (ZeRO stage 3
+with an NVMe tier; docs/fsdp.md).
+
+Built on ``nvme_offload_ddp`` (its process groups, host budget, sharded checkpoints and their resharding on load),
+but the model is not wrapped in ``DistributedDataParallel``: no rank ever holds the whole gradient. The blocks'
+shards, gathers and reductions are ``lightning_nvme.params.sharded.ShardedParams``; the optimizer is the user's own,
+run by ``OffloadedOptimizer`` on the elements this rank owns (its shard of each block, 1/N of every other
+parameter), during backward (``overlap="backward"``) as each block's reduce-scatter completes.
+
+A checkpoint is ``nvme_offload_ddp``'s: rank 0's file with the weights gathered into it (one block at a time,
+every rank taking part) and one optimizer shard per rank beside it, named by parameter and element range, so it
+resumes at any number of ranks (and under ``nvme_offload_ddp``, ``nvme_offload`` or, converted, plain Lightning).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from datetime import timedelta
+from typing import Any, Literal
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.pytorch.overrides.distributed import _sync_module_states
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import DDPStrategy
+from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_nvme.checks import ConfigError, reject_unknown
+from lightning_nvme.constants import MiB
+from lightning_nvme.optim import OffloadedOptimizer, Partition, UpdateListener
+from lightning_nvme.optim.plan import bytes_per_element, describe_params
+from lightning_nvme.params.materialize import has_meta_tensors
+from lightning_nvme.params.sharded import ShardedParams
+from lightning_nvme.settings import FSDPOffloadSettings, from_arguments, with_settings
+from lightning_nvme.strategies.nvme_offload_ddp import _DDP_ARGUMENTS, NVMeOffloadDDPStrategy
+
+# Settings of the single-device strategy that this one does not carry yet, with the value it runs with; any other
+# value is refused by name at construction (docs/fsdp.md, "Not yet").
+_NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
+    "overlap": (("backward",), "each block's gradient shard is consumed by its update during backward; overlap='step' "
+                            "would keep every block gathered until the step"),
+    "checkpoint_copy": (("auto", "streamed", "reflink"), "each rank streams (or reflinks) its shard during the save; "
+                                                          "the background copy is single-device only"),
+    "host_memory_budget": ((0,), "the shelf does not hold block shards yet"),
+    "device_memory_budget": ((0,), "blocks are gathered per use; none is kept on the device"),
+    "restore_params": ((True,), "the weights are gathered back into the module at the end of fit"),
+    "eval_window": ((1,), "evaluation gathers each block per batch"),
+    "state_format": (("exact",), "other state formats are not verified against DDP under sharding yet"),
+    "master_format": (("fp32",), "other master formats are not verified against DDP under sharding yet"),
+}
+
+
+@with_settings(FSDPOffloadSettings)
+class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
+    """Fully sharded data parallel: each rank keeps 1/N of every block's parameters, their gradients and their
+    optimizer state, in its own store on local disk.
+
+    Takes the arguments listed below (each defined once in ``lightning_nvme.settings.FSDPOffloadSettings``; see
+    docs/fsdp.md for those not supported yet) and those of Lightning's ``DDPStrategy`` that concern the process
+    group (``process_group_backend``, ``timeout``, ...). ``offload_params`` is implied: the shards always live in
+    the store."""
+
+    strategy_name = "nvme_offload_fsdp"
+    _frees_grads = True  # a block's gradient lives from its backward to its update, never the whole model's
+    config: FSDPOffloadSettings
+
+    def __init__(self, store_dir: str | list[str] | None = None, *, accelerator: pl.accelerators.Accelerator | None = None,
+                 parallel_devices: list[torch.device] | None = None,
+                 cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
+                 precision_plugin: Precision | None = None, process_group_backend: str | None = None,
+                 timeout: timedelta | None = default_pg_timeout,
+                 start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **kwargs: Any) -> None:
+        names = FSDPOffloadSettings.__dataclass_fields__
+        reject_unknown(self.strategy_name, kwargs, [*names, *_DDP_ARGUMENTS])
+        settings = {k: v for k, v in kwargs.items() if k in names}
+        ddp_kwargs = {k: v for k, v in kwargs.items() if k not in names}
+        config = from_arguments(FSDPOffloadSettings, self.strategy_name, {"store_dir": store_dir, **settings})
+        for key, (allowed, why) in _NOT_YET.items():
+            if getattr(config, key) not in allowed:
+                raise ConfigError(key, f"{self.strategy_name} does not support {key}={getattr(config, key)!r} yet "
+                                       f"({why}). Fix: {key}={allowed[0]!r}, or strategy='nvme_offload' (one device).")
+        DDPStrategy.__init__(self, accelerator=accelerator, parallel_devices=parallel_devices,
+                             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                             precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                             timeout=timeout, start_method=start_method, **ddp_kwargs)
+        self._init_offload(config)
+        self.broadcast_bucket_bytes = config.broadcast_bucket_bytes
+        self.partitions: list[Partition] = []
+        self._grad_owner: dict[int, list[tuple[OffloadedOptimizer, int]]] = {}
+        self._reducing: list = []
+        self._broadcasts: list = []
+        self._broadcast_groups: list[dist.ProcessGroup] = []
+        self._in_backward = False
+        self.sharded: ShardedParams | None = None
+        self._shard_group: Any = None  # the gathers' and reductions' own process group
+
+    # ---- setup -----------------------------------------------------------------------------------------------
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        self.sharded = None
+        if trainer.state.fn == TrainerFn.FITTING:
+            self._check_supported(trainer)
+        super().setup(trainer)
+        if trainer.state.fn == TrainerFn.FITTING and self.sharded is None:
+            raise ValueError(f"{self.strategy_name}: configure_optimizers returned no optimizer, so nothing would "
+                             "reduce the gradients or update the shards. Return an optimizer, or use strategy='ddp'.")
+
+    def _check_supported(self, trainer: pl.Trainer) -> None:
+        module = trainer.lightning_module
+        if not module.automatic_optimization:
+            raise ConfigError("automatic_optimization", f"{self.strategy_name}: manual optimization is not supported "
+                              "yet: each block is updated during its backward, inside the optimizer step's closure. "
+                              "Fix: automatic optimization, or strategy='nvme_offload_ddp'.")
+        if trainer.accumulate_grad_batches != 1:
+            raise ConfigError("accumulate_grad_batches", f"{self.strategy_name}: accumulate_grad_batches="
+                              f"{trainer.accumulate_grad_batches} is not supported yet: each block's gradient is "
+                              "reduce-scattered and consumed in the backward that produced it. Fix: "
+                              "accumulate_grad_batches=1 with a larger batch, or strategy='nvme_offload_ddp'.")
+        if has_meta_tensors(module):
+            raise ConfigError("offload_params", f"{self.strategy_name}: the model has tensors on the meta device "
+                              "(trainer.init_module(empty_init=True) or configure_model): building it block by block "
+                              "into the shards is not supported yet. Fix: build the model in memory, or "
+                              "strategy='nvme_offload' with offload_params=True.")
+
+    @override
+    def configure_ddp(self) -> None:
+        """No ``DistributedDataParallel``: the blocks' gradients are reduce-scattered and the other parameters'
+        all-reduced by ``ShardedParams``. As DDP does when it wraps the model, every rank starts from rank 0's
+        parameters and buffers."""
+        assert self.model is not None
+        _sync_module_states(self.model)
+
+    @override
+    def _offload_optimizers(self, trainer: pl.Trainer) -> None:
+        self.partitions = []
+        if self._shard_group is None:
+            self._shard_group = dist.new_group(list(range(self.world_size))) if dist.is_initialized() else None
+        s = self.config
+        classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
+        self.sharded = ShardedParams(trainer.lightning_module, classes, self.global_rank, self.world_size,
+                                     self._shard_group, s.param_prefetch, self.root_device, reduced=self._reduced)
+        super(NVMeOffloadDDPStrategy, self)._offload_optimizers(trainer)
+        self._grad_owner = {}
+        for off in self.offloaded:
+            for index, p in enumerate(off.params):
+                self._grad_owner.setdefault(id(p), []).append((off, index))
+
+    @override
+    def _owned_ranges(self, index: int, optimizer: Optimizer) -> dict[int, list[tuple[int, int]]]:
+        assert self.sharded is not None
+        params = [p for g in optimizer.param_groups for p in g["params"]]
+        fmt = self.config.state_format_spec
+        infos, _ = describe_params(optimizer, fmt=fmt)
+        per_elem = {i.index: bytes_per_element(i.keys, fmt) for i in infos}
+        ranges = [self.sharded.owned_ranges(params, r) for r in range(self.world_size)]
+        state = [int(sum((hi - lo) * per_elem.get(i, 0) for i, rs in r.items() for lo, hi in rs)) for r in ranges]
+        partition = Partition(self.world_size, ranges, state)
+        agreed = self.broadcast(partition.to_dict())
+        if agreed != partition.to_dict():
+            raise RuntimeError(f"{self.strategy_name}: rank {self.global_rank} shards optimizer {index} differently "
+                               "from rank 0: every rank must build the same model and optimizer")
+        self.partitions.append(partition)
+        return ranges[self.global_rank]
+
+    @override
+    def _extra_store_bytes(self) -> int:
+        return sum(-(-n // 4096) * 4096 for _, n in self.sharded.regions()) if self.sharded is not None else 0
+
+    @override
+    def _update_listener(self) -> UpdateListener | None:
+        return self.sharded
+
+    @override
+    def _start_offload(self) -> None:
+        assert self.sharded is not None and self.nvme_store is not None
+        trained = [p for off in self.offloaded for p in off.params]
+        stateless = [piece.index for off in self.offloaded for piece in off.resident]
+        if stateless:
+            raise ValueError(f"{self.strategy_name}: parameters {stateless} have no per-element optimizer state (e.g. "
+                             "SGD with momentum=0); each rank updates only its shard of a parameter, which needs "
+                             "per-element state. Use an optimizer with state (SGD(momentum>0), AdamW, ...).")
+        self.sharded.start(self.nvme_store, trained)
+        units = self.sharded.units
+        rank_zero_info(f"{self.strategy_name}: {len(units)} blocks sharded over {self.world_size} ranks "
+                       f"({self.sharded.sharded_bytes / MiB:.1f} MiB of block parameters, "
+                       f"{sum(u.flat.shard_bytes for u in units) / MiB:.1f} MiB per rank in its store); "
+                       f"{len(self.sharded.outside)} trainable parameters outside blocks replicated; "
+                       f"param_prefetch={self.config.param_prefetch}")
+
+    # ---- the step ----------------------------------------------------------------------------------------------
+    def _reduced(self, params: Sequence[torch.Tensor]) -> None:
+        for p in params:
+            for off, index in self._grad_owner.get(id(p), ()):
+                off.grad_ready(index)
+
+    @override
+    def _after_update(self, off: OffloadedOptimizer) -> None:
+        """Every block is updated and written back; the replicated parameters are gathered from their owners."""
+        if self.sharded is not None:
+            self.sharded.finish_step()
+
+    # ---- weights -------------------------------------------------------------------------------------------------
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """The weights, each block gathered from every rank's shard (a collective: every rank takes part, as Lightning
+        calls it on every rank). Gathered into the checkpoint file, up to ``inline_weights_bytes``."""
+        sharded = self.sharded
+        if sharded is not None and sharded.active and sharded.sharded_bytes > self.config.inline_weights_bytes:
+            raise ConfigError("inline_weights_bytes", f"{self.strategy_name}: the checkpoint would gather "
+                              f"{sharded.sharded_bytes} bytes of block weights into its file, above "
+                              f"inline_weights_bytes={self.config.inline_weights_bytes}; streaming them beside the file "
+                              "is not supported yet. Fix: raise inline_weights_bytes (memory: that much on every rank "
+                              "during a save).")
+        return super().lightning_module_state_dict()
+
+    @override
+    def teardown(self) -> None:
+        try:
+            if self.sharded is not None and self.sharded.active:
+                # after a failure another rank may be gone: gathering the weights back would fail or hang, so the
+                # module keeps placeholders (the last checkpoint is the way back, as after a kill)
+                trainer = getattr(self.lightning_module, "_trainer", None)
+                failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
+                self.sharded.stop(restore=not failed)
+        finally:
+            group, self._shard_group = self._shard_group, None
+            super().teardown()
+            if group is not None and dist.is_available() and dist.is_initialized():
+                dist.destroy_process_group(group)
+
+    def __getstate__(self) -> dict[str, Any]:
+        return {**super().__getstate__(), "_shard_group": None, "sharded": None}

@@ -1,0 +1,345 @@
+"""NVMeOffloadFSDPStrategy on 1, 2 and 4 processes (Gloo, CPU): AdamW on a tied GPT and a tiny Hugging Face Llama
+equal plain DDP (bitwise at 1 and 2 ranks, where the reduce-scatter and DDP's all-reduce add the same numbers in the
+same order; within a stated bound at 4), each rank's store holds 1/N of the blocks and of the optimizer state,
+checkpoints resume bitwise at the same N and reshard on load 2 -> 1 and 1 -> 2, and what is not supported yet is
+refused by name.
+
+As ``test_ddp.py``: Lightning's own launcher starts the processes; each job runs this file as a script
+(``python tests/strategies/test_fsdp.py SPEC.json``) which trains every run of the spec and saves what each rank saw.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+HERE = os.path.dirname(os.path.abspath(__file__))
+TESTS = os.path.dirname(HERE)
+STEPS = 24  # 3 epochs of 8 steps (64 sequences, global batch 8)
+SAVE_EPOCH = 1  # a checkpoint at the end of the second epoch (step 16)
+
+
+# ---- the launcher side (pytest) ---------------------------------------------------------------------------
+def launch(tmp_path, runs: list[dict], world: int, expect_kill: bool = False, expect_failure: bool = False) -> None:
+    spec = tmp_path / f"spec-{len(list(tmp_path.glob('spec-*')))}.json"
+    spec.write_text(json.dumps({"world": world, "runs": runs}))
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "NODE_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    env["OMP_NUM_THREADS"] = "1"
+    proc = subprocess.run([sys.executable, os.path.abspath(__file__), str(spec)], env=env, timeout=1200,
+                          capture_output=True, text=True)
+    if expect_kill:
+        assert proc.returncode == -signal.SIGKILL, proc.stderr[-3000:]
+    elif expect_failure:
+        assert proc.returncode != 0, proc.stderr[-3000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-6000:]
+
+
+def results(run: dict, world: int) -> list[dict]:
+    return [torch.load(f"{run['out']}.rank{r}.pt", weights_only=False) for r in range(world)]
+
+
+def spec(tmp_path, name: str, strategy: str, **kw) -> dict:
+    return {"name": name, "strategy": strategy, "root": str(tmp_path / name), "out": str(tmp_path / name / "result"),
+            "store": str(tmp_path / name / "store"), **kw}
+
+
+def assert_bitwise(a: dict, b: dict, what: str) -> None:
+    assert a["params"].keys() == b["params"].keys()
+    for name, p in a["params"].items():
+        assert torch.equal(p, b["params"][name]), f"{what}: parameter {name} differs"
+
+
+def same_losses(a: list[float], b: list[float], digits: int = 6) -> bool:
+    return len(a) == len(b) and all(f"{x:.{digits}g}" == f"{y:.{digits}g}" for x, y in zip(a, b))
+
+
+# ---- the tests ----------------------------------------------------------------------------------------------
+@pytest.fixture(scope="module")
+def two(tmp_path_factory):
+    """Plain DDP and nvme_offload_fsdp side by side, each saving at the end of the second epoch (step 16) and
+    resumed in new processes from its own checkpoint: at 2 ranks (a 2-process job), at 1 rank (the 2-rank
+    checkpoints, in a 1-process job that also trains and saves at 1 rank), and the 1-rank checkpoints at 2 ranks.
+
+    Why the resumed runs are compared with plain DDP resumed the same way, not with the uninterrupted run: Lightning
+    resumes a checkpoint saved in ``on_train_epoch_end`` with one extra batch of the finished epoch (its loop
+    state says the epoch is not over), so no resumed run, plain or not, follows the uninterrupted one."""
+    tmp = tmp_path_factory.mktemp("fsdp")
+    ck = {name: str(tmp / f"{name}.ckpt") for name in ("ddp2", "fsdp2", "ddp1", "fsdp1", "killed")}
+    runs = [spec(tmp, "ddp_gpt", "ddp", save=ck["ddp2"]),
+            spec(tmp, "fsdp_gpt", "fsdp", save=ck["fsdp2"]),
+            spec(tmp, "ddp_llama", "ddp", model="llama"),
+            spec(tmp, "fsdp_llama", "fsdp", model="llama", chunk_bytes=4 << 10)]
+    launch(tmp, runs, world=2)
+    ones = [spec(tmp, "ddp_w1", "ddp", save=ck["ddp1"]),
+            spec(tmp, "fsdp_w1", "fsdp", save=ck["fsdp1"]),
+            spec(tmp, "ddp_2_to_1", "ddp", resume=ck["ddp2"]),
+            spec(tmp, "fsdp_2_to_1", "fsdp", resume=ck["fsdp2"]),
+            spec(tmp, "refuse_accumulate", "fsdp", accumulate=2, expect_error=True),
+            spec(tmp, "refuse_frozen", "fsdp", frozen_block_param=True, expect_error=True)]
+    launch(tmp, ones, world=1)
+    killed = spec(tmp, "fsdp_killed", "fsdp", save=ck["killed"], kill_step=20, timeout_s=120)
+    launch(tmp, [killed], world=2, expect_failure=True)
+    again = [spec(tmp, "fsdp_after_kill", "fsdp", resume=ck["killed"], store=killed["store"]),
+             spec(tmp, "ddp_2_to_2", "ddp", resume=ck["ddp2"]),
+             spec(tmp, "fsdp_2_to_2", "fsdp", resume=ck["fsdp2"]),
+             spec(tmp, "ddp_1_to_2", "ddp", resume=ck["ddp1"]),
+             spec(tmp, "fsdp_1_to_2", "fsdp", resume=ck["fsdp1"])]
+    launch(tmp, again, world=2)
+    out = {r["name"]: results(r, 2) for r in runs + again}
+    out.update({r["name"]: results(r, 1) for r in ones})
+    return out
+
+
+def test_tied_gpt_equals_plain_ddp_bitwise_on_two_ranks(two):
+    ref, fsdp = two["ddp_gpt"], two["fsdp_gpt"]
+    for rank in range(2):
+        assert fsdp[rank]["global_step"] == STEPS
+        assert_bitwise(ref[rank], fsdp[rank], f"rank {rank}")
+        assert fsdp[rank]["losses"] == ref[rank]["losses"]
+    assert_bitwise(fsdp[0], fsdp[1], "replicas after the end-of-fit gather")
+    assert fsdp[0]["updated_in_backward"] > 0 and fsdp[0]["blocks"] == 4
+
+
+def test_tiny_llama_equals_plain_ddp_bitwise_on_two_ranks(two):
+    ref, fsdp = two["ddp_llama"], two["fsdp_llama"]
+    for rank in range(2):
+        assert fsdp[rank]["global_step"] == STEPS
+        assert_bitwise(ref[rank], fsdp[rank], f"rank {rank}")
+        assert fsdp[rank]["losses"] == ref[rank]["losses"]
+    assert fsdp[0]["blocks"] == 2
+
+
+def test_one_rank_equals_plain_ddp_bitwise(two):
+    assert_bitwise(two["ddp_w1"][0], two["fsdp_w1"][0], "1 rank")
+    assert two["ddp_w1"][0]["losses"] == two["fsdp_w1"][0]["losses"]
+
+
+def test_each_rank_stores_half_of_every_block_and_of_the_optimizer_state(two):
+    one, pair = two["fsdp_w1"][0], two["fsdp_gpt"]
+    for rank, r in enumerate(pair):
+        assert r["store_path"].endswith(f"store-rank{rank}.bin")
+        # shards: ceil(block / 2), aligned; padding < one 256-byte slot per parameter and one per shard
+        assert r["shard_bytes"] == pytest.approx(one["shard_bytes"] / 2, rel=0.02)
+        assert r["state_bytes"] == pytest.approx(one["state_bytes"] / 2, rel=0.02)
+    assert sum(r["state_bytes"] for r in pair) >= one["state_bytes"]
+
+
+@pytest.mark.parametrize(("fsdp", "ddp", "world"), [("fsdp_2_to_2", "ddp_2_to_2", 2), ("fsdp_2_to_1", "ddp_2_to_1", 1),
+                                                    ("fsdp_1_to_2", "ddp_1_to_2", 2),
+                                                    ("fsdp_after_kill", "ddp_2_to_2", 2)])
+def test_resume_in_new_processes_is_bitwise_at_the_same_and_at_another_world_size(two, fsdp, ddp, world):
+    """The checkpoint holds the whole weights and each rank's optimizer shard by parameter and element range, so it
+    reshards on load; resumed, it trains bitwise as plain DDP resumed from its own checkpoint of the same run.
+    ``fsdp_after_kill``: a run that saved at step 16 had rank 1 SIGKILLed in the middle of step 20's backward (two
+    blocks already updated and written back to its store, the others not; rank 0 then fails on the broken group);
+    its checkpoint, resumed on the killed run's own store directory, is the step-16 state, not the torn one."""
+    for rank in range(world):
+        assert two[fsdp][rank]["global_step"] == STEPS
+        assert_bitwise(two[ddp][rank], two[fsdp][rank], f"{fsdp}, rank {rank}")
+        assert two[fsdp][rank]["losses"] == two[ddp][rank]["losses"]
+        assert len(two[fsdp][rank]["losses"]) >= STEPS - 16
+
+
+def test_what_is_not_supported_yet_is_refused_by_name(two):
+    assert "accumulate_grad_batches" in two["refuse_accumulate"][0]["error"]
+    assert "frozen parameters" in two["refuse_frozen"][0]["error"]
+
+
+@pytest.mark.parametrize(("key", "value"), [("overlap", "step"), ("checkpoint_copy", "background"),
+                                            ("host_memory_budget", 1 << 30), ("restore_params", False),
+                                            ("eval_window", 4), ("state_format", "int8"), ("master_format", "bf16_sr")])
+def test_single_device_options_not_carried_yet_are_refused_by_name(key, value):
+    from lightning_nvme import NVMeOffloadFSDPStrategy
+    from lightning_nvme.checks import ConfigError
+
+    with pytest.raises(ConfigError, match=f"{key}.*nvme_offload_fsdp does not support"):
+        NVMeOffloadFSDPStrategy(**{key: value})
+
+
+def test_registered_with_backward_overlap_by_default(tmp_path):
+    from lightning.pytorch import Trainer
+
+    import lightning_nvme  # noqa: F401
+    from lightning_nvme import NVMeOffloadFSDPStrategy
+
+    trainer = Trainer(default_root_dir=tmp_path, strategy="nvme_offload_fsdp", accelerator="cpu", devices=2, logger=False)
+    assert isinstance(trainer.strategy, NVMeOffloadFSDPStrategy)
+    assert trainer.strategy.config.overlap == "backward"
+
+
+def test_flat_shards_cover_every_element_once():
+    from lightning_nvme.params.shards import FlatShards
+
+    params = [("a", torch.zeros(70)), ("b", torch.zeros(3, 5)), ("c", torch.zeros(1))]
+    for world in (1, 2, 3, 4):
+        flat = FlatShards(params, world)
+        assert flat.total == flat.shard * world and flat.shard % flat.align == 0
+        seen = {n: torch.zeros(p.numel(), dtype=torch.int32) for n, p in params}
+        for rank in range(world):
+            for slot, lo, hi in flat.owned(rank):
+                seen[slot.name][lo:hi] += 1
+        assert all(bool((s == 1).all()) for s in seen.values()), world
+        assert all(s.offset % flat.align == 0 for s in flat.slots)
+
+
+@pytest.fixture(scope="module")
+def four(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp4")
+    runs = [spec(tmp, "ddp_gpt", "ddp"), spec(tmp, "fsdp_gpt", "fsdp"),
+            spec(tmp, "ddp_sgd", "ddp", optimizer="sgd", steps=1), spec(tmp, "fsdp_sgd", "fsdp", optimizer="sgd", steps=1)]
+    launch(tmp, runs, world=4)
+    return {r["name"]: results(r, 4) for r in runs}
+
+
+def test_four_ranks_equal_plain_ddp_up_to_the_order_of_the_sum(four):
+    """At 4 ranks each element's gradient is the sum of four partial gradients (each pre-scaled by 1/4, exactly), in
+    the order of Gloo's reduce-scatter for the rank owning it; DDP's bucketed all-reduce adds them in the order of its
+    ring, which depends on the element's position in its bucket. So one step differs by a rounding of the sum (SGD:
+    every tensor within 2 ulp of its largest magnitude; observed 1.1), and AdamW, whose normalised update turns a
+    last-bit difference of a near-zero gradient into a full step for that element, keeps the losses equal to 4 digits
+    over 24 steps (observed: within 1e-5 relative).
+    At 2 ranks the two orders are the same (a + b) and the runs are bitwise equal (tests above)."""
+    ref, fsdp = four["ddp_sgd"], four["fsdp_sgd"]
+    for rank in range(4):
+        for name, p in ref[rank]["params"].items():
+            q = fsdp[rank]["params"][name]
+            ulp = torch.finfo(p.dtype).eps * p.abs().max()
+            assert (p - q).abs().max() <= 2 * ulp, f"rank {rank}: {name}"
+    ref, fsdp = four["ddp_gpt"], four["fsdp_gpt"]
+    for rank in range(4):
+        assert fsdp[rank]["global_step"] == STEPS
+        assert fsdp[rank]["losses"][0] == ref[rank]["losses"][0]
+        assert same_losses(ref[rank]["losses"], fsdp[rank]["losses"], digits=4)
+        assert_bitwise(fsdp[0], fsdp[rank], "replicas")
+    assert fsdp[0]["shard_bytes"] * 4 == pytest.approx(sum(fsdp[0]["block_bytes"]), rel=0.05)
+
+
+# ---- the worker side (run by Lightning in every rank) -----------------------------------------------------------
+class _Llama:
+    @staticmethod
+    def build():
+        from _param_offload_model import tokens
+        from lightning.pytorch import LightningModule
+        from torch.utils.data import DataLoader
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        class TinyLlama(LightningModule):
+            def __init__(self, batch_size: int) -> None:
+                super().__init__()
+                torch.manual_seed(0)
+                cfg = LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2,
+                                  num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=32,
+                                  tie_word_embeddings=False, attn_implementation="eager")
+                self.model = LlamaForCausalLM(cfg)
+                self.batch_size = batch_size
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                logits = self.model(input_ids=x).logits
+                return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+            def train_dataloader(self):
+                return DataLoader(tokens(), batch_size=self.batch_size, shuffle=False)
+
+        return TinyLlama
+
+
+def _worker(spec_path: str) -> None:
+    sys.path.insert(0, TESTS)
+    spec = json.loads(open(spec_path).read())
+    for run in spec["runs"]:
+        _train(run, spec["world"])
+    import torch.distributed as dist
+
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def _train(run: dict, world: int) -> None:
+    from _param_offload_model import TinyGPT
+    from lightning.pytorch import Callback, Trainer
+    from lightning.pytorch.strategies import DDPStrategy
+
+    import lightning_nvme  # noqa: F401
+    from lightning_nvme import NVMeOffloadFSDPStrategy
+    from lightning_nvme.optim.chunk_update import ChunkUpdater
+
+    batch = 8 // world
+    if run.get("model") == "llama":
+        model = _Llama.build()(batch_size=batch)
+    else:
+        model = TinyGPT(run.get("optimizer", "adamw"), batch_size=batch)
+    if run.get("frozen_block_param"):
+        model.model.transformer["h"][0].ln_1.weight.requires_grad_(False)
+    if run["strategy"] == "ddp":
+        strategy = DDPStrategy()
+    else:
+        from datetime import timedelta
+
+        strategy = NVMeOffloadFSDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
+                                           timeout=timedelta(seconds=run.get("timeout_s", 1800)))
+    losses: list[float] = []
+    batches: list[tuple[int, int, int]] = []
+
+    class Record(Callback):
+        def on_train_batch_end(self, trainer, pl_module, outputs, batch, batch_idx):
+            losses.append(float(outputs["loss"]))
+            batches.append((trainer.current_epoch, batch_idx, int(batch[0].sum())))
+
+        def on_before_backward(self, trainer, pl_module, loss):
+            if trainer.global_step == run.get("kill_step") and trainer.global_rank == 1:
+                # mid-step: once the last two blocks are updated and written back, during block 1's backward
+                weight = pl_module.model.transformer["h"][1].mlp.c_fc.weight
+                weight.register_post_accumulate_grad_hook(lambda p: os.kill(os.getpid(), signal.SIGKILL))
+
+        def on_train_epoch_end(self, trainer, pl_module):
+            if run.get("save") and trainer.current_epoch == SAVE_EPOCH:
+                trainer.save_checkpoint(run["save"])
+
+    trainer = Trainer(default_root_dir=run["root"], strategy=strategy, accelerator="cpu", devices=world,
+                      max_steps=run.get("steps", STEPS), accumulate_grad_batches=run.get("accumulate", 1),
+                      logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                      num_sanity_val_steps=0, callbacks=[Record()])
+    updated_in_backward = 0
+    original = ChunkUpdater.update_chunk
+
+    def counting(self, c, in_backward=False):
+        nonlocal updated_in_backward
+        updated_in_backward += bool(in_backward)
+        return original(self, c, in_backward)
+
+    ChunkUpdater.update_chunk = counting
+    try:
+        trainer.fit(model, ckpt_path=run.get("resume"))
+    except Exception as e:  # noqa: BLE001  (a run that must be refused records its error)
+        if not run.get("expect_error"):
+            raise
+        os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
+        torch.save({"error": f"{type(e).__name__}: {e}"}, f"{run['out']}.rank{trainer.global_rank}.pt")
+        return
+    finally:
+        ChunkUpdater.update_chunk = original
+    out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "global_step": trainer.global_step,
+           "losses": losses, "batches": batches, "updated_in_backward": updated_in_backward}
+    if run["strategy"] == "fsdp":
+        s = trainer.strategy
+        units = s.sharded.units
+        out.update(blocks=len(units), shard_bytes=sum(u.flat.shard_bytes for u in units),
+                   block_bytes=[sum(sl.numel for sl in u.flat.slots) * 4 for u in units],
+                   state_bytes=s.offloaded[0].state_bytes, store_path=s.offloaded[0].store_ref.path)
+    os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
+    torch.save(out, f"{run['out']}.rank{trainer.global_rank}.pt")
+
+
+if __name__ == "__main__":
+    _worker(sys.argv[1])

@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import background_save, plugin_io, snapshot, weights
+from lightning_nvme.checkpoint import background_save, base_file, plugin_io, snapshot, weights
 from lightning_nvme.checkpoint.background import BackgroundCopy
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
 from lightning_nvme.checks import ConfigError
@@ -489,7 +489,15 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             rank_zero_warn(f"{self.strategy_name}: checkpoint {filepath} skipped: {skipped}")
             self.checkpoint_saves.append(snapshot.SaveRecord("skipped", path, skipped))
             return
+        saves = len(self.checkpoint_saves)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        referenced = [i.path for i in base_file.base_files(checkpoint.get("state_dict"))]
+        if referenced:  # frozen_weights="in_place": the checkpoint needs the user's base files as they are
+            for record in self.checkpoint_saves[saves:]:
+                record.base_files = referenced
+            rank_zero_info(f"{self.strategy_name}: checkpoint {filepath} references the frozen weights in "
+                           f"{referenced} (frozen_weights='in_place'), not a copy: a resume checks those files are "
+                           "unchanged (size, mtime, header sha256).")
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:

@@ -139,7 +139,10 @@ class ParamOffload:
                 if not residency.placed(block) and not any(s.param.is_meta for s in block.slots):
                     residency.place(block)
 
-        materialize(self.model, device, place_complete_blocks)
+        # Parameters read in place are never read here: placeholders at once (the copy a start then skips).
+        served = self.frozen.served() if self.frozen is not None else {}
+        skip = {id(s.param) for b in self.blocks for s in b.slots if s.name in served}
+        materialize(self.model, device, place_complete_blocks, skip=skip)
 
     def place(self, store: FlatStore, device: torch.device) -> None:
         """Move an in-memory model's blocks into the store before the model goes to ``device``, leaving

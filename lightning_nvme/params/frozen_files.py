@@ -42,10 +42,11 @@ from lightning_nvme.checkpoint.base_file import FileIdentity, FileWeight
 from lightning_nvme.checkpoint.safetensors_stream import DTYPES, SafetensorsReader
 from lightning_nvme.constants import ALIGN, MiB
 from lightning_nvme.params.layout import BlockLayout
-from lightning_nvme.store.aligned import aligned_empty, memview
+from lightning_nvme.store.aligned import aligned_empty, copy_bytes, memview
 
 READ_BYTES = 8 * MiB  # one request: large enough to reach the disk's sequential rate, small enough to bound memory
-READERS = 2  # threads, each with its bounce buffer: one request in flight while the other's bytes are copied out
+READERS = 4  # threads, each with its bounce buffer: the queue depth of the raw baseline (_disk.raw_read), a request
+# in flight while another's bytes are copied out (memory: READERS x READ_BYTES = 32 MiB)
 GAP = 64 * 1024  # bytes between two tensors of one file read through rather than split into two requests
 
 
@@ -144,7 +145,7 @@ class FrozenFiles:
         self._pool = ThreadPoolExecutor(max_workers=readers, thread_name_prefix="lightning-nvme-frozen-read")
         self._bounce: queue.Queue[torch.Tensor] = queue.Queue()
         for _ in range(readers):
-            self._bounce.put(aligned_empty(read_bytes))
+            self._bounce.put(aligned_empty(read_bytes).fill_(0))  # touched now: no page faults inside a read
         self._lock = threading.Lock()
 
     # ---- opening ------------------------------------------------------------------------------------------
@@ -262,7 +263,8 @@ class FrozenFiles:
             for p in run:
                 a, b = max(p.offset, need_lo), min(p.offset + p.nbytes, need_hi)
                 if a < b:
-                    dst[p.slot_offset + a - p.offset:p.slot_offset + b - p.offset].copy_(bounce[a - at:b - at])
+                    # memmove (GIL released), not ``copy_``: its intra-op threads fight the readers for the cores
+                    copy_bytes(dst, p.slot_offset + a - p.offset, bounce, a - at, b - a)
                     with self._lock:
                         self.stats.bytes_served += b - a
         finally:

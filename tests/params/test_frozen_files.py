@@ -22,6 +22,7 @@ from test_hf_any_arch import data, make_checkpoint, trainer
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.checkpoint.base_file import FileWeight
 from lightning_nvme.checkpoint.load import open_checkpoint
+from lightning_nvme.checkpoint.weights import BesideWeight
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.models import HFCausalLM
 from lightning_nvme.params.frozen_files import FrozenFiles
@@ -138,7 +139,9 @@ def test_checkpoint_references_base_and_a_changed_base_is_refused(bases, tmp_pat
     shutil.copytree(bases["llama"], base)
     # restore_params=False: the weights stay where fit keeps them (a save during fit, e.g. ModelCheckpoint, is the
     # same); with the default, fit's end gives the module its values back and a later save holds values
-    t, _, _ = _fit(base, tmp_path / "a", "in_place", steps=4, restore_params=False)
+    # inline_weights_bytes=0: the adapters stream beside the file (only each block's tail read), the base referenced
+    t, _, _ = _fit(base, tmp_path / "a", "in_place", steps=4, restore_params=False, inline_weights_bytes=0,
+                   checkpoint_copy="streamed")
     ckpt = tmp_path / "a.ckpt"
     t.save_checkpoint(ckpt)
     checkpoint, _ = open_checkpoint(ckpt)
@@ -146,7 +149,9 @@ def test_checkpoint_references_base_and_a_changed_base_is_refused(bases, tmp_pat
     frozen_in_blocks = [s.name for b in t.strategy.param_offload.blocks for s in b.slots if not s.trainable]
     assert sorted(refs) == sorted(frozen_in_blocks)  # the base referenced, not copied; adapters are values
     assert {os.path.realpath(r.identity.path) for r in refs.values()} == {os.path.realpath(f"{base}/model.safetensors")}
-    assert all(torch.is_tensor(v) for k, v in checkpoint["state_dict"].items() if k not in refs)
+    others = {k: v for k, v in checkpoint["state_dict"].items() if k not in refs}
+    assert any(isinstance(v, BesideWeight) for v in others.values())  # the adapters, beside the file
+    assert all(torch.is_tensor(v) or isinstance(v, BesideWeight) for v in others.values())
     record = t.strategy.checkpoint_saves[-1]  # the save record says so
     assert record.base_files == [os.path.abspath(f"{base}/model.safetensors")]
     assert "referenced in the base file" in record.describe()
@@ -173,14 +178,14 @@ def test_base_changed_under_a_run_is_refused(bases, tmp_path):
 
 
 def test_resume_in_a_new_process_is_bitwise(bases, tmp_path):
-    """Fit 8 steps reading the base in place, save (the base referenced), resume in a new process to 16: bitwise
-    equal to the same save and resume with the base copied into the store."""
+    """Fit 8 steps reading the base in place, save (the base referenced, the adapters beside the file), resume in a
+    new process to 16: bitwise equal to the same save and resume with the base copied into the store."""
     path = bases["qwen2"]
     ref, _, _ = _fit(path, tmp_path / "ref", "store")
     ref.save_checkpoint(tmp_path / "ref.ckpt")
     _, ref_model, _ = _fit(path, tmp_path / "ref2", "store", steps=2 * STEPS, ckpt_path=str(tmp_path / "ref.ckpt"))
 
-    t, _, _ = _fit(path, tmp_path / "a", "in_place", restore_params=False)
+    t, _, _ = _fit(path, tmp_path / "a", "in_place", restore_params=False, inline_weights_bytes=0)
     ckpt = tmp_path / "epoch1.ckpt"
     t.save_checkpoint(ckpt)
     checkpoint, _ = open_checkpoint(ckpt)

@@ -408,7 +408,7 @@ class BlockResidency:
         tail = None
         hi = min(end, w + self.store.region(block.region).capacity)
         lo = max(offset, w)
-        if hi > lo:
+        if hi > lo and block.nbytes > w:  # a block with no trainable tail has nothing in the store
             tail = self.store.read(block.region, buf[lo - offset:hi - offset], lo - w)
         if offset and offset < w:
             raise RuntimeError(f"block {block.name}: a read from byte {offset}, inside its frozen head (a bug)")

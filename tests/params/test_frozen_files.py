@@ -289,3 +289,46 @@ def test_a_truncated_base_file_is_refused_at_open(tmp_path):
             frozen.open(path)
     finally:
         frozen.close()
+
+
+def test_frozen_layers_without_lora_read_in_place_bitwise_and_exported(bases, tmp_path):
+    """A model (no adapters) whose first two layers are frozen: those blocks have no trainable tail (an empty store
+    region), read wholly from the file; the rest trains in the store. Bitwise equal to the same run with the frozen
+    layers in the store; ``lightning-nvme export`` of its checkpoint (the base referenced) writes the full Hub
+    layout, equal to the model's weights."""
+    from safetensors.torch import load_file
+
+    from lightning_nvme.cli import main
+
+    path = bases["llama"]
+    runs = {}
+    for frozen in ("in_place", "store"):
+        root = tmp_path / frozen
+        probe = Probe()
+        t = trainer(root, _strategy(root, frozen, restore_params=False), steps=STEPS, callbacks=[probe])
+        with t.init_module(empty_init=True):
+            model = HFCausalLM(path, block_size=16)
+        for layer in model.model.model.layers[:2]:
+            layer.requires_grad_(False)
+        t.fit(model, data())
+        t.save_checkpoint(tmp_path / f"{frozen}.ckpt")
+        runs[frozen] = (t, probe)
+    (t_in, p_in), (_, p_st) = runs["in_place"], runs["store"]
+    assert p_in.heads == 2 and p_st.heads == 0
+    blocks = t_in.strategy.param_offload.blocks
+    assert all(p_in.regions[b.region] <= 4096 for b in blocks[:2])  # of the frozen layers: an empty page at most
+    for a, b in zip(p_in.losses, p_st.losses):
+        assert torch.equal(a, b)
+    exported = {}
+    for frozen in ("in_place", "store"):
+        out = tmp_path / f"hub-{frozen}"
+        assert main(["export", str(tmp_path / f"{frozen}.ckpt"), str(out)]) == 0
+        exported[frozen] = load_file(str(out / "model.safetensors"))
+    original = load_file(f"{path}/model.safetensors")
+    assert exported["in_place"].keys() == exported["store"].keys() == original.keys()
+    for key, value in exported["store"].items():
+        assert torch.equal(exported["in_place"][key], value), key
+    assert torch.equal(exported["in_place"]["model.layers.0.mlp.up_proj.weight"],
+                       original["model.layers.0.mlp.up_proj.weight"])  # frozen: the base file's
+    assert not torch.equal(exported["in_place"]["model.layers.2.mlp.up_proj.weight"],
+                           original["model.layers.2.mlp.up_proj.weight"])  # trained

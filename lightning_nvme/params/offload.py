@@ -56,6 +56,7 @@ class ParamOffload:
         self.frozen: FrozenFiles | None = None  # the base files frozen heads are read from (in place)
         self._file_refs = False  # state_dict() gives base-file references for the parameters read in place
         self._tails: dict[int, Tail] = {}
+        self._head_as_file: set[int] = set()  # blocks whose loaded head is the base file's own (nothing to check)
         self.prefetch = prefetch
         self.device = device or torch.device("cpu")
         self.block_classes = block_classes
@@ -393,10 +394,22 @@ class ParamOffload:
         return hook
 
     def _load_pre_hook(self, block: BlockLayout) -> Any:
-        def hook(module: nn.Module, state_dict: dict[str, Any], *args: Any) -> None:
+        local = self._local_slots(block)
+
+        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
             if self.residency is None:
                 return
             self.residency.acquire(block, USER)
+            self._head_as_file.discard(block.index)
+            if self.frozen is not None and self.in_place(block):
+                # A reference to exactly the file this run reads the head from (same identity, same tensor): the
+                # bound head already holds those bytes, so nothing is read, and the head needs no check on write-back
+                same = {prefix + name: slot for name, slot in local if slot.offset < block.writable_offset
+                        and _same_reference(state_dict.get(prefix + name), self.frozen.reference(slot.name))}
+                for key, slot in same.items():
+                    state_dict[key] = slot.param.detach()
+                if len(same) == sum(1 for _, slot in local if slot.offset < block.writable_offset):
+                    self._head_as_file.add(block.index)
             for key, value in state_dict.items():  # ``state_dict`` is this block's own copy: the values go with it
                 if isinstance(value, FileWeight):  # read in place by the run saved: its base file, checked
                     state_dict[key] = value.read()
@@ -407,6 +420,13 @@ class ParamOffload:
     def _load_post_hook(self, block: BlockLayout) -> Any:
         def hook(module: nn.Module, incompatible: Any) -> None:
             if self.residency is not None:
-                self.residency.mark_dirty(block, whole=True)  # frozen parameters were loaded too
+                # frozen parameters were loaded too (unless they are the base file's, read in place)
+                self.residency.mark_dirty(block, whole=block.index not in self._head_as_file)
                 self.residency.release(block, USER)
         return hook
+
+
+def _same_reference(value: Any, ours: FileWeight | None) -> bool:
+    """``value`` references the very tensor this run reads in place, in the file as this run recorded it."""
+    return (isinstance(value, FileWeight) and ours is not None and value.file_key == ours.file_key
+            and value.identity == ours.identity)

@@ -40,8 +40,10 @@ import torch
 
 from lightning_nvme.checkpoint.base_file import FileIdentity, FileWeight
 from lightning_nvme.checkpoint.safetensors_stream import DTYPES, SafetensorsReader
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import ALIGN, MiB
 from lightning_nvme.params.layout import BlockLayout
+from lightning_nvme.store import FlatStore, IOHandle
 from lightning_nvme.store.aligned import aligned_empty, copy_bytes, memview
 
 READ_BYTES = 8 * MiB  # one request: large enough to reach the disk's sequential rate, small enough to bound memory
@@ -354,3 +356,70 @@ def _pread_full(fd: int, buf: torch.Tensor, offset: int, n: int) -> int:
             break
         done += got
     return done
+
+
+# ---- a block's I/O split between the base files (its frozen head) and the store (its tail) -------------------
+class SplitRead:
+    """A block read in two parts: its frozen head from the base files, its tail from the store."""
+
+    def __init__(self, tail: IOHandle | None, head: HeadRead | None) -> None:
+        self.tail = tail
+        self.head = head
+
+    def done(self) -> bool:
+        return (self.tail is None or self.tail.done()) and (self.head is None or self.head.done())
+
+
+def split_read(store: FlatStore, frozen: FrozenFiles | None, block: BlockLayout, buf: torch.Tensor,
+               offset: int = 0) -> IOHandle | SplitRead:
+    """Read the block's bytes ``[offset, offset + len(buf))`` into ``buf``: from the store, or split between
+    the base files (the frozen head) and the store (the tail, at ``offset - head`` in its region)."""
+    head = frozen.heads.get(block.index) if frozen is not None else None
+    if head is None:
+        return store.read(block.region, buf, offset)
+    assert frozen is not None
+    w, end = head.nbytes, offset + buf.numel()
+    tail = None
+    hi = min(end, w + store.region(block.region).capacity)
+    lo = max(offset, w)
+    if hi > lo and block.nbytes > w:  # a block with no trainable tail has nothing in the store
+        tail = store.read(block.region, buf[lo - offset:hi - offset], lo - w)
+    if offset and offset < w:
+        raise RuntimeError(f"block {block.name}: a read from byte {offset}, inside its frozen head (a bug)")
+    return SplitRead(tail, frozen.read(head, buf) if offset < w else None)
+
+
+def split_write(store: FlatStore, frozen: FrozenFiles | None, block: BlockLayout, data: torch.Tensor,
+                offset: int) -> IOHandle | None:
+    """Write ``data`` (the block's bytes from ``offset`` on) to the store; of a block whose head is read in
+    place only the tail, after checking a head in ``data`` is still the file's (a loaded state dict)."""
+    head = frozen.heads.get(block.index) if frozen is not None else None
+    if head is None:
+        return store.write(block.region, data, offset)
+    assert frozen is not None
+    w = head.nbytes
+    if offset < w:
+        if offset:
+            raise RuntimeError(f"block {block.name}: a write from byte {offset}, inside its frozen head (a bug)")
+        differ = frozen.same_as_file(head, data)
+        if differ:
+            files = sorted({p.file.path for p in head.pieces if p.name in differ})
+            raise ConfigError("frozen_weights", f"{differ[:4]}{' ...' if len(differ) > 4 else ''}: frozen "
+                              f"parameters of block {block.name} are read in place from {files}, but the values "
+                              "loaded into them differ from that file's (a checkpoint or state dict of other "
+                              "weights). A base file is never written. Fix: frozen_weights='store' (the frozen "
+                              "weights copied into the store, then loaded), or load weights that match the file.")
+        data, offset = data[w:], w
+    if data.numel() == 0:
+        return None
+    return store.write(block.region, data, offset - w)
+
+
+def wait_io(store: FlatStore, handle: IOHandle | SplitRead | None) -> None:
+    if isinstance(handle, SplitRead):
+        if handle.tail is not None:
+            store.wait(handle.tail)
+        if handle.head is not None:
+            handle.head.wait()
+    elif handle is not None:
+        store.wait(handle)

@@ -10,31 +10,23 @@ stream beside it, references instead of values, and values read block by block f
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_nvme.checkpoint.base_file import FileWeight
-from lightning_nvme.checkpoint.weights import BesideWeight, WeightReaders
+from lightning_nvme.checkpoint.weights import WeightReaders
 from lightning_nvme.params import staging
 from lightning_nvme.params.frozen_files import FrozenFiles
+from lightning_nvme.params.in_place import InPlaceHeads, Tail, read_tail
 from lightning_nvme.params.layout import BlockLayout, ParamLayout, plan_layout
 from lightning_nvme.params.materialize import initial_weights, materialize
 from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
 from lightning_nvme.params.residency import BlockResidency, ResidencyStats
 from lightning_nvme.params.schedule import UPDATE, USER, BlockScheduler
-from lightning_nvme.store import FlatStore, StoreIOError
-
-
-class Tail:
-    """The trainable tail of a block whose frozen head is read in place: the source of its adapters' references in
-    a checkpoint that references the head in the base file (``read_block`` reads only this tail; never cloned from
-    the store region as a whole block, whose offsets start at the tail)."""
-
-    def __init__(self, block: BlockLayout) -> None:
-        self.block = block
+from lightning_nvme.params.state_dicts import BlockStateDicts
+from lightning_nvme.store import FlatStore
 
 
 class ParamOffload:
@@ -52,11 +44,8 @@ class ParamOffload:
     def __init__(self, model: nn.Module, block_classes: BlockClasses = None, prefetch: int = 1,
                  device: torch.device | None = None, frozen_weights: str = "store") -> None:
         self.model = model
-        self.frozen_weights = frozen_weights
-        self.frozen: FrozenFiles | None = None  # the base files frozen heads are read from (in place)
-        self._file_refs = False  # state_dict() gives base-file references for the parameters read in place
-        self._tails: dict[int, Tail] = {}
-        self._head_as_file: set[int] = set()  # blocks whose loaded head is the base file's own (nothing to check)
+        self.in_place_heads = InPlaceHeads(frozen_weights)  # frozen heads read from their files (in place)
+        self.state_dicts = BlockStateDicts(self)  # the blocks' state_dict / load_state_dict hooks
         self.prefetch = prefetch
         self.device = device or torch.device("cpu")
         self.block_classes = block_classes
@@ -66,8 +55,6 @@ class ParamOffload:
         self.scheduler: BlockScheduler | None = None
         self._state_hooks: list[Any] = []
         self._final_stats = ResidencyStats()
-        self._referencing = False  # state_dict() gives references to block weights, not their values
-        self._readers: WeightReaders | None = None  # load_state_dict() reads references from these
 
     @property
     def layout(self) -> ParamLayout:
@@ -104,23 +91,12 @@ class ParamOffload:
         assert self.residency is not None
         return self.residency._capacity(block)
 
-    def in_place(self, block: BlockLayout) -> bool:
-        """Its frozen head is read from the base files, not the store."""
-        return self.frozen is not None and block.index in self.frozen.heads
+    @property
+    def frozen(self) -> FrozenFiles | None:
+        return self.in_place_heads.frozen
 
-    def _plan_in_place(self) -> None:
-        """``frozen_weights="in_place"``: the blocks whose frozen parameters the model's initial weights locate in
-        their safetensors files (``HubWeights.locate``) are read from there; the others keep them in the store."""
-        if self.frozen_weights != "in_place" or self.residency is not None or self.frozen is not None:
-            return
-        locate = getattr(initial_weights(self.model), "locate", None)
-        if locate is None:
-            return
-        frozen = FrozenFiles()
-        if frozen.plan(self.blocks, locate):
-            self.frozen = frozen
-        else:
-            frozen.close()
+    def in_place(self, block: BlockLayout) -> bool:
+        return self.in_place_heads.serves(block)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def attach_store(self, store: FlatStore) -> BlockResidency:
@@ -142,7 +118,8 @@ class ParamOffload:
         """Initialize a meta-device model module by module; each block goes to the store as soon as its
         last parameter is initialized, so at most about one block is ever in memory. With
         ``frozen_weights="in_place"``, the frozen parameters the initial weights locate in a file stay there."""
-        self._plan_in_place()
+        if self.residency is None:
+            self.in_place_heads.plan(initial_weights(self.model), self.blocks)
         residency = self.attach_store(store)
 
         def place_complete_blocks() -> None:
@@ -177,10 +154,10 @@ class ParamOffload:
         self.scheduler.planned = {id(p) for p in planned}
         self.scheduler.install()
         for block in self.blocks:
-            self._state_hooks.append(block.module._register_state_dict_hook(self._gather_hook(block)))
+            self._state_hooks.append(block.module._register_state_dict_hook(self.state_dicts.gather_hook(block)))
             self._state_hooks.append(block.module._register_load_state_dict_pre_hook(
-                self._load_pre_hook(block), with_module=True))
-            self._state_hooks.append(block.module.register_load_state_dict_post_hook(self._load_post_hook(block)))
+                self.state_dicts.load_pre_hook(block), with_module=True))
+            self._state_hooks.append(block.module.register_load_state_dict_post_hook(self.state_dicts.load_post_hook(block)))
 
     def keep_on_desk(self, regions: set[str]) -> None:
         """Keep the blocks of these regions on the device from now on (``device_memory_budget``): each is
@@ -240,9 +217,7 @@ class ParamOffload:
         if restore:
             self._final_stats = self.residency.stats
             self.residency = None
-            if self.frozen is not None:
-                self.frozen.close()
-                self.frozen = None
+            self.in_place_heads.close()
 
     def attach(self, store: FlatStore) -> None:
         """Continue on ``store`` (the same file reopened after fit, e.g. to save a checkpoint)."""
@@ -299,28 +274,16 @@ class ParamOffload:
         """The blocks' values live in the store (during fit, and after it with ``restore_params=False``)."""
         return self.residency is not None
 
-    @contextmanager
-    def referencing_base_files(self) -> Iterator[None]:
-        """Inside, ``state_dict()`` holds a ``FileWeight`` (path, key, the file's recorded identity) for each
-        parameter read in place: a checkpoint references the user's base file instead of copying it."""
-        self._file_refs = True
-        try:
-            yield
-        finally:
-            self._file_refs = False
+    def referencing_base_files(self) -> AbstractContextManager[None]:
+        return self.in_place_heads.referencing()
 
-    def base_files(self) -> list[str]:
-        return sorted(self.frozen.files) if self.frozen is not None else []
+    def by_reference(self) -> AbstractContextManager[None]:
+        """Inside, ``state_dict()`` holds a ``BesideWeight`` per block parameter (``BlockStateDicts``)."""
+        return self.state_dicts.by_reference()
 
-    @contextmanager
-    def by_reference(self) -> Iterator[None]:
-        """Inside, ``state_dict()`` holds a ``BesideWeight`` for each block parameter (with its block as the
-        source) instead of reading it: a checkpoint streams them later, block by block (``read_block``)."""
-        self._referencing = True
-        try:
-            yield
-        finally:
-            self._referencing = False
+    def loading_from(self, readers: WeightReaders) -> AbstractContextManager[set[str]]:
+        """Inside, ``load_state_dict`` reads block weights' references from ``readers`` (``BlockStateDicts``)."""
+        return self.state_dicts.loading_from(readers)
 
     def issue_writes(self) -> None:
         """Issue every write-back still waiting (a fence after it then covers them: a checkpoint may clone)."""
@@ -337,96 +300,6 @@ class ParamOffload:
         """One block's values by parameter name (one block of memory); of a ``Tail``, its trainable ones only."""
         assert self.residency is not None
         if isinstance(source, Tail):
-            return self.residency.read_tail(source.block)
+            return read_tail(self.residency, source.block)
         return self.residency.read_values(source, copy=False)
 
-    @contextmanager
-    def loading_from(self, readers: WeightReaders) -> Iterator[set[str]]:
-        """Inside, ``load_state_dict`` reads each block's ``BesideWeight`` entries from ``readers`` as it loads
-        that block (one block in memory at a time). Yields the state-dict keys of the block parameters."""
-        self._readers = readers
-        try:
-            yield {name for name, p in self.model.named_parameters(remove_duplicate=False) if id(p) in self._block_of}
-        finally:
-            self._readers = None
-
-    def _local_slots(self, block: BlockLayout) -> list[tuple[str, Any]]:
-        """(name inside the block module, slot) for every name the module registers a block parameter under."""
-        slots = {id(s.param): s for s in block.slots}
-        return [(name, slots[id(p)]) for name, p in block.module.named_parameters(remove_duplicate=False)
-                if id(p) in slots]
-
-    def _gather_hook(self, block: BlockLayout) -> Any:
-        local = self._local_slots(block)
-
-        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
-            if self.residency is None:
-                return
-            source: BlockLayout | Tail = block
-            local_left = local
-            if self._file_refs and self.frozen is not None and self.in_place(block):
-                refs = {name: self.frozen.reference(slot.name) for name, slot in local}
-                local_left = [(n, s) for n, s in local if refs[n] is None]
-                for name, ref in refs.items():
-                    if ref is not None and prefix + name in state_dict:
-                        state_dict[prefix + name] = ref
-                if not local_left:
-                    return
-                source = self._tails.setdefault(block.index, Tail(block))  # the adapters: only the tail is read
-            if self._referencing:
-                for name, slot in local_left:
-                    if prefix + name in state_dict:
-                        state_dict[prefix + name] = BesideWeight.of(prefix + name, slot.param, (source, slot.name))
-                return
-            try:
-                values = self.read_block(source) if isinstance(source, Tail) else self.residency.read_values(block)
-            except StoreIOError as e:
-                raise RuntimeError(f"the parameters of {block.name} live only in the store "
-                                   f"{self.residency.store.path} and could not be read ({e}). After fit the store "
-                                   "is closed: export them with trainer.strategy.export_weights('model.safetensors') "
-                                   "(streamed, one block in memory at a time) or trainer.save_checkpoint(...), or "
-                                   "keep restore_params=True so the weights return to the module at the end of "
-                                   "fit.") from e
-            for name, slot in local_left:
-                key = prefix + name
-                if key in state_dict:
-                    state_dict[key] = values[slot.name]
-        return hook
-
-    def _load_pre_hook(self, block: BlockLayout) -> Any:
-        local = self._local_slots(block)
-
-        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
-            if self.residency is None:
-                return
-            self.residency.acquire(block, USER)
-            self._head_as_file.discard(block.index)
-            if self.frozen is not None and self.in_place(block):
-                # A reference to exactly the file this run reads the head from (same identity, same tensor): the
-                # bound head already holds those bytes, so nothing is read, and the head needs no check on write-back
-                same = {prefix + name: slot for name, slot in local if slot.offset < block.writable_offset
-                        and _same_reference(state_dict.get(prefix + name), self.frozen.reference(slot.name))}
-                for key, slot in same.items():
-                    state_dict[key] = slot.param.detach()
-                if len(same) == sum(1 for _, slot in local if slot.offset < block.writable_offset):
-                    self._head_as_file.add(block.index)
-            for key, value in state_dict.items():  # ``state_dict`` is this block's own copy: the values go with it
-                if isinstance(value, FileWeight):  # read in place by the run saved: its base file, checked
-                    state_dict[key] = value.read()
-                elif isinstance(value, BesideWeight) and self._readers is not None:
-                    state_dict[key] = self._readers.read(value)
-        return hook
-
-    def _load_post_hook(self, block: BlockLayout) -> Any:
-        def hook(module: nn.Module, incompatible: Any) -> None:
-            if self.residency is not None:
-                # frozen parameters were loaded too (unless they are the base file's, read in place)
-                self.residency.mark_dirty(block, whole=block.index not in self._head_as_file)
-                self.residency.release(block, USER)
-        return hook
-
-
-def _same_reference(value: Any, ours: FileWeight | None) -> bool:
-    """``value`` references the very tensor this run reads in place, in the file as this run recorded it."""
-    return (isinstance(value, FileWeight) and ours is not None and value.file_key == ours.file_key
-            and value.identity == ours.identity)

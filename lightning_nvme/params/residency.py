@@ -18,7 +18,7 @@ with ``tail=True``, a block not in memory reads just that tail, its frozen param
 Why: a LoRA update otherwise read (or kept) every frozen weight of each block its adapters' chunk spans.
 
 A block whose frozen head is read in place (``frozen``: ``lightning_nvme.params.frozen_files``) has a store region
-holding only its trainable tail: its reads are split (head from the base files, tail from the store, one ``_Split``
+holding only its trainable tail: its reads are split (head from the base files, tail from the store, one ``SplitRead``
 handle), its writes start at the tail (a whole-block write, after a state dict was loaded, first checks the head
 still equals the file's bytes: a base file is never written).
 """
@@ -31,9 +31,8 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checks import ConfigError
 from lightning_nvme.optim.plan import placeholder
-from lightning_nvme.params.frozen_files import FrozenFiles, FrozenHead, HeadRead
+from lightning_nvme.params.frozen_files import FrozenFiles, FrozenHead, SplitRead, split_read, split_write, wait_io
 from lightning_nvme.params.layout import BlockLayout
 from lightning_nvme.params.staging import DONE, HostStaging, Ready, Staging, StagingStats
 from lightning_nvme.store import FlatStore, IOHandle
@@ -62,7 +61,7 @@ class ResidencyStats:
 class _State:
     buffer: torch.Tensor | None = None  # uint8, page-aligned host buffer
     device: torch.Tensor | None = None  # what the parameters are views of while bound (CPU: ``buffer``)
-    read: IOHandle | _Split | None = None
+    read: IOHandle | SplitRead | None = None
     bound: bool = False  # parameters point into ``device``
     dirty: bool = False
     dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
@@ -74,17 +73,6 @@ class _State:
     kept: torch.Tensor | None = None  # that copy once made: the parameters stay bound to it, ``buffer`` is None
     base: int = 0  # region offset of ``buffer[0]``: ``writable_offset`` when only the trainable tail is in memory
     refs: Counter = field(default_factory=Counter)
-
-
-class _Split:
-    """A block read in two parts: its frozen head from the base files, its tail from the store."""
-
-    def __init__(self, tail: IOHandle | None, head: HeadRead | None) -> None:
-        self.tail = tail
-        self.head = head
-
-    def done(self) -> bool:
-        return (self.tail is None or self.tail.done()) and (self.head is None or self.head.done())
 
 
 class BlockResidency:
@@ -125,7 +113,7 @@ class BlockResidency:
         if st.base and st.kept is None:  # only the trainable tail in memory: the frozen head from the store, the tail over it
             buf = self.staging.caller_buffer(self._capacity(block))
             self._issue_writes(of=block)
-            self._wait_io(self._read(block, buf[:st.base]))
+            wait_io(self.store, split_read(self.store, self.frozen, block, buf[:st.base]))
             self._wait_read(block)
             if st.device is not None and st.device is not st.buffer:
                 self.staging.to_host(st.device, buf[st.base:]).synchronize()
@@ -149,22 +137,9 @@ class BlockResidency:
         else:
             self._issue_writes(of=block)
             buf = self.staging.caller_buffer(self._capacity(block))
-            self._wait_io(self._read(block, buf))
+            wait_io(self.store, split_read(self.store, self.frozen, block, buf))
             copy = False  # the fresh buffer is the caller's already
         return {s.name: self._view(buf, s).clone() if copy else self._view(buf, s) for s in block.slots}
-
-    def read_tail(self, block: BlockLayout) -> dict[str, torch.Tensor]:
-        """The trainable parameters' values of a block whose head is read in place (a checkpoint of its adapters
-        references the head in its file): from memory if resident, else only the tail is read from the store."""
-        st = self._state[block.index]
-        w = block.writable_offset
-        if st.buffer is not None or st.kept is not None:
-            values = self.read_values(block)
-            return {s.name: values[s.name] for s in block.slots if s.offset >= w}
-        self._issue_writes(of=block)
-        buf = self.staging.caller_buffer(self.store.region(block.region).capacity)
-        self._wait_io(self._read(block, buf, w))
-        return {s.name: self._view(buf, s, w) for s in block.slots if s.offset >= w}
 
     # ---- residency ---------------------------------------------------------------------------------
     def is_resident(self, block: BlockLayout) -> bool:
@@ -189,7 +164,7 @@ class BlockResidency:
                 st.buffer, st.shelved = shelved, True
             else:
                 st.buffer = self._new_buffer(block)
-                st.read = self._read(block, st.buffer)
+                st.read = split_read(self.store, self.frozen, block, st.buffer)
                 self.stats.loads += 1
                 self.stats.bytes_read += block.nbytes
             self._count(block, +1)
@@ -228,7 +203,7 @@ class BlockResidency:
         self._issue_writes(of=block)  # the read must see this block's last write-back
         st.base = block.writable_offset
         st.buffer = self.staging.host_buffer(self._capacity(block) - st.base)
-        st.read = self._read(block, st.buffer, st.base)
+        st.read = split_read(self.store, self.frozen, block, st.buffer, st.base)
         self.stats.tail_loads += 1
         self.stats.bytes_read += st.buffer.numel()
         self._count(block, +1)
@@ -397,56 +372,6 @@ class BlockResidency:
     def _head(self, block: BlockLayout) -> FrozenHead | None:
         return self.frozen.heads.get(block.index) if self.frozen is not None else None
 
-    def _read(self, block: BlockLayout, buf: torch.Tensor, offset: int = 0) -> IOHandle | _Split:
-        """Read the block's bytes ``[offset, offset + len(buf))`` into ``buf``: from the store, or split between
-        the base files (the frozen head) and the store (the tail, at ``offset - head`` in its region)."""
-        head = self._head(block)
-        if head is None:
-            return self.store.read(block.region, buf, offset)
-        assert self.frozen is not None
-        w, end = head.nbytes, offset + buf.numel()
-        tail = None
-        hi = min(end, w + self.store.region(block.region).capacity)
-        lo = max(offset, w)
-        if hi > lo and block.nbytes > w:  # a block with no trainable tail has nothing in the store
-            tail = self.store.read(block.region, buf[lo - offset:hi - offset], lo - w)
-        if offset and offset < w:
-            raise RuntimeError(f"block {block.name}: a read from byte {offset}, inside its frozen head (a bug)")
-        return _Split(tail, self.frozen.read(head, buf) if offset < w else None)
-
-    def _write_io(self, block: BlockLayout, data: torch.Tensor, offset: int) -> IOHandle | None:
-        """Write ``data`` (the block's bytes from ``offset`` on) to the store; of a block whose head is read in
-        place only the tail, after checking a head in ``data`` is still the file's (a loaded state dict)."""
-        head = self._head(block)
-        if head is None:
-            return self.store.write(block.region, data, offset)
-        assert self.frozen is not None
-        w = head.nbytes
-        if offset < w:
-            if offset:
-                raise RuntimeError(f"block {block.name}: a write from byte {offset}, inside its frozen head (a bug)")
-            differ = self.frozen.same_as_file(head, data)
-            if differ:
-                files = sorted({p.file.path for p in head.pieces if p.name in differ})
-                raise ConfigError("frozen_weights", f"{differ[:4]}{' ...' if len(differ) > 4 else ''}: frozen "
-                                  f"parameters of block {block.name} are read in place from {files}, but the values "
-                                  "loaded into them differ from that file's (a checkpoint or state dict of other "
-                                  "weights). A base file is never written. Fix: frozen_weights='store' (the frozen "
-                                  "weights copied into the store, then loaded), or load weights that match the file.")
-            data, offset = data[w:], w
-        if data.numel() == 0:
-            return None
-        return self.store.write(block.region, data, offset - w)
-
-    def _wait_io(self, handle: IOHandle | _Split | None) -> None:
-        if isinstance(handle, _Split):
-            if handle.tail is not None:
-                self.store.wait(handle.tail)
-            if handle.head is not None:
-                handle.head.wait()
-        elif handle is not None:
-            self.store.wait(handle)
-
     def _new_buffer(self, block: BlockLayout) -> torch.Tensor:
         """Page-aligned and as long as the region: the store moves it with O_DIRECT, no staging copy."""
         return self.staging.host_buffer(self._capacity(block))
@@ -460,7 +385,7 @@ class BlockResidency:
     def _wait_read(self, block: BlockLayout) -> None:
         st = self._state[block.index]
         if st.read is not None:
-            self._wait_io(st.read)
+            wait_io(self.store, st.read)
             st.read = None
 
     def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0, ready: Ready = DONE, base: int = 0) -> None:
@@ -483,7 +408,7 @@ class BlockResidency:
                                 or len(self._copies) + len(self._writes) > self.max_pending_writes):
             block, buf, start, ready, base = self._copies.popleft()
             ready.synchronize()
-            self._writes.append((self._write_io(block, buf[start:], base + start), buf))
+            self._writes.append((split_write(self.store, self.frozen, block, buf[start:], base + start), buf))
             self.stats.writebacks += 1
             self.stats.bytes_written += buf.numel() - start
             while self._writes and len(self._writes) + len(self._copies) > self.max_pending_writes:
@@ -491,7 +416,7 @@ class BlockResidency:
 
     def _wait_oldest_write(self) -> None:
         handle, buf = self._writes.popleft()
-        self._wait_io(handle)
+        wait_io(self.store, handle)
         self.staging.recycle(buf)
 
     def unbind(self, block: BlockLayout, device: torch.device) -> None:

@@ -201,7 +201,7 @@ t, model, _ = _fit({path!r}, Path({str(tmp_path / 'b')!r}), "in_place", steps={2
                    ckpt_path={str(ckpt)!r})
 torch.save(dict(model.named_parameters()), {str(tmp_path / 'resumed.pt')!r})
 print(json.dumps({{"step": t.global_step, "heads": probe.heads,
-                  "heads_not_reread": sorted(t.strategy.param_offload._head_as_file)}}))
+                  "heads_not_reread": sorted(t.strategy.param_offload.in_place_heads._as_file)}}))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]

@@ -10,20 +10,23 @@ stream beside it, references instead of values, and values read block by block f
 from __future__ import annotations
 
 from collections.abc import Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import torch
 from torch import nn
 
-from lightning_nvme.checkpoint.weights import BesideWeight, WeightReaders
+from lightning_nvme.checkpoint.weights import WeightReaders
 from lightning_nvme.params import transfer
+from lightning_nvme.params.frozen_files import FrozenFiles
+from lightning_nvme.params.in_place import InPlaceHeads, Tail, read_tail
 from lightning_nvme.params.layout import BlockLayout, ParamLayout, plan_layout
-from lightning_nvme.params.materialize import materialize
+from lightning_nvme.params.materialize import initial_weights, materialize
 from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
 from lightning_nvme.params.residency import BlockResidency, ResidencyStats
 from lightning_nvme.params.schedule import UPDATE, USER, BlockScheduler
-from lightning_nvme.store import FlatStore, StoreIOError
+from lightning_nvme.params.state_dicts import BlockStateDicts
+from lightning_nvme.store import FlatStore
 
 
 class ParamOffload:
@@ -33,11 +36,16 @@ class ParamOffload:
             (``param_block_classes()``), else the children of the largest ``ModuleList``/``Sequential``.
         prefetch: blocks read ahead of need, in forward (and reverse, in backward) order.
         device: where the parameters are used (``cuda``: bound blocks are copied there, see ``transfer``).
+        frozen_weights: ``"in_place"``: the frozen parameters of a model built on the meta device from a
+            safetensors checkpoint are read from that file during fit, not copied into the store
+            (``frozen_files``); ``"store"``: every block parameter goes to the store.
     """
 
     def __init__(self, model: nn.Module, block_classes: BlockClasses = None, prefetch: int = 1,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, frozen_weights: str = "store") -> None:
         self.model = model
+        self.in_place_heads = InPlaceHeads(frozen_weights)  # frozen heads read from their files (in place)
+        self.state_dicts = BlockStateDicts(self)  # the blocks' state_dict / load_state_dict hooks
         self.prefetch = prefetch
         self.device = device or torch.device("cpu")
         self.block_classes = block_classes
@@ -47,8 +55,6 @@ class ParamOffload:
         self.scheduler: BlockScheduler | None = None
         self._state_hooks: list[Any] = []
         self._final_stats = ResidencyStats()
-        self._referencing = False  # state_dict() gives references to block weights, not their values
-        self._readers: WeightReaders | None = None  # load_state_dict() reads references from these
 
     @property
     def layout(self) -> ParamLayout:
@@ -76,7 +82,21 @@ class ParamOffload:
         return self.residency.stats if self.residency is not None else self._final_stats
 
     def regions(self) -> list[tuple[str, int]]:
-        return [(b.region, b.nbytes) for b in self.blocks]
+        """Each block's store region: the whole block, or only its trainable tail where its head is read in place."""
+        heads = self.frozen.heads if self.frozen is not None else {}
+        return [(b.region, b.nbytes - (heads[b.index].nbytes if b.index in heads else 0)) for b in self.blocks]
+
+    def block_bytes(self, block: BlockLayout) -> int:
+        """Bytes of the block's buffer in memory (its region's capacity, plus a head read in place)."""
+        assert self.residency is not None
+        return self.residency._capacity(block)
+
+    @property
+    def frozen(self) -> FrozenFiles | None:
+        return self.in_place_heads.frozen
+
+    def in_place(self, block: BlockLayout) -> bool:
+        return self.in_place_heads.serves(block)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def attach_store(self, store: FlatStore) -> BlockResidency:
@@ -85,14 +105,21 @@ class ParamOffload:
             store.add_regions(self.regions())
             writes = self.prefetch + 1
             # host buffers: the blocks resident at once (about prefetch + 2) plus the write-backs in flight
-            mover = transfer.transfer_for(self.device, max(store.region(b.region).capacity for b in self.blocks),
+            heads = self.frozen.heads if self.frozen is not None else {}
+            largest = max(store.region(b.region).capacity + (heads[b.index].nbytes if b.index in heads else 0)
+                          for b in self.blocks)
+            mover = transfer.transfer_for(self.device, largest,
                                          pool_size=self.prefetch + 2 + writes)
-            self.residency = BlockResidency(store, self.blocks, max_pending_writes=writes, transfer=mover)
+            self.residency = BlockResidency(store, self.blocks, max_pending_writes=writes, transfer=mover,
+                                            frozen=self.frozen)
         return self.residency
 
     def materialize(self, store: FlatStore, device: torch.device) -> None:
         """Initialize a meta-device model module by module; each block goes to the store as soon as its
-        last parameter is initialized, so at most about one block is ever in memory."""
+        last parameter is initialized, so at most about one block is ever in memory. With
+        ``frozen_weights="in_place"``, the frozen parameters the initial weights locate in a file stay there."""
+        if self.residency is None:
+            self.in_place_heads.plan(initial_weights(self.model), self.blocks)
         residency = self.attach_store(store)
 
         def place_complete_blocks() -> None:
@@ -100,7 +127,10 @@ class ParamOffload:
                 if not residency.placed(block) and not any(s.param.is_meta for s in block.slots):
                     residency.place(block)
 
-        materialize(self.model, device, place_complete_blocks)
+        # Parameters read in place are never read here: placeholders at once (the copy a start then skips).
+        served = self.frozen.served() if self.frozen is not None else {}
+        skip = {id(s.param) for b in self.blocks for s in b.slots if s.name in served}
+        materialize(self.model, device, place_complete_blocks, skip=skip)
 
     def place(self, store: FlatStore, device: torch.device) -> None:
         """Move an in-memory model's blocks into the store before the model goes to ``device``, leaving
@@ -124,10 +154,10 @@ class ParamOffload:
         self.scheduler.planned = {id(p) for p in planned}
         self.scheduler.install()
         for block in self.blocks:
-            self._state_hooks.append(block.module._register_state_dict_hook(self._gather_hook(block)))
+            self._state_hooks.append(block.module._register_state_dict_hook(self.state_dicts.gather_hook(block)))
             self._state_hooks.append(block.module._register_load_state_dict_pre_hook(
-                self._load_pre_hook(block), with_module=True))
-            self._state_hooks.append(block.module.register_load_state_dict_post_hook(self._load_post_hook(block)))
+                self.state_dicts.load_pre_hook(block), with_module=True))
+            self._state_hooks.append(block.module.register_load_state_dict_post_hook(self.state_dicts.load_post_hook(block)))
 
     def keep_on_desk(self, regions: set[str]) -> None:
         """Keep the blocks of these regions on the device from now on (``device_memory_budget``): each is
@@ -138,6 +168,8 @@ class ParamOffload:
                 self.residency.keep(block)
 
     def finish_step(self) -> None:
+        if self.frozen is not None:
+            self.frozen.check()  # a base file changed under the run: refused by name before the next step
         if self.scheduler is not None:
             self.scheduler.finish_step()
         if self.residency is not None:
@@ -185,6 +217,7 @@ class ParamOffload:
         if restore:
             self._final_stats = self.residency.stats
             self.residency = None
+            self.in_place_heads.close()
 
     def attach(self, store: FlatStore) -> None:
         """Continue on ``store`` (the same file reopened after fit, e.g. to save a checkpoint)."""
@@ -241,87 +274,32 @@ class ParamOffload:
         """The blocks' values live in the store (during fit, and after it with ``restore_params=False``)."""
         return self.residency is not None
 
-    @contextmanager
-    def by_reference(self) -> Iterator[None]:
-        """Inside, ``state_dict()`` holds a ``BesideWeight`` for each block parameter (with its block as the
-        source) instead of reading it: a checkpoint streams them later, block by block (``read_block``)."""
-        self._referencing = True
-        try:
-            yield
-        finally:
-            self._referencing = False
+    def referencing_base_files(self) -> AbstractContextManager[None]:
+        return self.in_place_heads.referencing()
+
+    def by_reference(self) -> AbstractContextManager[None]:
+        """Inside, ``state_dict()`` holds a ``BesideWeight`` per block parameter (``BlockStateDicts``)."""
+        return self.state_dicts.by_reference()
+
+    def loading_from(self, readers: WeightReaders) -> AbstractContextManager[set[str]]:
+        """Inside, ``load_state_dict`` reads block weights' references from ``readers`` (``BlockStateDicts``)."""
+        return self.state_dicts.loading_from(readers)
 
     def issue_writes(self) -> None:
         """Issue every write-back still waiting (a fence after it then covers them: a checkpoint may clone)."""
         if self.residency is not None:
             self.residency.issue_writes()
 
-    def in_store(self, source: BlockLayout) -> bool:
-        """The store holds this block's current values (after ``issue_writes`` and a fence)."""
+    def in_store(self, source: BlockLayout | Tail) -> bool:
+        """The store holds this block's current values (after ``issue_writes`` and a fence) laid out as the block (a
+        snapshot may clone its region); a ``Tail`` is read, never cloned."""
         assert self.residency is not None
-        return self.residency.in_store(source)
+        return not isinstance(source, Tail) and self.residency.in_store(source)
 
-    def read_block(self, source: BlockLayout) -> dict[str, torch.Tensor]:
-        """One block's values by parameter name (one block of memory)."""
+    def read_block(self, source: BlockLayout | Tail) -> dict[str, torch.Tensor]:
+        """One block's values by parameter name (one block of memory); of a ``Tail``, its trainable ones only."""
         assert self.residency is not None
+        if isinstance(source, Tail):
+            return read_tail(self.residency, source.block)
         return self.residency.read_values(source, copy=False)
 
-    @contextmanager
-    def loading_from(self, readers: WeightReaders) -> Iterator[set[str]]:
-        """Inside, ``load_state_dict`` reads each block's ``BesideWeight`` entries from ``readers`` as it loads
-        that block (one block in memory at a time). Yields the state-dict keys of the block parameters."""
-        self._readers = readers
-        try:
-            yield {name for name, p in self.model.named_parameters(remove_duplicate=False) if id(p) in self._block_of}
-        finally:
-            self._readers = None
-
-    def _local_slots(self, block: BlockLayout) -> list[tuple[str, Any]]:
-        """(name inside the block module, slot) for every name the module registers a block parameter under."""
-        slots = {id(s.param): s for s in block.slots}
-        return [(name, slots[id(p)]) for name, p in block.module.named_parameters(remove_duplicate=False)
-                if id(p) in slots]
-
-    def _gather_hook(self, block: BlockLayout) -> Any:
-        local = self._local_slots(block)
-
-        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
-            if self.residency is None:
-                return
-            if self._referencing:
-                for name, slot in local:
-                    if prefix + name in state_dict:
-                        state_dict[prefix + name] = BesideWeight.of(prefix + name, slot.param, (block, slot.name))
-                return
-            try:
-                values = self.residency.read_values(block)
-            except StoreIOError as e:
-                raise RuntimeError(f"the parameters of {block.name} live only in the store "
-                                   f"{self.residency.store.path} and could not be read ({e}). After fit the store "
-                                   "is closed: export them with trainer.strategy.export_weights('model.safetensors') "
-                                   "(streamed, one block in memory at a time) or trainer.save_checkpoint(...), or "
-                                   "keep restore_params=True so the weights return to the module at the end of "
-                                   "fit.") from e
-            for name, slot in local:
-                key = prefix + name
-                if key in state_dict:
-                    state_dict[key] = values[slot.name]
-        return hook
-
-    def _load_pre_hook(self, block: BlockLayout) -> Any:
-        def hook(module: nn.Module, state_dict: dict[str, Any], *args: Any) -> None:
-            if self.residency is None:
-                return
-            self.residency.acquire(block, USER)
-            if self._readers is not None:  # ``state_dict`` is this block's own copy: the values go with it
-                for key, value in state_dict.items():
-                    if isinstance(value, BesideWeight):
-                        state_dict[key] = self._readers.read(value)
-        return hook
-
-    def _load_post_hook(self, block: BlockLayout) -> Any:
-        def hook(module: nn.Module, incompatible: Any) -> None:
-            if self.residency is not None:
-                self.residency.mark_dirty(block, whole=True)  # frozen parameters were loaded too
-                self.residency.release(block, USER)
-        return hook

@@ -16,6 +16,11 @@ Its device copy is then the truth (``read_values`` and ``in_store`` say so).
 An optimizer update needs only a block's trainable tail (``BlockLayout.writable_offset`` on): acquired
 with ``tail=True``, a block not in memory reads just that tail, its frozen parameters stay placeholders.
 Why: a LoRA update otherwise read (or kept) every frozen weight of each block its adapters' chunk spans.
+
+A block whose frozen head is read in place (``frozen``: ``lightning_nvme.params.frozen_files``) has a store region
+holding only its trainable tail: its reads are split (head from the base files, tail from the store, one ``SplitRead``
+handle), its writes start at the tail (a whole-block write, after a state dict was loaded, first checks the head
+still equals the file's bytes: a base file is never written).
 """
 
 from __future__ import annotations
@@ -27,6 +32,7 @@ from typing import Any
 import torch
 
 from lightning_nvme.optim.plan import placeholder
+from lightning_nvme.params.frozen_files import FrozenFiles, FrozenHead, SplitRead, split_read, split_write, wait_io
 from lightning_nvme.params.layout import BlockLayout
 from lightning_nvme.params.transfer import DONE, BlockTransfer, HostTransfer, Ready, TransferStats
 from lightning_nvme.store import FlatStore, IOHandle
@@ -55,7 +61,7 @@ class ResidencyStats:
 class _State:
     buffer: torch.Tensor | None = None  # uint8, page-aligned host buffer
     device: torch.Tensor | None = None  # what the parameters are views of while bound (CPU: ``buffer``)
-    read: IOHandle | None = None
+    read: IOHandle | SplitRead | None = None
     bound: bool = False  # parameters point into ``device``
     dirty: bool = False
     dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
@@ -71,8 +77,9 @@ class _State:
 
 class BlockResidency:
     def __init__(self, store: FlatStore, blocks: list[BlockLayout], max_pending_writes: int = 2,
-                 transfer: BlockTransfer | None = None) -> None:
+                 transfer: BlockTransfer | None = None, frozen: FrozenFiles | None = None) -> None:
         self.store = store
+        self.frozen = frozen
         self.blocks = blocks
         self.max_pending_writes = max_pending_writes
         self.transfer = transfer if transfer is not None else HostTransfer()
@@ -80,7 +87,7 @@ class BlockResidency:
         self._state = [_State() for _ in blocks]
         # write-backs waiting for their device -> host copy, then in flight to the store (together bounded)
         self._copies: deque[tuple[BlockLayout, torch.Tensor, int, Ready, int]] = deque()
-        self._writes: deque[tuple[IOHandle, torch.Tensor]] = deque()
+        self._writes: deque[tuple[IOHandle | None, torch.Tensor]] = deque()
         self._resident_bytes = 0
 
     # ---- first placement -----------------------------------------------------------------------------
@@ -88,9 +95,11 @@ class BlockResidency:
         """Copy the block's current values into the store and leave placeholders (setup), on ``device``
         (default: the parameters' own)."""
         buf = self._new_buffer(block)
+        head = self._head(block)
         for slot in block.slots:
-            self._view(buf, slot).copy_(slot.param.detach())
-        self._write(block, buf)
+            if head is None or slot.offset >= head.nbytes:  # a head read in place: its values are the file's
+                self._view(buf, slot).copy_(slot.param.detach())
+        self._write(block, buf, head.nbytes if head is not None else 0)
         self._unbind(block, device)
         self._state[block.index].placed = True
 
@@ -104,7 +113,7 @@ class BlockResidency:
         if st.base and st.kept is None:  # only the trainable tail in memory: the frozen head from the store, the tail over it
             buf = self.transfer.caller_buffer(self._capacity(block))
             self._issue_writes(of=block)
-            self.store.wait(self.store.read(block.region, buf[:st.base]))
+            wait_io(self.store, split_read(self.store, self.frozen, block, buf[:st.base]))
             self._wait_read(block)
             if st.device is not None and st.device is not st.buffer:
                 self.transfer.to_host(st.device, buf[st.base:]).synchronize()
@@ -128,7 +137,7 @@ class BlockResidency:
         else:
             self._issue_writes(of=block)
             buf = self.transfer.caller_buffer(self._capacity(block))
-            self.store.wait(self.store.read(block.region, buf))
+            wait_io(self.store, split_read(self.store, self.frozen, block, buf))
             copy = False  # the fresh buffer is the caller's already
         return {s.name: self._view(buf, s).clone() if copy else self._view(buf, s) for s in block.slots}
 
@@ -150,12 +159,12 @@ class BlockResidency:
         self._issue_writes()
         if st.buffer is None:
             self._issue_writes(of=block)  # the read must see this block's last write-back
-            shelved = self.store.shelved(block.region)
+            shelved = self.store.shelved(block.region) if self._head(block) is None else None
             if shelved is not None:  # host_memory_budget: the block lives in memory, bound in place, never read
                 st.buffer, st.shelved = shelved, True
             else:
                 st.buffer = self._new_buffer(block)
-                st.read = self.store.read(block.region, st.buffer)
+                st.read = split_read(self.store, self.frozen, block, st.buffer)
                 self.stats.loads += 1
                 self.stats.bytes_read += block.nbytes
             self._count(block, +1)
@@ -194,7 +203,7 @@ class BlockResidency:
         self._issue_writes(of=block)  # the read must see this block's last write-back
         st.base = block.writable_offset
         st.buffer = self.transfer.host_buffer(self._capacity(block) - st.base)
-        st.read = self.store.read(block.region, st.buffer, offset=st.base)
+        st.read = split_read(self.store, self.frozen, block, st.buffer, st.base)
         self.stats.tail_loads += 1
         self.stats.bytes_read += st.buffer.numel()
         self._count(block, +1)
@@ -363,7 +372,12 @@ class BlockResidency:
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _capacity(self, block: BlockLayout) -> int:
-        return self.store.region(block.region).capacity
+        """Bytes of a block buffer: its region's capacity, plus the head read in place (not in the region)."""
+        head = self._head(block)
+        return self.store.region(block.region).capacity + (head.nbytes if head is not None else 0)
+
+    def _head(self, block: BlockLayout) -> FrozenHead | None:
+        return self.frozen.heads.get(block.index) if self.frozen is not None else None
 
     def _new_buffer(self, block: BlockLayout) -> torch.Tensor:
         """Page-aligned and as long as the region: the store moves it with O_DIRECT, no staging copy."""
@@ -378,7 +392,7 @@ class BlockResidency:
     def _wait_read(self, block: BlockLayout) -> None:
         st = self._state[block.index]
         if st.read is not None:
-            self.store.wait(st.read)
+            wait_io(self.store, st.read)
             st.read = None
 
     def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0, ready: Ready = DONE, base: int = 0) -> None:
@@ -401,7 +415,7 @@ class BlockResidency:
                                 or len(self._copies) + len(self._writes) > self.max_pending_writes):
             block, buf, start, ready, base = self._copies.popleft()
             ready.synchronize()
-            self._writes.append((self.store.write(block.region, buf[start:], offset=base + start), buf))
+            self._writes.append((split_write(self.store, self.frozen, block, buf[start:], base + start), buf))
             self.stats.writebacks += 1
             self.stats.bytes_written += buf.numel() - start
             while self._writes and len(self._writes) + len(self._copies) > self.max_pending_writes:
@@ -409,7 +423,7 @@ class BlockResidency:
 
     def _wait_oldest_write(self) -> None:
         handle, buf = self._writes.popleft()
-        self.store.wait(handle)
+        wait_io(self.store, handle)
         self.transfer.recycle(buf)
 
     def unbind(self, block: BlockLayout, device: torch.device) -> None:

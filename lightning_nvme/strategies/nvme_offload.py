@@ -31,6 +31,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -38,7 +39,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nvme.checkpoint import weights
+from lightning_nvme.checkpoint import base_file, weights
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.memory import release_freed_memory
@@ -127,7 +128,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                                  "with its initial weights) or pass ckpt_path=... to fit.")
             s = self.config
             classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
-            self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device)
+            self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device,
+                                              s.frozen_weights)
         super().setup(trainer)
         if self.param_offload is not None and self.nvme_store is None and self._eval_from is None:
             self.param_offload = None  # no optimizer: nothing trains, nothing to offload
@@ -147,8 +149,13 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                                  "store. Use an optimizer with state (SGD(momentum>0), AdamW, ...), or offload_params=False.")
             self.param_offload.start(self.nvme_store, planned)
             layout = self.param_offload.layout
-            rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
-                           f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.outside_blocks)} parameters "
+            frozen = self.param_offload.frozen
+            in_place = (f", of which {frozen.head_bytes / MiB:.1f} MiB of frozen parameters in {len(frozen.heads)} "
+                        f"blocks read in place from {len(frozen.files)} base file(s) (frozen_weights='in_place', "
+                        f"{'O_DIRECT' if all(f.direct_fd >= 0 for f in frozen.files.values()) else 'buffered'})"
+                        if frozen is not None else "")
+            rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks offloaded "
+                           f"({layout.offloaded_bytes / MiB:.1f} MiB{in_place}); {len(layout.outside_blocks)} parameters "
                            f"outside blocks, in memory ({layout.outside_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
             self._plan_desk()
 
@@ -166,7 +173,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                               "host RAM; set device_memory_budget=0 off CUDA.")
         check_device_memory_budget(budget, self.root_device)
         self.desk_plan = plan_desk(
-            [desk_block_item(b.region, self.nvme_store.region(b.region).capacity, b.trainable)
+            [desk_block_item(b.region, self.param_offload.block_bytes(b), b.trainable)
              for b in self.param_offload.blocks], budget)
         self.param_offload.keep_on_desk(self.desk_plan.kept)
         rank_zero_info(f"{self.strategy_name}: {self.desk_plan.summary()}")
@@ -177,8 +184,11 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         if self.param_offload is not None:
             assert self.nvme_store is not None
             on_desk = self.desk_plan.kept if self.desk_plan is not None else set()
-            items += [block_item(b.region, self.nvme_store.region(b.region).capacity, b.writable_offset, b.trainable)
-                      for b in self.param_offload.blocks if b.region not in on_desk]  # kept: never move
+            offload = self.param_offload
+            items += [block_item(b.region, self.nvme_store.region(b.region).capacity,
+                                 0 if offload.in_place(b) else b.writable_offset, b.trainable)  # in place: the tail only
+                      for b in offload.blocks if b.region not in on_desk  # kept: never move
+                      and self.nvme_store.region(b.region).capacity]
         return items
 
     def _check_param_offload_supported(self) -> None:
@@ -463,6 +473,18 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         return self.saver.background
 
     @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        saves = len(self.checkpoint_saves)
+        super().save_checkpoint(checkpoint, filepath, storage_options)
+        referenced = [i.path for i in base_file.base_files(checkpoint.get("state_dict"))]
+        if referenced:  # frozen_weights="in_place": the checkpoint needs the user's base files as they are
+            for record in self.checkpoint_saves[saves:]:
+                record.base_files = referenced
+            rank_zero_info(f"{self.strategy_name}: checkpoint {filepath} references the frozen weights in "
+                           f"{referenced} (frozen_weights='in_place'), not a copy: a resume checks those files are "
+                           "unchanged (size, mtime, header sha256).")
+
+    @override
     def _save_arguments(self) -> dict[str, Any]:
         return {**super()._save_arguments(), "params": self._offloaded_weights()}
 
@@ -489,11 +511,12 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         params = self._offloaded_weights()
         if params is None:
             return super().lightning_module_state_dict()
-        if params.layout.offloaded_bytes > self.config.inline_weights_bytes:
-            with params.by_reference():
+        with params.referencing_base_files():  # frozen weights read in place: references to the user's files
+            if params.layout.offloaded_bytes > self.config.inline_weights_bytes:
+                with params.by_reference():
+                    return super().lightning_module_state_dict()
+            with self._weights_readable():
                 return super().lightning_module_state_dict()
-        with self._weights_readable():
-            return super().lightning_module_state_dict()
 
     @override
     def _weights_streamed_by(self, readers: weights.WeightReaders) -> AbstractContextManager[set[str]]:

@@ -110,8 +110,9 @@ def train_child(args: argparse.Namespace) -> dict:
     n = args.warmup + (args.lora_steps if lora and args.lora_steps is not None else args.steps)
     data = EmbeddedTextDataModule(source="stdlib", max_bytes=2_000_000, block_size=args.seq, batch_size=args.batch,
                                   steps_per_epoch=n, tokenizer="byte")
+    extra = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
     strategy = NVMeOffloadStrategy(args.dir, offload_params=True, state_format="int8", master_format="bf16_sr",
-                                   overlap="backward", restore_params=False)
+                                   overlap="backward", restore_params=False, **extra)
     starts: list[float] = []
     stats: list[Any] = []
     losses: list[float] = []
@@ -220,15 +221,20 @@ def compute_child(args: argparse.Namespace) -> dict:
     x = torch.randn(args.batch, args.seq, h, dtype=torch.bfloat16)
     pos = rotary(x, torch.arange(args.seq).unsqueeze(0))
 
+    forward_s: list[float] = []
+    cpu_s: list[float] = []
+
     def one_block() -> float:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         with torch.no_grad():
             block(x, position_embeddings=pos)  # checkpointing's first forward
+        forward_s.append(time.perf_counter() - t)
         xi = x.detach().requires_grad_()
         out = block(xi, position_embeddings=pos)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
         block.zero_grad(set_to_none=True)
+        cpu_s.append(time.process_time() - c)
         return time.perf_counter() - t
 
     def ends() -> float:
@@ -243,13 +249,15 @@ def compute_child(args: argparse.Namespace) -> dict:
         return time.perf_counter() - t
 
     one_block(), ends()  # warm
+    forward_s.clear(), cpu_s.clear()
     block_s = statistics.median(one_block() for _ in range(args.compute_reps))
     ends_s = statistics.median(ends() for _ in range(args.compute_reps))
     block_opt_s = optimizer_seconds(list(block.parameters()), args)
     ends_opt_s = optimizer_seconds([embed.weight, norm.weight, head.weight], args)
     block_gen_s = optimizer_seconds(list(block.parameters()), args, generic=True)
     ends_gen_s = optimizer_seconds([embed.weight, norm.weight, head.weight], args, generic=True)
-    return {"block_s": block_s, "ends_s": ends_s, "layers": config.num_hidden_layers,
+    return {"block_s": block_s, "block_forward_s": statistics.median(forward_s), "block_cpu_s": statistics.median(cpu_s),
+            "ends_s": ends_s, "layers": config.num_hidden_layers,
             "compute_s": block_s * config.num_hidden_layers + ends_s,
             "optimizer_block_s": block_opt_s, "optimizer_ends_s": ends_opt_s,
             "optimizer_s": block_opt_s * config.num_hidden_layers + ends_opt_s,
@@ -330,7 +338,8 @@ def child(args: argparse.Namespace) -> dict:
 def _run_child(args: argparse.Namespace, kind: str) -> dict:
     """``kind`` in a fresh process with its own store directory, deleted afterwards."""
     with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"{kind}-") as store_dir:
-        keep = ("seq", "batch", "data", "steps", "warmup", "lr", "lora_rank", "lora_steps", "compute_reps", "ckpt")
+        keep = ("seq", "batch", "data", "steps", "warmup", "lr", "lora_rank", "lora_steps", "compute_reps", "ckpt",
+                "prefetch_depth")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, f"--dir={store_dir}",
                *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep if getattr(args, k) is not None]]
         env = dict(os.environ, **EMULATE_NO_BF16) if args.emulate_no_bf16 else None
@@ -379,6 +388,7 @@ def main() -> None:
     p.add_argument("--compute-reps", type=int, default=3)
     p.add_argument("--raw-mib", type=int, default=2048, help="bytes per raw-disk measurement")
     p.add_argument("--no-lora", action="store_true", help="skip the LoRA run")
+    p.add_argument("--prefetch-depth", type=int, default=None, help="the strategy's prefetch_depth (default: its own)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the 7 B's 32): the 7 B's "
                    "block shape with fewer blocks, for a store of a few GB")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the 7 B's 32000; the byte "
@@ -452,6 +462,8 @@ def main() -> None:
         "setup_s": round(full["setup_s"], 1), "peak_resident_blocks": full["peak_resident_blocks"],
         "raw_write_GBps": [round(x[0], 3) for x in raws], "raw_read_GBps": [round(x[1], 3) for x in raws],
         "compute_block_s": round(compute["block_s"], 3), "compute_ends_s": round(compute["ends_s"], 3),
+        # of a block's compute: checkpointing's no-grad forward (the forward phase's), and its CPU seconds (all threads)
+        "compute_block_forward_s": round(compute["block_forward_s"], 3), "compute_block_cpu_s": round(compute["block_cpu_s"], 3),
         "checkpoint": {**written, **disk},
         "bf16_input_grad_via_forward_kernel": full["bf16_input_grad_via_forward_kernel"],
         "emulated_no_bf16": full["emulated_no_bf16"], "cpu_capability": full["cpu_capability"],

@@ -28,6 +28,14 @@ store (~2 B/param of weights + ~2.06 B/param of int8 moments and their scales); 
 
     python benchmarks/hf_7b.py --dir /mnt/nvme/bench --ckpt-dir /mnt/nvme/llama-7b-shape   # the 7 B
     python benchmarks/hf_7b.py --smoke --dir /tmp/x                                        # tiny Llama, seconds
+    python benchmarks/hf_7b.py --layers 4 --vocab 4096 --no-lora --emulate-no-bf16 ...     # 7 B blocks, 3.1 GB store
+
+``--emulate-no-bf16`` runs the children as on a CPU without AVX512-BF16 (AVX2 only; ``EMULATE_NO_BF16`` below says
+how and docs/performance.md how it compares with such a CPU); ``--layers``/``--vocab`` keep the 7 B's block shape
+with fewer blocks. ``phases`` in the JSON: where each timed step's time went (forward, backward with the updates
+made in it, the rest of the optimizer step, between steps), each with its wall time, the CPU seconds of the main
+thread, the store's I/O workers and the other threads (torch's and numba's pools), the bytes moved and the time
+the main thread waited for the store, by request kind (``_profile.PhaseClock``).
 
 Why ``--data fixed`` by default: the loss must show, within the three or four steps a 7 B step's time
 allows, whether the optimizer learns. Windows of 8 byte tokens differ from each other by about half a nat

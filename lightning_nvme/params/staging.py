@@ -65,7 +65,7 @@ class StagingStats:
     pinned_buffers: int = 0  # host buffers registered with CUDA (the pool)
     pageable_buffers: int = 0  # host buffers handed out beyond the pool (or when registration failed)
     pool_buffers: int = 0  # CPU: block buffers made for the pool (at most its size, unless some were retained)
-    pool_buffers_retained: int = 0  # CPU: pool buffers still held elsewhere when due for reuse (left to their holder)
+    pool_buffers_held: int = 0  # CPU: times a free pool buffer was passed over, still held elsewhere (autograd)
 
 
 class Staging(Protocol):
@@ -96,16 +96,15 @@ class HostStaging:
     """CPU: the host buffer is the parameters' storage; every call but the allocation is a no-op.
 
     Block buffers come from a pool of at most ``pool_size`` page-aligned buffers of ``buffer_bytes`` (made on
-    first need, kept for the run), recycled when a block leaves memory or its write-back completes. Why: a
-    fresh anonymous mapping per block read faults and zeroes every page in the I/O worker that reads into it,
-    and is unmapped again at eviction: 0.28 CPU-seconds per 400 MiB block here (2026-12-03), twice per block and
-    step (forward and backward), about 18 of a 7 B step's CPU-seconds, which on 2 cores the model's compute
-    waited for. Peak memory is unchanged (the pool holds what was in use at once; the bound is the residency's).
-    A buffer something else still holds when it would be reused (autograd keeps ``weight.t()``, a view, when a
-    block ran without activation checkpointing) leaves the pool instead and is freed by its last holder: a read
-    never overwrites memory a saved tensor points at. A request below half a buffer (a LoRA update's trainable
-    tail) gets its own small mapping, as before. Values handed out as views of a resident block (``read_values(copy=
-    False)``) are safe by the same rule: while the caller holds them, the buffer is not reused."""
+    first need, kept for the run), recycled when a block leaves memory or its write-back completes. Why: a fresh
+    anonymous mapping per block read is faulted and zeroed page by page inside the I/O worker's read and unmapped
+    again at eviction, twice per block and step; on a CPU busy with the model's compute that work delayed the
+    compute (docs/performance.md, #38). Peak memory is unchanged: the pool holds what was in use at once. A buffer
+    something else still holds when it would be reused (autograd keeps ``weight.t()``, a view, when a block ran
+    without activation checkpointing) is passed over until its holder lets go, and a fresh mapping serves
+    meanwhile, as before the pool: a read never overwrites memory a saved tensor points at. Values handed out as
+    views of a resident block (``read_values(copy=False)``) are safe by the same rule. A request below half a
+    buffer (a LoRA update's trainable tail) gets its own small mapping, as before."""
 
     reuses_buffers = False  # a pooled buffer is reused only once nothing else holds it (``host_buffer``)
     device_copies = False
@@ -121,12 +120,10 @@ class HostStaging:
         """Page-aligned and padded: the store moves it with O_DIRECT, no staging copy (as ``FlatStore.aligned_empty``)."""
         if not self.buffer_bytes // 2 <= nbytes <= self.buffer_bytes:
             return aligned_empty(nbytes)
-        while self._free:
-            base = self._free.pop()
+        for i, base in enumerate(self._free):
             if _uses(base) <= self._pool[base.data_ptr()][1]:
-                return base[:nbytes]
-            del self._pool[base.data_ptr()]  # still held elsewhere: its holder frees it
-            self.stats.pool_buffers_retained += 1
+                return self._free.pop(i)[:nbytes]
+            self.stats.pool_buffers_held += 1  # still held elsewhere: it waits in the pool until its holder lets go
         if len(self._pool) >= self.pool_size:
             return aligned_empty(nbytes)
         fresh = aligned_empty(self.buffer_bytes)

@@ -428,8 +428,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         """With blocks in the store and ``overlap="backward"``: at least the chunks of one block's state, so each
         chunk is read while the block after it (in backward order) computes. Why: a block's backward makes its
         gradients final in bursts (a projection's weight gradient completes all its chunks at once), and with only
-        ``prefetch_depth`` chunks ahead every update of the burst waited for a read queued behind the write-backs
-        in flight (``benchmarks/hf_7b.py``'s profile: every chunk read waited; docs/performance.md). Memory: one
+        ``prefetch_depth`` chunks ahead the updates of a burst waited for reads queued behind the write-backs in
+        flight (``benchmarks/hf_7b.py``'s phase profile; docs/performance.md, #38). Memory: one
         chunk buffer per chunk read ahead (``chunk_bytes`` each), about one block's optimizer state."""
         depth = super()._read_ahead(plan)
         if self.param_offload is None or self.config.overlap != "backward":

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from lightning_nvme.checkpoint.weights import BesideWeight, WeightReaders
-from lightning_nvme.optim.plan import Plan
+from lightning_nvme.optim.plan import Chunk
 from lightning_nvme.params import staging
 from lightning_nvme.params.layout import BlockLayout, ParamLayout, plan_layout
 from lightning_nvme.params.materialize import materialize
@@ -79,16 +79,16 @@ class ParamOffload:
     def regions(self) -> list[tuple[str, int]]:
         return [(b.region, b.nbytes) for b in self.blocks]
 
-    def chunks_per_block(self, plan: Plan) -> int:
-        """The most optimizer chunks of ``plan`` that hold state of one block's parameters (0: none)."""
+    def chunks_per_block(self, chunks: Iterable[Chunk]) -> int:
+        """The most of these optimizer chunks that hold state of one block's parameters (0: none)."""
         block_of = self.layout.block_of()
-        chunks: dict[int, set[int]] = {}
-        for chunk in plan.chunks:
+        per_block: dict[int, set[int]] = {}
+        for chunk in chunks:
             for piece in chunk.pieces:
                 block = block_of.get(id(piece.param))
                 if block is not None:
-                    chunks.setdefault(block.index, set()).add(chunk.index)
-        return max((len(c) for c in chunks.values()), default=0)
+                    per_block.setdefault(block.index, set()).add(chunk.index)
+        return max((len(c) for c in per_block.values()), default=0)
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def attach_store(self, store: FlatStore) -> BlockResidency:

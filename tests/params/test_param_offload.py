@@ -473,8 +473,8 @@ def test_backward_updates_read_one_blocks_chunks_ahead(tmp_path, overlap):
             if id(piece.param) in block_of:
                 per_block.setdefault(block_of[id(piece.param)].index, set()).add(chunk.index)
     most = max(len(c) for c in per_block.values())
-    assert params.chunks_per_block(off.plan) == most > strategy.config.prefetch_depth
-    assert off.prefetch_depth == (most if overlap == "backward" else strategy.config.prefetch_depth)
+    assert params.chunks_per_block(off.chunks) == most > strategy.config.prefetch_depth
+    assert off.reads.depth == (most if overlap == "backward" else strategy.config.prefetch_depth)
     stats = params.stats
     assert 0 < stats.staging.pool_buffers <= strategy.config.param_prefetch + 2 + strategy.config.param_prefetch + 1
     assert stats.loads > stats.staging.pool_buffers  # block reads reused pooled buffers

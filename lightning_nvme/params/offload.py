@@ -79,17 +79,6 @@ class ParamOffload:
     def regions(self) -> list[tuple[str, int]]:
         return [(b.region, b.nbytes) for b in self.blocks]
 
-    def chunks_per_block(self, chunks: Iterable[Chunk]) -> int:
-        """The most of these optimizer chunks that hold state of one block's parameters (0: none)."""
-        block_of = self.layout.block_of()
-        per_block: dict[int, set[int]] = {}
-        for chunk in chunks:
-            for piece in chunk.pieces:
-                block = block_of.get(id(piece.param))
-                if block is not None:
-                    per_block.setdefault(block.index, set()).add(chunk.index)
-        return max((len(c) for c in per_block.values()), default=0)
-
     # ---- lifecycle -----------------------------------------------------------------------------------
     def attach_store(self, store: FlatStore) -> BlockResidency:
         """Add the blocks' regions to ``store`` (once)."""
@@ -337,3 +326,15 @@ class ParamOffload:
                 self.residency.mark_dirty(block, whole=True)  # frozen parameters were loaded too
                 self.residency.release(block, USER)
         return hook
+
+
+def chunks_per_block(layout: ParamLayout, chunks: Iterable[Chunk]) -> int:
+    """The most of these optimizer chunks that hold state of one block's parameters (0: none)."""
+    block_of = layout.block_of()
+    per_block: dict[int, set[int]] = {}
+    for chunk in chunks:
+        for piece in chunk.pieces:
+            block = block_of.get(id(piece.param))
+            if block is not None:
+                per_block.setdefault(block.index, set()).add(chunk.index)
+    return max((len(c) for c in per_block.values()), default=0)

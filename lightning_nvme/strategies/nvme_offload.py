@@ -47,6 +47,7 @@ from lightning_nvme.optim import UpdateListener
 from lightning_nvme.optim.plan import Plan
 from lightning_nvme.params import ParamOffload, is_placeholder
 from lightning_nvme.params.materialize import copy_checked, has_meta_tensors, initial_weights, materialize
+from lightning_nvme.params.offload import chunks_per_block
 from lightning_nvme.params.stream import (
     FROM_INITIAL,
     BesideSource,
@@ -426,7 +427,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         depth = super()._read_ahead(plan)
         if self.param_offload is None or self.config.overlap != "backward":
             return depth
-        return max(depth, self.param_offload.chunks_per_block(plan.chunks))
+        return max(depth, chunks_per_block(self.param_offload.layout, plan.chunks))
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],

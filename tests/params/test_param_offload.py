@@ -19,6 +19,7 @@ import lightning_nvme  # noqa: F401  (registers the strategies)
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.params import is_placeholder
+from lightning_nvme.params.offload import chunks_per_block
 
 STEPS = 32  # two epochs of 16 batches
 
@@ -473,7 +474,7 @@ def test_backward_updates_read_one_blocks_chunks_ahead(tmp_path, overlap):
             if id(piece.param) in block_of:
                 per_block.setdefault(block_of[id(piece.param)].index, set()).add(chunk.index)
     most = max(len(c) for c in per_block.values())
-    assert params.chunks_per_block(off.chunks) == most > strategy.config.prefetch_depth
+    assert chunks_per_block(params.layout, off.chunks) == most > strategy.config.prefetch_depth
     assert off.reads.depth == (most if overlap == "backward" else strategy.config.prefetch_depth)
     stats = params.stats
     assert 0 < stats.staging.pool_buffers <= strategy.config.param_prefetch + 2 + strategy.config.param_prefetch + 1

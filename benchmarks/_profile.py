@@ -196,3 +196,82 @@ def summarize_pyspy(raw_path: str, top: int = 12) -> str:
 def run_profiled(cmd: list[str], raw_path: str, **kwargs: Any) -> subprocess.CompletedProcess:
     """``subprocess.run(cmd)`` under py-spy when available (its own messages go to stderr)."""
     return subprocess.run(pyspy_command(raw_path) + cmd, **kwargs)
+
+
+class PhaseClock:
+    """Where one training step's time goes, phase by phase: ``mark(name)`` closes the phase running so far and
+    opens ``name``; each phase accumulates, over the steps marked, its wall time, the CPU seconds of the main
+    thread, the store's I/O workers and the rest (torch's intra-op pool, numba's workers), and the store's
+    bytes moved and time callers waited, split by what they waited for.
+
+    Why split the wait: a step that is neither the disk's nor the CPU's length has lost its overlap somewhere,
+    and ``FlatStore.wait`` is where the main thread sits when it is lost. ``classify(handle)`` names the
+    request (e.g. a block's read, an optimizer chunk's read, a write-back); ``watch(store, classify)`` wraps the
+    store's ``wait`` for that (``wait_<kind>_s`` and ``waits_<kind>`` per phase). ``timed(obj, name, what)``
+    wraps a method the same way (``<what>_s`` and ``<what>_calls`` per phase: e.g. the optimizer's update)."""
+
+    def __init__(self) -> None:
+        self.stores: list[Any] = []
+        self.phases: dict[str, Counter] = {}
+        self._current: str | None = None
+        self._t0 = 0.0
+        self._snap: tuple[dict[int, tuple[float, float, int, int]], list[Any]] | None = None
+
+    def watch(self, store: Any, classify: Callable[[Any], str]) -> None:
+        import time
+
+        self.stores.append(store)
+        wait = store.wait
+
+        def timed_wait(handle: Any) -> None:
+            t = time.perf_counter()
+            try:
+                wait(handle)
+            finally:
+                self._add(f"wait_{classify(handle)}_s", time.perf_counter() - t)
+                self._add(f"waits_{classify(handle)}", 1)
+        store.wait = timed_wait
+
+    def timed(self, obj: Any, name: str, what: str) -> None:
+        import time
+
+        method = getattr(obj, name)
+
+        def timed_method(*args: Any, **kwargs: Any) -> Any:
+            t = time.perf_counter()
+            try:
+                return method(*args, **kwargs)
+            finally:
+                self._add(f"{what}_s", time.perf_counter() - t)
+                self._add(f"{what}_calls", 1)
+        setattr(obj, name, timed_method)
+
+    def _add(self, key: str, value: float) -> None:
+        if self._current is not None:
+            self.phases.setdefault(self._current, Counter())[key] += value
+
+    def mark(self, phase: str | None) -> None:
+        """Close the running phase (if any) and open ``phase`` (``None``: none until the next mark)."""
+        import time
+
+        now = time.perf_counter()
+        threads = _thread_times()
+        stats = [s.stats for s in self.stores]
+        if self._current is not None and self._snap is not None:
+            before, stats0 = self._snap
+            c = self.phases.setdefault(self._current, Counter())
+            c["wall_s"] += now - self._t0
+            c["steps"] += 1
+            names = {t.native_id: t.name for t in threading.enumerate() if t.native_id is not None}
+            for tid, (cpu, _runq, _vol, _invol) in threads.items():
+                c[f"cpu_{_group(tid, names)}_s"] += cpu - before.get(tid, (0.0, 0.0, 0, 0))[0]
+            for s0, s1 in zip(stats0, stats):
+                delta = s1 - s0
+                c["store_wait_s"] += delta.wait_seconds
+                c["bytes_read"] += delta.bytes_read
+                c["bytes_written"] += delta.bytes_written
+        self._current, self._t0, self._snap = phase, now, (threads, stats)
+
+    def as_dict(self, per: int = 1) -> dict[str, dict[str, float]]:
+        """Each phase's figures divided by ``per`` (e.g. the steps timed), rounded."""
+        return {p: {k: round(v / per, 4) for k, v in sorted(c.items()) if k != "steps"} for p, c in self.phases.items()}

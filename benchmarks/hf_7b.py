@@ -28,6 +28,14 @@ store (~2 B/param of weights + ~2.06 B/param of int8 moments and their scales); 
 
     python benchmarks/hf_7b.py --dir /mnt/nvme/bench --ckpt-dir /mnt/nvme/llama-7b-shape   # the 7 B
     python benchmarks/hf_7b.py --smoke --dir /tmp/x                                        # tiny Llama, seconds
+    python benchmarks/hf_7b.py --layers 4 --vocab 4096 --no-lora --emulate-no-bf16 ...     # 7 B blocks, 3.1 GB store
+
+``--emulate-no-bf16`` runs the children as on a CPU without AVX512-BF16 (AVX2 only; ``EMULATE_NO_BF16`` below says
+how and docs/performance.md how it compares with such a CPU); ``--layers``/``--vocab`` keep the 7 B's block shape
+with fewer blocks. ``phases`` in the JSON: where each timed step's time went (forward, backward with the updates
+made in it, the rest of the optimizer step, between steps), each with its wall time, the CPU seconds of the main
+thread, the store's I/O workers and the other threads (torch's and numba's pools), the bytes moved and the time
+the main thread waited for the store, by request kind (``_profile.PhaseClock``).
 
 Why ``--data fixed`` by default: the loss must show, within the three or four steps a 7 B step's time
 allows, whether the optimizer learns. Windows of 8 byte tokens differ from each other by about half a nat
@@ -56,6 +64,7 @@ sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from _disk import GiB, MiB, raw_disk  # noqa: E402
 from _llama_ckpt import LLAMA2_7B, TINY, llama_config, tensor_shapes, write_checkpoint  # noqa: E402
+from _profile import PhaseClock  # noqa: E402
 
 BYTES_PER_PARAM_PLAIN = 16  # mixed-precision AdamW: bf16 weight + bf16 grad + fp32 master + exp_avg + exp_avg_sq
 # Store bytes per parameter with int8 moments and bf16_sr (no master): 2 (bf16 weight) + 2 x (1 code + 4/256 scale)
@@ -109,26 +118,50 @@ def train_child(args: argparse.Namespace) -> dict:
     n = args.warmup + (args.lora_steps if lora and args.lora_steps is not None else args.steps)
     data = EmbeddedTextDataModule(source="stdlib", max_bytes=2_000_000, block_size=args.seq, batch_size=args.batch,
                                   steps_per_epoch=n, tokenizer="byte")
+    extra = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
     strategy = NVMeOffloadStrategy(args.dir, offload_params=True, state_format="int8", master_format="bf16_sr",
-                                   overlap="backward", restore_params=False)
+                                   overlap="backward", restore_params=False, **extra)
     starts: list[float] = []
     stats: list[Any] = []
     losses: list[float] = []
     store_bytes: list[int] = []
+    phases = PhaseClock()
+
+    def timed_step() -> bool:
+        return len(starts) > args.warmup  # the step that just started is a timed one
 
     class Clock(pl.Callback):
+        """Step boundaries, and the phases of each timed step (``PhaseClock``): forward (the closure's forward),
+        backward (with ``overlap="backward"`` the updates of the chunks whose gradients are final run inside it),
+        after_backward (the rest of the optimizer step: chunks not updated in backward, resident parameters),
+        between (Lightning's bookkeeping until the next step starts; the last step's write-backs, fenced)."""
+
         def on_train_batch_start(self, trainer: pl.Trainer, *_: object) -> None:
-            stats.append(trainer.strategy.nvme_store.stats)  # type: ignore[attr-defined]
+            store = trainer.strategy.nvme_store  # type: ignore[attr-defined]
+            if not starts:
+                phases.watch(store, lambda h: ("block_" if h.region.startswith("params/") else "chunk_") + h.kind)
+                for off in trainer.strategy.offloaded:  # type: ignore[attr-defined]
+                    phases.timed(off.updater, "_run_inner_step", "update")
+            stats.append(store.stats)
             starts.append(time.perf_counter())
+            phases.mark("forward" if timed_step() else None)
             _log(f"  {args.child}: step {len(starts) - 1} starts (RSS peak {_peak_rss_bytes() / MiB:.0f} MiB)")
 
+        def on_before_backward(self, *_: object) -> None:
+            phases.mark("backward" if timed_step() else None)
+
+        def on_after_backward(self, *_: object) -> None:
+            phases.mark("after_backward" if timed_step() else None)
+
         def on_train_batch_end(self, trainer: pl.Trainer, module: pl.LightningModule, outputs: Any, *_: object) -> None:
+            phases.mark("between" if timed_step() else None)
             losses.append(float(outputs["loss"]))
             _log(f"  {args.child}: step {len(losses) - 1} loss {losses[-1]:.4f}")
 
         def on_train_end(self, trainer: pl.Trainer, *_: object) -> None:
             store = trainer.strategy.nvme_store  # type: ignore[attr-defined]
             store.fence(durable=True)  # the last step's write-backs are part of it
+            phases.mark(None)
             stats.append(store.stats)
             starts.append(time.perf_counter())
             store_bytes.append(_disk_bytes(args.dir))
@@ -160,7 +193,18 @@ def train_child(args: argparse.Namespace) -> dict:
         "bytes_written_per_step": statistics.median(m.bytes_written for m in moved),
         "store_wait_s_per_step": statistics.median(m.wait_seconds for m in moved),
         "store_bytes": store_bytes[0], "peak_resident_blocks": params.peak_resident_blocks,
+        "phases": phases.as_dict(per=len(steps)), "threads": _threads(),
     }
+
+
+def _threads() -> dict[str, Any]:
+    """The CPU threads this process computes with: torch's intra-op pool, numba's, and the cores it may use."""
+    import numba
+    import torch
+
+    return {"torch_intra_op": torch.get_num_threads(), "torch_inter_op": torch.get_num_interop_threads(),
+            "numba": numba.get_num_threads(), "numba_layer": numba.config.THREADING_LAYER,
+            "cores": len(os.sched_getaffinity(0))}
 
 
 def compute_child(args: argparse.Namespace) -> dict:
@@ -185,15 +229,20 @@ def compute_child(args: argparse.Namespace) -> dict:
     x = torch.randn(args.batch, args.seq, h, dtype=torch.bfloat16)
     pos = rotary(x, torch.arange(args.seq).unsqueeze(0))
 
+    forward_s: list[float] = []
+    cpu_s: list[float] = []
+
     def one_block() -> float:
-        t = time.perf_counter()
+        t, c = time.perf_counter(), time.process_time()
         with torch.no_grad():
             block(x, position_embeddings=pos)  # checkpointing's first forward
+        forward_s.append(time.perf_counter() - t)
         xi = x.detach().requires_grad_()
         out = block(xi, position_embeddings=pos)
         out = out[0] if isinstance(out, tuple) else out
         out.backward(torch.ones_like(out))
         block.zero_grad(set_to_none=True)
+        cpu_s.append(time.process_time() - c)
         return time.perf_counter() - t
 
     def ends() -> float:
@@ -208,13 +257,15 @@ def compute_child(args: argparse.Namespace) -> dict:
         return time.perf_counter() - t
 
     one_block(), ends()  # warm
+    forward_s.clear(), cpu_s.clear()
     block_s = statistics.median(one_block() for _ in range(args.compute_reps))
     ends_s = statistics.median(ends() for _ in range(args.compute_reps))
     block_opt_s = optimizer_seconds(list(block.parameters()), args)
     ends_opt_s = optimizer_seconds([embed.weight, norm.weight, head.weight], args)
     block_gen_s = optimizer_seconds(list(block.parameters()), args, generic=True)
     ends_gen_s = optimizer_seconds([embed.weight, norm.weight, head.weight], args, generic=True)
-    return {"block_s": block_s, "ends_s": ends_s, "layers": config.num_hidden_layers,
+    return {"block_s": block_s, "block_forward_s": statistics.median(forward_s), "block_cpu_s": statistics.median(cpu_s),
+            "ends_s": ends_s, "layers": config.num_hidden_layers,
             "compute_s": block_s * config.num_hidden_layers + ends_s,
             "optimizer_block_s": block_opt_s, "optimizer_ends_s": ends_opt_s,
             "optimizer_s": block_opt_s * config.num_hidden_layers + ends_opt_s,
@@ -267,25 +318,40 @@ def optimizer_seconds(params: list, args: argparse.Namespace, generic: bool = Fa
     return statistics.median(times)
 
 
+# A CPU without AVX512-BF16 (AVX2 only, like the VM of the 7 B runs of 2026-12-02/03), emulated on one that has it:
+# oneDNN limited to AVX2 (its bf16 GEMMs gone: ``torch.ops.mkldnn._is_mkldnn_bf16_supported()`` is False, so torch
+# falls back to ATen's bf16 GEMM and ``_bf16_linear`` routes the input gradient as on that VM), ATen's own
+# vectorized kernels at AVX2, and numba's kernels (the optimizer update) compiled for an AVX2 CPU. Environment
+# variables, read when torch and numba start: set for the children only.
+EMULATE_NO_BF16 = {"ONEDNN_MAX_CPU_ISA": "AVX2", "ATEN_CPU_CAPABILITY": "avx2", "NUMBA_CPU_NAME": "haswell"}
+
+
 def child(args: argparse.Namespace) -> dict:
     _imports()
     if args.child == "empty":
         return {"peak_rss_bytes": _peak_rss_bytes()}
     import _bf16_linear
+    import torch
 
+    emulated = all(os.environ.get(k) == v for k, v in EMULATE_NO_BF16.items())
+    if emulated and not _bf16_linear.needed():
+        raise SystemExit("--emulate-no-bf16: oneDNN still reports bf16 support under ONEDNN_MAX_CPU_ISA=AVX2")
     patched = _bf16_linear.install()
     out = compute_child(args) if args.child == "compute" else train_child(args)
-    return {**out, "bf16_input_grad_via_forward_kernel": patched}
+    return {**out, "bf16_input_grad_via_forward_kernel": patched, "emulated_no_bf16": emulated,
+            "cpu_capability": torch.backends.cpu.get_cpu_capability()}
 
 
 # ---- the parent ----------------------------------------------------------------------------------------
 def _run_child(args: argparse.Namespace, kind: str) -> dict:
     """``kind`` in a fresh process with its own store directory, deleted afterwards."""
     with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"{kind}-") as store_dir:
-        keep = ("seq", "batch", "data", "steps", "warmup", "lr", "lora_rank", "lora_steps", "compute_reps", "ckpt")
+        keep = ("seq", "batch", "data", "steps", "warmup", "lr", "lora_rank", "lora_steps", "compute_reps", "ckpt",
+                "prefetch_depth")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, f"--dir={store_dir}",
                *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep if getattr(args, k) is not None]]
-        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
+        env = dict(os.environ, **EMULATE_NO_BF16) if args.emulate_no_bf16 else None
+        res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
     if res.returncode != 0:
         raise SystemExit(f"child {kind} failed with exit code {res.returncode}")
     _log(f"child {kind}: {res.stdout.strip().splitlines()[-1]}")  # kept in the log if a later child fails
@@ -330,6 +396,13 @@ def main() -> None:
     p.add_argument("--compute-reps", type=int, default=3)
     p.add_argument("--raw-mib", type=int, default=2048, help="bytes per raw-disk measurement")
     p.add_argument("--no-lora", action="store_true", help="skip the LoRA run")
+    p.add_argument("--prefetch-depth", type=int, default=None, help="the strategy's prefetch_depth (default: its own)")
+    p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the 7 B's 32): the 7 B's "
+                   "block shape with fewer blocks, for a store of a few GB")
+    p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the 7 B's 32000; the byte "
+                   "tokens use 256): smaller keeps the embedding and head's share of a few-layer model that of the 7 B")
+    p.add_argument("--emulate-no-bf16", action="store_true", help="run the children as on a CPU without "
+                   "AVX512-BF16 (AVX2 only): " + " ".join(f"{k}={v}" for k, v in EMULATE_NO_BF16.items()))
     p.add_argument("--child", choices=["empty", "full", "lora", "compute"], help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
     args = p.parse_args()
@@ -338,7 +411,11 @@ def main() -> None:
         return
     if args.smoke:
         args.raw_mib = min(args.raw_mib, 64)
-    shape = TINY if args.smoke else LLAMA2_7B
+    shape = dict(TINY if args.smoke else LLAMA2_7B)
+    if args.layers is not None:
+        shape["num_hidden_layers"] = args.layers
+    if args.vocab is not None:
+        shape["vocab_size"] = args.vocab
     tmp = tempfile.TemporaryDirectory(dir=args.dir or ROOT, prefix=".bench-hf7b-")
     args.dir = tmp.name
     args.ckpt = args.ckpt_dir or os.path.join(tmp.name, "llama-ckpt")
@@ -369,7 +446,8 @@ def main() -> None:
     io_bound = full["bytes_read_per_step"] / (r * 1e9) + full["bytes_written_per_step"] / (w * 1e9)
     need = BYTES_PER_PARAM_PLAIN * full["params"] + empty
     out: dict[str, Any] = {
-        "model": "llama-2-7b shape" if not args.smoke else "tiny llama (smoke)",
+        "model": "tiny llama (smoke)" if args.smoke else "llama-2-7b shape" if shape == LLAMA2_7B else
+                 "llama-2-7b block shape, " + ", ".join(f"{k} {v}" for k, v in shape.items() if LLAMA2_7B[k] != v),
         "params": full["params"],
         "peak_rss_MiB": round(full["peak_rss_bytes"] / MiB, 1),
         "resident_bytes_per_param": round((full["peak_rss_bytes"] - empty) / full["params"], 4),
@@ -392,8 +470,12 @@ def main() -> None:
         "setup_s": round(full["setup_s"], 1), "peak_resident_blocks": full["peak_resident_blocks"],
         "raw_write_GBps": [round(x[0], 3) for x in raws], "raw_read_GBps": [round(x[1], 3) for x in raws],
         "compute_block_s": round(compute["block_s"], 3), "compute_ends_s": round(compute["ends_s"], 3),
+        # of a block's compute: checkpointing's no-grad forward (the forward phase's), and its CPU seconds (all threads)
+        "compute_block_forward_s": round(compute["block_forward_s"], 3), "compute_block_cpu_s": round(compute["block_cpu_s"], 3),
         "checkpoint": {**written, **disk},
         "bf16_input_grad_via_forward_kernel": full["bf16_input_grad_via_forward_kernel"],
+        "emulated_no_bf16": full["emulated_no_bf16"], "cpu_capability": full["cpu_capability"],
+        "phases": full["phases"], "threads": full["threads"],
     }
     if lora is not None:
         out.update({

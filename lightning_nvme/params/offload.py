@@ -17,6 +17,7 @@ import torch
 from torch import nn
 
 from lightning_nvme.checkpoint.weights import WeightReaders
+from lightning_nvme.optim.plan import Chunk
 from lightning_nvme.params import transfer
 from lightning_nvme.params.frozen_files import FrozenFiles
 from lightning_nvme.params.in_place import InPlaceHeads, Tail, read_tail
@@ -303,3 +304,14 @@ class ParamOffload:
             return read_tail(self.residency, source.block)
         return self.residency.read_values(source, copy=False)
 
+
+def chunks_per_block(layout: ParamLayout, chunks: Iterable[Chunk]) -> int:
+    """The most of these optimizer chunks that hold state of one block's parameters (0: none)."""
+    block_of = layout.block_of()
+    per_block: dict[int, set[int]] = {}
+    for chunk in chunks:
+        for piece in chunk.pieces:
+            block = block_of.get(id(piece.param))
+            if block is not None:
+                per_block.setdefault(block.index, set()).add(chunk.index)
+    return max((len(c) for c in per_block.values()), default=0)

@@ -66,6 +66,8 @@ class TransferStats:
     d2h_s: float = 0.0
     pinned_buffers: int = 0  # host buffers registered with CUDA (the pool)
     pageable_buffers: int = 0  # host buffers handed out beyond the pool (or when registration failed)
+    pool_buffers: int = 0  # CPU: block buffers made for the pool (at most its size, unless some were retained)
+    pool_buffers_held: int = 0  # CPU: times a free pool buffer was passed over, still held elsewhere (autograd)
 
 
 class BlockTransfer(Protocol):
@@ -93,22 +95,53 @@ class BlockTransfer(Protocol):
 
 
 class HostTransfer:
-    """CPU: the host buffer is the parameters' storage; every call but the allocation is a no-op."""
+    """CPU: the host buffer is the parameters' storage; every call but the allocation is a no-op.
 
-    reuses_buffers = False
+    Block buffers come from a pool of at most ``pool_size`` page-aligned buffers of ``buffer_bytes`` (made on
+    first need, kept for the run), recycled when a block leaves memory or its write-back completes. Why: a fresh
+    anonymous mapping per block read is faulted and zeroed page by page inside the I/O worker's read and unmapped
+    again at eviction, twice per block and step; on a CPU busy with the model's compute that work delayed the
+    compute (docs/performance.md, #38). Peak memory is unchanged: the pool holds what was in use at once. A buffer
+    something else still holds when it would be reused (autograd keeps ``weight.t()``, a view, when a block ran
+    without activation checkpointing) is passed over until its holder lets go, and a fresh mapping serves
+    meanwhile, as before the pool: a read never overwrites memory a saved tensor points at. Values handed out as
+    views of a resident block (``read_values(copy=False)``) are safe by the same rule. A request below half a
+    buffer (a LoRA update's trainable tail) gets its own small mapping, as before."""
+
+    reuses_buffers = False  # a pooled buffer is reused only once nothing else holds it (``host_buffer``)
     device_copies = False
 
-    def __init__(self) -> None:
+    def __init__(self, buffer_bytes: int = 0, pool_size: int = 0) -> None:
+        self.buffer_bytes = buffer_bytes
+        self.pool_size = pool_size
         self.stats = TransferStats()
+        self._pool: dict[int, tuple[torch.Tensor, int]] = {}  # data_ptr -> (buffer, its storage's use count alone)
+        self._free: list[torch.Tensor] = []
 
     def host_buffer(self, nbytes: int) -> torch.Tensor:
         """Page-aligned and padded: the store moves it with O_DIRECT, no staging copy (as ``FlatStore.aligned_empty``)."""
+        if not self.buffer_bytes // 2 <= nbytes <= self.buffer_bytes:
+            return aligned_empty(nbytes)
+        for i, base in enumerate(self._free):
+            if _uses(base) <= self._pool[base.data_ptr()][1]:
+                return self._free.pop(i)[:nbytes]
+            self.stats.pool_buffers_held += 1  # still held elsewhere: it waits in the pool until its holder lets go
+        if len(self._pool) >= self.pool_size:
+            return aligned_empty(nbytes)
+        fresh = aligned_empty(self.buffer_bytes)
+        self._pool[fresh.data_ptr()] = (fresh, _uses(fresh))
+        self.stats.pool_buffers += 1
+        return fresh[:nbytes]
+
+    def caller_buffer(self, nbytes: int) -> torch.Tensor:
+        """A buffer the caller keeps (values read for a checkpoint): not from the pool."""
         return aligned_empty(nbytes)
 
-    caller_buffer = host_buffer
-
     def recycle(self, host: torch.Tensor) -> None:
-        pass
+        """``host`` (from ``host_buffer``) is no longer used by the residency or the store."""
+        held = self._pool.get(host.data_ptr())
+        if held is not None and all(b is not held[0] for b in self._free):
+            self._free.append(held[0])
 
     def upload(self, host: torch.Tensor) -> Any:
         return None  # nothing to copy
@@ -128,7 +161,14 @@ class HostTransfer:
         pass
 
     def close(self) -> None:
-        pass
+        """The pool's buffers go (freed once nothing holds them); later needs get fresh ones."""
+        self._pool, self._free, self.pool_size = {}, [], 0
+
+
+def _uses(t: torch.Tensor) -> int:
+    """How many tensors share ``t``'s storage (views, autograd's saved tensors; plus the query's own)."""
+    use_count = getattr(torch._C, "_storage_Use_Count", None)
+    return 0 if use_count is None else int(use_count(t.untyped_storage()._cdata))
 
 
 class CudaOps:
@@ -291,7 +331,7 @@ class CudaTransfer:
 def transfer_for(device: torch.device, buffer_bytes: int, pool_size: int) -> BlockTransfer:
     """The transfer for parameters bound on ``device`` (the strategy refuses other device types first)."""
     if device.type == "cpu":
-        return HostTransfer()
+        return HostTransfer(buffer_bytes, pool_size)
     if device.type == "cuda":
         return CudaTransfer(device, buffer_bytes, pool_size)
     raise ValueError(f"offload_params=True supports cpu and cuda devices, not {device}")

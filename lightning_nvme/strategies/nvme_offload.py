@@ -45,8 +45,10 @@ from lightning_nvme.constants import MiB
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_hf
 from lightning_nvme.optim import UpdateListener
+from lightning_nvme.optim.plan import Plan
 from lightning_nvme.params import ParamOffload, is_placeholder
 from lightning_nvme.params.materialize import copy_checked, has_meta_tensors, initial_weights, materialize
+from lightning_nvme.params.offload import chunks_per_block
 from lightning_nvme.params.stream import (
     FROM_INITIAL,
     BesideSource,
@@ -424,6 +426,18 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
 
     def _extra_store_bytes(self) -> int:
         return sum(align_up(n) for _, n in self.param_offload.regions()) if self.param_offload else 0
+
+    def _read_ahead(self, plan: Plan) -> int:
+        """With blocks in the store and ``overlap="backward"``: at least the chunks of one block's state, so each
+        chunk is read while the block after it (in backward order) computes. Why: a block's backward makes its
+        gradients final in bursts (a projection's weight gradient completes all its chunks at once), and with only
+        ``prefetch_depth`` chunks ahead the updates of a burst waited for reads queued behind the write-backs in
+        flight (``benchmarks/hf_7b.py``'s phase profile; docs/performance.md, #38). Memory: one
+        chunk buffer per chunk read ahead (``chunk_bytes`` each), about one block's optimizer state."""
+        depth = super()._read_ahead(plan)
+        if self.param_offload is None or self.config.overlap != "backward":
+            return depth
+        return max(depth, chunks_per_block(self.param_offload.layout, plan.chunks))
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],

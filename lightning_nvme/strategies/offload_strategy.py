@@ -35,6 +35,7 @@ from lightning_nvme.doctor.profile import IOProfile, io_request, slowest_disk_no
 from lightning_nvme.fs import atomic
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
+from lightning_nvme.optim.plan import Plan
 from lightning_nvme.optim.store_ref import StoreRef
 from lightning_nvme.preflight.checkpoint_space import check_run_space
 from lightning_nvme.preflight.resources import check_host_memory_budget, check_store_dirs
@@ -88,6 +89,10 @@ class OffloadStrategy(Strategy):
     def _extra_store_bytes(self) -> int:
         """Store bytes beyond the optimizer state (parameter regions), for the free-space check."""
         return 0
+
+    def _read_ahead(self, plan: Plan) -> int:
+        """Chunks the optimizer of ``plan`` reads ahead of the one it updates: ``prefetch_depth``."""
+        return self.config.prefetch_depth
 
     def _start_offload(self) -> None:
         """After the optimizers are offloaded at setup: what else moves into the store (parameter blocks)."""
@@ -216,7 +221,7 @@ class OffloadStrategy(Strategy):
             clip_value = float(trainer.gradient_clip_val)
         self.offloaded = [
             OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
-                               prefetch_depth=self.config.prefetch_depth, overlap=self.config.overlap,
+                               prefetch_depth=self._read_ahead(plans[i]), overlap=self.config.overlap,
                                clip_value=clip_value, owned=owned[i], plan=plans[i],
                                grad_hooks=self._local_grad_hooks, store_ref=store_ref,
                                free_grads=self._frees_grads and self.config.overlap == "backward",
@@ -227,7 +232,8 @@ class OffloadStrategy(Strategy):
         resident = sum(o.ring.total_bytes for o in self.offloaded) + self.nvme_store.staging_bytes
         rank_zero_info(f"{self.strategy_name}: optimizer state store {self.nvme_store.path} ({self.nvme_store.mode} "
                        f"I/O): {state / GiB:.2f} GiB on disk in {sum(len(o.regions()) for o in self.offloaded)} "
-                       f"chunks; {resident / MiB:.0f} MiB of resident buffers; overlap={self.config.overlap}; "
+                       f"chunks; {resident / MiB:.0f} MiB of resident buffers (read ahead: "
+                       f"{', '.join(str(o.reads.depth) for o in self.offloaded)} chunks); overlap={self.config.overlap}; "
                        f"{fmt.describe()}")
 
     @override

@@ -19,6 +19,7 @@ import lightning_nvme  # noqa: F401  (registers the strategies)
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.params import is_placeholder
+from lightning_nvme.params.offload import chunks_per_block
 
 STEPS = 32  # two epochs of 16 batches
 
@@ -457,3 +458,24 @@ def test_torch_compile_is_refused_by_name(tmp_path, where):
     with pytest.raises(ConfigError, match="offload_params.*torch.compile"):
         trainer(tmp_path, offload(tmp_path)).fit(target)
     assert not any(is_placeholder(p) for p in model.parameters())
+
+
+@pytest.mark.parametrize("overlap", ["backward", "step"])
+def test_backward_updates_read_one_blocks_chunks_ahead(tmp_path, overlap):
+    """With ``overlap="backward"`` the optimizer reads ahead at least the chunks of one block's state (they are read
+    while the block after it computes); ``"step"`` keeps ``prefetch_depth``. CPU block buffers come from the pool."""
+    strategy = offload(tmp_path, overlap=overlap, chunk_bytes=16 << 10)
+    fit(tmp_path, strategy, steps=2)
+    off, params = strategy.offloaded[0], strategy.param_offload
+    block_of = params.layout.block_of()
+    per_block: dict = {}
+    for chunk in off.chunks:
+        for piece in chunk.pieces:
+            if id(piece.param) in block_of:
+                per_block.setdefault(block_of[id(piece.param)].index, set()).add(chunk.index)
+    most = max(len(c) for c in per_block.values())
+    assert chunks_per_block(params.layout, off.chunks) == most > strategy.config.prefetch_depth
+    assert off.reads.depth == (most if overlap == "backward" else strategy.config.prefetch_depth)
+    stats = params.stats
+    assert 0 < stats.staging.pool_buffers <= strategy.config.param_prefetch + 2 + strategy.config.param_prefetch + 1
+    assert stats.loads > stats.staging.pool_buffers  # block reads reused pooled buffers

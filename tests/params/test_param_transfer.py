@@ -458,3 +458,33 @@ def test_early_upload_fires_at_the_default_prefetch(tmp_path, monkeypatch):
         scheduler.remove()
         res.drain()
         store.close()
+
+
+def test_host_staging_pools_block_buffers_and_passes_over_held_ones():
+    """CPU block buffers are recycled (no fresh mapping to fault in per read), within the pool's size; a buffer
+    something still holds (autograd's saved view) is not handed out until it is let go; small requests are not
+    pooled."""
+    stage = HostTransfer(buffer_bytes=1 << 16, pool_size=2)
+    a, b = stage.host_buffer(1 << 16), stage.host_buffer((1 << 16) - 4096)
+    assert stage.host_buffer(1 << 16).data_ptr() not in (a.data_ptr(), b.data_ptr())  # beyond the pool: its own
+    assert stage.stats.pool_buffers == 2
+    small = stage.host_buffer(4096)  # a LoRA tail: its own small mapping
+    stage.recycle(small)
+    a_ptr, b_ptr = a.data_ptr(), b.data_ptr()
+    stage.recycle(a)
+    stage.recycle(a)  # twice (a clean eviction, then a drain): pooled once
+    del a
+    again = stage.host_buffer(1 << 15)
+    assert again.data_ptr() == a_ptr and again.numel() == 1 << 15  # reused: no new mapping
+    held = b[:1024].view(torch.float32)  # what autograd's saved tensor would keep
+    held.fill_(1.0)
+    stage.recycle(b)
+    del b
+    other = stage.host_buffer(1 << 16)
+    assert other.data_ptr() != b_ptr and stage.stats.pool_buffers_held == 1  # not overwritten under its holder
+    assert stage.stats.pool_buffers == 2 and bool((held == 1.0).all())
+    del held
+    assert stage.host_buffer(1 << 16).data_ptr() == b_ptr  # let go: reused
+    stage.close()
+    stage.host_buffer(1 << 16)
+    assert stage.stats.pool_buffers == 2  # closed: later needs get their own mappings

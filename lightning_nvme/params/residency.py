@@ -75,6 +75,12 @@ class _State:
     refs: Counter = field(default_factory=Counter)
 
 
+def _view(buf: torch.Tensor, slot: Any, base: int = 0) -> torch.Tensor:
+    """``slot``'s bytes in ``buf``, which holds the region from byte ``base`` on."""
+    start = slot.offset - base
+    return buf[start:start + slot.nbytes].view(slot.dtype).view(slot.shape)
+
+
 class BlockResidency:
     def __init__(self, store: FlatStore, blocks: list[BlockLayout], max_pending_writes: int = 2,
                  transfer: BlockTransfer | None = None, frozen: FrozenFiles | None = None) -> None:
@@ -98,7 +104,7 @@ class BlockResidency:
         head = self._head(block)
         for slot in block.slots:
             if head is None or slot.offset >= head.nbytes:  # a head read in place: its values are the file's
-                self._view(buf, slot).copy_(slot.param.detach())
+                _view(buf, slot).copy_(slot.param.detach())
         self._write(block, buf, head.nbytes if head is not None else 0)
         self._unbind(block, device)
         self._state[block.index].placed = True
@@ -120,7 +126,7 @@ class BlockResidency:
             else:
                 assert st.buffer is not None
                 buf[st.base:].copy_(st.buffer)
-            return {s.name: self._view(buf, s) for s in block.slots}
+            return {s.name: _view(buf, s) for s in block.slots}
         if st.kept is not None:  # its device copy is the truth
             buf = self.transfer.caller_buffer(self._capacity(block))
             self.transfer.to_host(st.kept, buf).synchronize()
@@ -139,7 +145,7 @@ class BlockResidency:
             buf = self.transfer.caller_buffer(self._capacity(block))
             wait_io(self.store, split_read(self.store, self.frozen, block, buf))
             copy = False  # the fresh buffer is the caller's already
-        return {s.name: self._view(buf, s).clone() if copy else self._view(buf, s) for s in block.slots}
+        return {s.name: _view(buf, s).clone() if copy else _view(buf, s) for s in block.slots}
 
     # ---- residency ---------------------------------------------------------------------------------
     def is_resident(self, block: BlockLayout) -> bool:
@@ -193,7 +199,7 @@ class BlockResidency:
             st.device, st.uploaded = self.transfer.to_device(st.buffer, st.uploaded), None
             for slot in block.slots:
                 if slot.offset >= st.base:
-                    slot.param.data = self._view(st.device, slot, st.base)
+                    slot.param.data = _view(st.device, slot, st.base)
             st.bound = True
             self._count_bound(+1)
         st.refs[why] += 1
@@ -382,12 +388,6 @@ class BlockResidency:
     def _new_buffer(self, block: BlockLayout) -> torch.Tensor:
         """Page-aligned and as long as the region: the store moves it with O_DIRECT, no staging copy."""
         return self.transfer.host_buffer(self._capacity(block))
-
-    @staticmethod
-    def _view(buf: torch.Tensor, slot, base: int = 0) -> torch.Tensor:
-        """``slot``'s bytes in ``buf``, which holds the region from byte ``base`` on."""
-        start = slot.offset - base
-        return buf[start:start + slot.nbytes].view(slot.dtype).view(slot.shape)
 
     def _wait_read(self, block: BlockLayout) -> None:
         st = self._state[block.index]

@@ -477,5 +477,5 @@ def test_backward_updates_read_one_blocks_chunks_ahead(tmp_path, overlap):
     assert chunks_per_block(params.layout, off.chunks) == most > strategy.config.prefetch_depth
     assert off.reads.depth == (most if overlap == "backward" else strategy.config.prefetch_depth)
     stats = params.stats
-    assert 0 < stats.staging.pool_buffers <= strategy.config.param_prefetch + 2 + strategy.config.param_prefetch + 1
-    assert stats.loads > stats.staging.pool_buffers  # block reads reused pooled buffers
+    assert 0 < stats.transfer.pool_buffers <= strategy.config.param_prefetch + 2 + strategy.config.param_prefetch + 1
+    assert stats.loads > stats.transfer.pool_buffers  # block reads reused pooled buffers

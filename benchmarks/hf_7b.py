@@ -109,8 +109,9 @@ def train_child(args: argparse.Namespace) -> dict:
     n = args.warmup + (args.lora_steps if lora and args.lora_steps is not None else args.steps)
     data = EmbeddedTextDataModule(source="stdlib", max_bytes=2_000_000, block_size=args.seq, batch_size=args.batch,
                                   steps_per_epoch=n, tokenizer="byte")
+    frozen = {} if args.frozen_weights is None else {"frozen_weights": args.frozen_weights}  # hf_15b's LoRA start
     strategy = NVMeOffloadStrategy(args.dir, offload_params=True, state_format="int8", master_format="bf16_sr",
-                                   overlap="backward", restore_params=False)
+                                   overlap="backward", restore_params=False, **frozen)
     starts: list[float] = []
     stats: list[Any] = []
     losses: list[float] = []
@@ -139,7 +140,9 @@ def train_child(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     with trainer.init_module(empty_init=True):
         model = build_module(args.ckpt, block_size=args.seq, lora_rank=args.lora_rank if lora else 0,
-                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr, fused=True))
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr, fused=True),
+                             init_seed=args.init_seed)
+    t_fit = time.perf_counter()
     if args.data == "fixed":
         from torch.utils.data import DataLoader
 
@@ -155,6 +158,7 @@ def train_child(args: argparse.Namespace) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "peak_rss_bytes": _peak_rss_bytes(), "losses": losses, "setup_s": starts[0] - t0,
+        "fit_to_first_step_s": starts[0] - t_fit,
         "step_s": statistics.median(steps), "steps_s": steps,
         "bytes_read_per_step": statistics.median(m.bytes_read for m in moved),
         "bytes_written_per_step": statistics.median(m.bytes_written for m in moved),
@@ -282,7 +286,8 @@ def child(args: argparse.Namespace) -> dict:
 def _run_child(args: argparse.Namespace, kind: str) -> dict:
     """``kind`` in a fresh process with its own store directory, deleted afterwards."""
     with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"{kind}-") as store_dir:
-        keep = ("seq", "batch", "data", "steps", "warmup", "lr", "lora_rank", "lora_steps", "compute_reps", "ckpt")
+        keep = ("seq", "batch", "data", "steps", "warmup", "lr", "lora_rank", "lora_steps", "compute_reps", "ckpt",
+                "init_seed", "frozen_weights")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, f"--dir={store_dir}",
                *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep if getattr(args, k) is not None]]
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True)
@@ -332,6 +337,8 @@ def main() -> None:
     p.add_argument("--no-lora", action="store_true", help="skip the LoRA run")
     p.add_argument("--child", choices=["empty", "full", "lora", "compute"], help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
+    p.add_argument("--init-seed", type=int, default=None, help=argparse.SUPPRESS)  # hf_15b: --ckpt has config.json only
+    p.add_argument("--frozen-weights", default=None, help=argparse.SUPPRESS)  # hf_15b: in_place | store
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))

@@ -134,6 +134,12 @@ class OffloadSettings:
     param_block_classes: list[str] | None = setting(
         None, "With ``offload_params``: module classes (or dotted import paths) that are blocks; None: each child "
               "of the largest ``nn.ModuleList``/``nn.Sequential``.", _block_classes)
+    frozen_weights: str = setting(
+        "in_place", "With ``offload_params``: ``\"in_place\"``: frozen block parameters of a model built on the meta "
+                    "device from a Hugging Face safetensors checkpoint (a LoRA base, frozen layers) are read from "
+                    "those files at their offsets during fit (``O_DIRECT`` where the filesystem allows), not copied "
+                    "into the store; checkpoints reference the files, which must not change (docs/params.md). "
+                    "``\"store\"``: copied into the store.", one_of("in_place", "store"))
     restore_params: bool = setting(
         True, "With ``offload_params``: at the end of fit, bring the weights back into the module (memory: the "
               "whole model); false keeps them in the store (``strategy.export_weights(path)`` streams them to a "

@@ -53,11 +53,14 @@ class SaveRecord:
     bytes_written: int = 0  # bytes this save wrote into its state files (headers for reflink)
     bytes_cloned: int = 0  # bytes shared with the store instead of written
     files: list[str] = field(default_factory=list)
+    base_files: list[str] = field(default_factory=list)  # frozen weights referenced there, not copied (in place)
 
     def describe(self) -> str:
         moved = (f"{self.bytes_cloned} bytes cloned, {self.bytes_written} written" if self.path == "reflink"
                  else f"{self.bytes_written} bytes written" + (f" ({self.reason})" if self.reason else ""))
-        return f"checkpoint {self.checkpoint}: {self.path} save in {self.seconds:.3f} s, {moved}"
+        refs = (f"; frozen weights referenced in the base file(s) {self.base_files}, not copied: the checkpoint "
+                "needs them unchanged" if self.base_files else "")
+        return f"checkpoint {self.checkpoint}: {self.path} save in {self.seconds:.3f} s, {moved}{refs}"
 
 
 def choose(store: FlatStore, checkpoint_path: str, regions: list[str]) -> tuple[bool, str]:

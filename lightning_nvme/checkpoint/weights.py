@@ -27,7 +27,7 @@ import os
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from safetensors import safe_open
@@ -54,6 +54,8 @@ class BesideWeight:
     problem: str | None = None  # why it cannot be read (set on load when the directory is missing)
     record: Any = None  # one-file checkpoint: the weights file's record (a uint8 tensor), set on load
     source: Any = field(default=None, compare=False, repr=False)  # saving: where to read it (not pickled)
+    # read by itself (``read()``), not from a beside file: ``base_file.FileWeight``, a tensor of the user's own file
+    read_alone: ClassVar[bool] = False
 
     @classmethod
     def of(cls, key: str, tensor_like: torch.Tensor, source: Any) -> BesideWeight:
@@ -112,6 +114,11 @@ def beside_weight(key: str, dtype: str, shape: tuple[int, ...], parts_dir: str, 
     return ref if _deferred.get() else ref.read()
 
 
+def is_deferred() -> bool:
+    """Inside ``deferred()``: references stay references (``base_file.FileWeight`` asks too)."""
+    return _deferred.get()
+
+
 @contextmanager
 def deferred() -> Iterator[None]:
     """Loads inside keep ``BesideWeight`` references instead of reading the tensors."""
@@ -130,7 +137,8 @@ def _check_save(path: str, found: str | None, expected: str) -> None:
 
 
 def refs(state_dict: Mapping[str, Any]) -> dict[str, BesideWeight]:
-    return {k: v for k, v in state_dict.items() if isinstance(v, BesideWeight)}
+    """The references a save streams beside the file (not those into the user's base files: ``read_alone``)."""
+    return {k: v for k, v in state_dict.items() if isinstance(v, BesideWeight) and not v.read_alone}
 
 
 def has_refs(checkpoint: Mapping[str, Any]) -> bool:
@@ -206,6 +214,8 @@ class WeightReaders:
         self._open: dict[str, SafetensorsReader] = {}
 
     def read(self, ref: BesideWeight) -> torch.Tensor:
+        if ref.read_alone:
+            return ref.read()
         reader = self._open.get(ref.path)
         if reader is None:
             ref.check_readable()

@@ -100,6 +100,14 @@ class HubWeights:
     def __contains__(self, name: object) -> bool:
         return isinstance(name, str) and name.startswith(self.prefix) and name[len(self.prefix):] in self._where
 
+    def locate(self, name: str) -> tuple[str, str] | None:
+        """Where ``name`` (with ``prefix``) lies: ``(safetensors file, key)``, or ``None`` if not here. Frozen
+        parameters are read from there in place during fit (``frozen_weights="in_place"``)."""
+        if name not in self:
+            return None
+        key = self._where[name[len(self.prefix):]]
+        return self._stored[key][0], key
+
     def get(self, name: str) -> torch.Tensor:
         """The stored value of ``name`` (with ``prefix``); only this tensor is read."""
         key = self._where[name[len(self.prefix):]]

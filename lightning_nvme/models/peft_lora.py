@@ -113,6 +113,12 @@ class AdapterNames:
         assert base is not None
         return self.source.get(base)
 
+    def locate(self, name: str) -> tuple[str, str] | None:
+        """Where the base weight behind ``name`` lies in its file, if the source says (``HubWeights.locate``)."""
+        base = self._base(name)
+        locate = getattr(self.source, "locate", None)
+        return locate(base) if base is not None and locate is not None and base in self.source else None
+
 
 def merged_weight(weight: torch.Tensor, lora_a: torch.Tensor, lora_b: torch.Tensor, scaling: float) -> torch.Tensor:
     """``weight + scaling * B @ A`` exactly as peft's ``merge`` computes it on the CPU (half adapters in fp32)."""

@@ -16,10 +16,12 @@ from typing import Any
 import torch
 from torch import nn
 
+from lightning_nvme.checkpoint.base_file import FileWeight
 from lightning_nvme.checkpoint.weights import BesideWeight, WeightReaders
 from lightning_nvme.params import staging
+from lightning_nvme.params.frozen_files import FrozenFiles
 from lightning_nvme.params.layout import BlockLayout, ParamLayout, plan_layout
-from lightning_nvme.params.materialize import materialize
+from lightning_nvme.params.materialize import initial_weights, materialize
 from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
 from lightning_nvme.params.residency import BlockResidency, ResidencyStats
 from lightning_nvme.params.schedule import UPDATE, USER, BlockScheduler
@@ -33,11 +35,17 @@ class ParamOffload:
             (``param_block_classes()``), else the children of the largest ``ModuleList``/``Sequential``.
         prefetch: blocks read ahead of need, in forward (and reverse, in backward) order.
         device: where the parameters are used (``cuda``: bound blocks are copied there, see ``staging``).
+        frozen_weights: ``"in_place"``: the frozen parameters of a model built on the meta device from a
+            safetensors checkpoint are read from that file during fit, not copied into the store
+            (``frozen_files``); ``"store"``: every block parameter goes to the store.
     """
 
     def __init__(self, model: nn.Module, block_classes: BlockClasses = None, prefetch: int = 1,
-                 device: torch.device | None = None) -> None:
+                 device: torch.device | None = None, frozen_weights: str = "store") -> None:
         self.model = model
+        self.frozen_weights = frozen_weights
+        self.frozen: FrozenFiles | None = None  # the base files frozen heads are read from (in place)
+        self._file_refs = False  # state_dict() gives base-file references for the parameters read in place
         self.prefetch = prefetch
         self.device = device or torch.device("cpu")
         self.block_classes = block_classes
@@ -76,7 +84,32 @@ class ParamOffload:
         return self.residency.stats if self.residency is not None else self._final_stats
 
     def regions(self) -> list[tuple[str, int]]:
-        return [(b.region, b.nbytes) for b in self.blocks]
+        """Each block's store region: the whole block, or only its trainable tail where its head is read in place."""
+        heads = self.frozen.heads if self.frozen is not None else {}
+        return [(b.region, b.nbytes - (heads[b.index].nbytes if b.index in heads else 0)) for b in self.blocks]
+
+    def block_bytes(self, block: BlockLayout) -> int:
+        """Bytes of the block's buffer in memory (its region's capacity, plus a head read in place)."""
+        assert self.residency is not None
+        return self.residency._capacity(block)
+
+    def in_place(self, block: BlockLayout) -> bool:
+        """Its frozen head is read from the base files, not the store."""
+        return self.frozen is not None and block.index in self.frozen.heads
+
+    def _plan_in_place(self) -> None:
+        """``frozen_weights="in_place"``: the blocks whose frozen parameters the model's initial weights locate in
+        their safetensors files (``HubWeights.locate``) are read from there; the others keep them in the store."""
+        if self.frozen_weights != "in_place" or self.residency is not None or self.frozen is not None:
+            return
+        locate = getattr(initial_weights(self.model), "locate", None)
+        if locate is None:
+            return
+        frozen = FrozenFiles()
+        if frozen.plan(self.blocks, locate):
+            self.frozen = frozen
+        else:
+            frozen.close()
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def attach_store(self, store: FlatStore) -> BlockResidency:
@@ -85,14 +118,20 @@ class ParamOffload:
             store.add_regions(self.regions())
             writes = self.prefetch + 1
             # host buffers: the blocks resident at once (about prefetch + 2) plus the write-backs in flight
-            stager = staging.staging_for(self.device, max(store.region(b.region).capacity for b in self.blocks),
+            heads = self.frozen.heads if self.frozen is not None else {}
+            largest = max(store.region(b.region).capacity + (heads[b.index].nbytes if b.index in heads else 0)
+                          for b in self.blocks)
+            stager = staging.staging_for(self.device, largest,
                                          pool_size=self.prefetch + 2 + writes)
-            self.residency = BlockResidency(store, self.blocks, max_pending_writes=writes, staging=stager)
+            self.residency = BlockResidency(store, self.blocks, max_pending_writes=writes, staging=stager,
+                                            frozen=self.frozen)
         return self.residency
 
     def materialize(self, store: FlatStore, device: torch.device) -> None:
         """Initialize a meta-device model module by module; each block goes to the store as soon as its
-        last parameter is initialized, so at most about one block is ever in memory."""
+        last parameter is initialized, so at most about one block is ever in memory. With
+        ``frozen_weights="in_place"``, the frozen parameters the initial weights locate in a file stay there."""
+        self._plan_in_place()
         residency = self.attach_store(store)
 
         def place_complete_blocks() -> None:
@@ -100,7 +139,10 @@ class ParamOffload:
                 if not residency.placed(block) and not any(s.param.is_meta for s in block.slots):
                     residency.place(block)
 
-        materialize(self.model, device, place_complete_blocks)
+        # Parameters read in place are never read here: placeholders at once (the copy a start then skips).
+        served = self.frozen.served() if self.frozen is not None else {}
+        skip = {id(s.param) for b in self.blocks for s in b.slots if s.name in served}
+        materialize(self.model, device, place_complete_blocks, skip=skip)
 
     def place(self, store: FlatStore, device: torch.device) -> None:
         """Move an in-memory model's blocks into the store before the model goes to ``device``, leaving
@@ -138,6 +180,8 @@ class ParamOffload:
                 self.residency.keep(block)
 
     def finish_step(self) -> None:
+        if self.frozen is not None:
+            self.frozen.check()  # a base file changed under the run: refused by name before the next step
         if self.scheduler is not None:
             self.scheduler.finish_step()
         if self.residency is not None:
@@ -185,6 +229,9 @@ class ParamOffload:
         if restore:
             self._final_stats = self.residency.stats
             self.residency = None
+            if self.frozen is not None:
+                self.frozen.close()
+                self.frozen = None
 
     def attach(self, store: FlatStore) -> None:
         """Continue on ``store`` (the same file reopened after fit, e.g. to save a checkpoint)."""
@@ -242,6 +289,19 @@ class ParamOffload:
         return self.residency is not None
 
     @contextmanager
+    def referencing_base_files(self) -> Iterator[None]:
+        """Inside, ``state_dict()`` holds a ``FileWeight`` (path, key, the file's recorded identity) for each
+        parameter read in place: a checkpoint references the user's base file instead of copying it."""
+        self._file_refs = True
+        try:
+            yield
+        finally:
+            self._file_refs = False
+
+    def base_files(self) -> list[str]:
+        return sorted(self.frozen.files) if self.frozen is not None else []
+
+    @contextmanager
     def by_reference(self) -> Iterator[None]:
         """Inside, ``state_dict()`` holds a ``BesideWeight`` for each block parameter (with its block as the
         source) instead of reading it: a checkpoint streams them later, block by block (``read_block``)."""
@@ -288,8 +348,18 @@ class ParamOffload:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
             if self.residency is None:
                 return
+            if self._file_refs and self.frozen is not None and self.in_place(block):
+                refs = {name: self.frozen.reference(slot.name) for name, slot in local}
+                local_left = [(n, s) for n, s in local if refs[n] is None]
+                for name, ref in refs.items():
+                    if ref is not None and prefix + name in state_dict:
+                        state_dict[prefix + name] = ref
+                if all(ref is not None for ref in refs.values()):
+                    return
+            else:
+                local_left = local
             if self._referencing:
-                for name, slot in local:
+                for name, slot in local_left:
                     if prefix + name in state_dict:
                         state_dict[prefix + name] = BesideWeight.of(prefix + name, slot.param, (block, slot.name))
                 return
@@ -302,7 +372,7 @@ class ParamOffload:
                                    "(streamed, one block in memory at a time) or trainer.save_checkpoint(...), or "
                                    "keep restore_params=True so the weights return to the module at the end of "
                                    "fit.") from e
-            for name, slot in local:
+            for name, slot in local_left:
                 key = prefix + name
                 if key in state_dict:
                     state_dict[key] = values[slot.name]
@@ -313,10 +383,11 @@ class ParamOffload:
             if self.residency is None:
                 return
             self.residency.acquire(block, USER)
-            if self._readers is not None:  # ``state_dict`` is this block's own copy: the values go with it
-                for key, value in state_dict.items():
-                    if isinstance(value, BesideWeight):
-                        state_dict[key] = self._readers.read(value)
+            for key, value in state_dict.items():  # ``state_dict`` is this block's own copy: the values go with it
+                if isinstance(value, FileWeight):  # read in place by the run saved: its base file, checked
+                    state_dict[key] = value.read()
+                elif isinstance(value, BesideWeight) and self._readers is not None:
+                    state_dict[key] = self._readers.read(value)
         return hook
 
     def _load_post_hook(self, block: BlockLayout) -> Any:

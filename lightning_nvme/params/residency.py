@@ -16,6 +16,11 @@ Its device copy is then the truth (``read_values`` and ``in_store`` say so).
 An optimizer update needs only a block's trainable tail (``BlockLayout.writable_offset`` on): acquired
 with ``tail=True``, a block not in memory reads just that tail, its frozen parameters stay placeholders.
 Why: a LoRA update otherwise read (or kept) every frozen weight of each block its adapters' chunk spans.
+
+A block whose frozen head is read in place (``frozen``: ``lightning_nvme.params.frozen_files``) has a store region
+holding only its trainable tail: its reads are split (head from the base files, tail from the store, one ``_Split``
+handle), its writes start at the tail (a whole-block write, after a state dict was loaded, first checks the head
+still equals the file's bytes: a base file is never written).
 """
 
 from __future__ import annotations
@@ -26,7 +31,9 @@ from typing import Any
 
 import torch
 
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.optim.plan import placeholder
+from lightning_nvme.params.frozen_files import FrozenFiles, FrozenHead, HeadRead
 from lightning_nvme.params.layout import BlockLayout
 from lightning_nvme.params.staging import DONE, HostStaging, Ready, Staging, StagingStats
 from lightning_nvme.store import FlatStore, IOHandle
@@ -55,7 +62,7 @@ class ResidencyStats:
 class _State:
     buffer: torch.Tensor | None = None  # uint8, page-aligned host buffer
     device: torch.Tensor | None = None  # what the parameters are views of while bound (CPU: ``buffer``)
-    read: IOHandle | None = None
+    read: IOHandle | _Split | None = None
     bound: bool = False  # parameters point into ``device``
     dirty: bool = False
     dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
@@ -69,10 +76,22 @@ class _State:
     refs: Counter = field(default_factory=Counter)
 
 
+class _Split:
+    """A block read in two parts: its frozen head from the base files, its tail from the store."""
+
+    def __init__(self, tail: IOHandle | None, head: HeadRead | None) -> None:
+        self.tail = tail
+        self.head = head
+
+    def done(self) -> bool:
+        return (self.tail is None or self.tail.done()) and (self.head is None or self.head.done())
+
+
 class BlockResidency:
     def __init__(self, store: FlatStore, blocks: list[BlockLayout], max_pending_writes: int = 2,
-                 staging: Staging | None = None) -> None:
+                 staging: Staging | None = None, frozen: FrozenFiles | None = None) -> None:
         self.store = store
+        self.frozen = frozen
         self.blocks = blocks
         self.max_pending_writes = max_pending_writes
         self.staging = staging if staging is not None else HostStaging()
@@ -80,7 +99,7 @@ class BlockResidency:
         self._state = [_State() for _ in blocks]
         # write-backs waiting for their device -> host copy, then in flight to the store (together bounded)
         self._copies: deque[tuple[BlockLayout, torch.Tensor, int, Ready, int]] = deque()
-        self._writes: deque[tuple[IOHandle, torch.Tensor]] = deque()
+        self._writes: deque[tuple[IOHandle | None, torch.Tensor]] = deque()
         self._resident_bytes = 0
 
     # ---- first placement -----------------------------------------------------------------------------
@@ -88,9 +107,11 @@ class BlockResidency:
         """Copy the block's current values into the store and leave placeholders (setup), on ``device``
         (default: the parameters' own)."""
         buf = self._new_buffer(block)
+        head = self._head(block)
         for slot in block.slots:
-            self._view(buf, slot).copy_(slot.param.detach())
-        self._write(block, buf)
+            if head is None or slot.offset >= head.nbytes:  # a head read in place: its values are the file's
+                self._view(buf, slot).copy_(slot.param.detach())
+        self._write(block, buf, head.nbytes if head is not None else 0)
         self._unbind(block, device)
         self._state[block.index].placed = True
 
@@ -104,7 +125,7 @@ class BlockResidency:
         if st.base and st.kept is None:  # only the trainable tail in memory: the frozen head from the store, the tail over it
             buf = self.staging.caller_buffer(self._capacity(block))
             self._issue_writes(of=block)
-            self.store.wait(self.store.read(block.region, buf[:st.base]))
+            self._wait_io(self._read(block, buf[:st.base]))
             self._wait_read(block)
             if st.device is not None and st.device is not st.buffer:
                 self.staging.to_host(st.device, buf[st.base:]).synchronize()
@@ -128,7 +149,7 @@ class BlockResidency:
         else:
             self._issue_writes(of=block)
             buf = self.staging.caller_buffer(self._capacity(block))
-            self.store.wait(self.store.read(block.region, buf))
+            self._wait_io(self._read(block, buf))
             copy = False  # the fresh buffer is the caller's already
         return {s.name: self._view(buf, s).clone() if copy else self._view(buf, s) for s in block.slots}
 
@@ -150,12 +171,12 @@ class BlockResidency:
         self._issue_writes()
         if st.buffer is None:
             self._issue_writes(of=block)  # the read must see this block's last write-back
-            shelved = self.store.shelved(block.region)
+            shelved = self.store.shelved(block.region) if self._head(block) is None else None
             if shelved is not None:  # host_memory_budget: the block lives in memory, bound in place, never read
                 st.buffer, st.shelved = shelved, True
             else:
                 st.buffer = self._new_buffer(block)
-                st.read = self.store.read(block.region, st.buffer)
+                st.read = self._read(block, st.buffer)
                 self.stats.loads += 1
                 self.stats.bytes_read += block.nbytes
             self._count(block, +1)
@@ -194,7 +215,7 @@ class BlockResidency:
         self._issue_writes(of=block)  # the read must see this block's last write-back
         st.base = block.writable_offset
         st.buffer = self.staging.host_buffer(self._capacity(block) - st.base)
-        st.read = self.store.read(block.region, st.buffer, offset=st.base)
+        st.read = self._read(block, st.buffer, st.base)
         self.stats.tail_loads += 1
         self.stats.bytes_read += st.buffer.numel()
         self._count(block, +1)
@@ -356,7 +377,62 @@ class BlockResidency:
 
     # ---- helpers -------------------------------------------------------------------------------------
     def _capacity(self, block: BlockLayout) -> int:
-        return self.store.region(block.region).capacity
+        """Bytes of a block buffer: its region's capacity, plus the head read in place (not in the region)."""
+        head = self._head(block)
+        return self.store.region(block.region).capacity + (head.nbytes if head is not None else 0)
+
+    def _head(self, block: BlockLayout) -> FrozenHead | None:
+        return self.frozen.heads.get(block.index) if self.frozen is not None else None
+
+    def _read(self, block: BlockLayout, buf: torch.Tensor, offset: int = 0) -> IOHandle | _Split:
+        """Read the block's bytes ``[offset, offset + len(buf))`` into ``buf``: from the store, or split between
+        the base files (the frozen head) and the store (the tail, at ``offset - head`` in its region)."""
+        head = self._head(block)
+        if head is None:
+            return self.store.read(block.region, buf, offset)
+        assert self.frozen is not None
+        w, end = head.nbytes, offset + buf.numel()
+        tail = None
+        hi = min(end, w + self.store.region(block.region).capacity)
+        lo = max(offset, w)
+        if hi > lo:
+            tail = self.store.read(block.region, buf[lo - offset:hi - offset], lo - w)
+        if offset and offset < w:
+            raise RuntimeError(f"block {block.name}: a read from byte {offset}, inside its frozen head (a bug)")
+        return _Split(tail, self.frozen.read(head, buf) if offset < w else None)
+
+    def _write_io(self, block: BlockLayout, data: torch.Tensor, offset: int) -> IOHandle | None:
+        """Write ``data`` (the block's bytes from ``offset`` on) to the store; of a block whose head is read in
+        place only the tail, after checking a head in ``data`` is still the file's (a loaded state dict)."""
+        head = self._head(block)
+        if head is None:
+            return self.store.write(block.region, data, offset)
+        assert self.frozen is not None
+        w = head.nbytes
+        if offset < w:
+            if offset:
+                raise RuntimeError(f"block {block.name}: a write from byte {offset}, inside its frozen head (a bug)")
+            differ = self.frozen.same_as_file(head, data)
+            if differ:
+                files = sorted({p.file.path for p in head.pieces if p.name in differ})
+                raise ConfigError("frozen_weights", f"{differ[:4]}{' ...' if len(differ) > 4 else ''}: frozen "
+                                  f"parameters of block {block.name} are read in place from {files}, but the values "
+                                  "loaded into them differ from that file's (a checkpoint or state dict of other "
+                                  "weights). A base file is never written. Fix: frozen_weights='store' (the frozen "
+                                  "weights copied into the store, then loaded), or load weights that match the file.")
+            data, offset = data[w:], w
+        if data.numel() == 0:
+            return None
+        return self.store.write(block.region, data, offset - w)
+
+    def _wait_io(self, handle: IOHandle | _Split | None) -> None:
+        if isinstance(handle, _Split):
+            if handle.tail is not None:
+                self.store.wait(handle.tail)
+            if handle.head is not None:
+                handle.head.wait()
+        elif handle is not None:
+            self.store.wait(handle)
 
     def _new_buffer(self, block: BlockLayout) -> torch.Tensor:
         """Page-aligned and as long as the region: the store moves it with O_DIRECT, no staging copy."""
@@ -371,7 +447,7 @@ class BlockResidency:
     def _wait_read(self, block: BlockLayout) -> None:
         st = self._state[block.index]
         if st.read is not None:
-            self.store.wait(st.read)
+            self._wait_io(st.read)
             st.read = None
 
     def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0, ready: Ready = DONE, base: int = 0) -> None:
@@ -394,7 +470,7 @@ class BlockResidency:
                                 or len(self._copies) + len(self._writes) > self.max_pending_writes):
             block, buf, start, ready, base = self._copies.popleft()
             ready.synchronize()
-            self._writes.append((self.store.write(block.region, buf[start:], offset=base + start), buf))
+            self._writes.append((self._write_io(block, buf[start:], base + start), buf))
             self.stats.writebacks += 1
             self.stats.bytes_written += buf.numel() - start
             while self._writes and len(self._writes) + len(self._copies) > self.max_pending_writes:
@@ -402,7 +478,7 @@ class BlockResidency:
 
     def _wait_oldest_write(self) -> None:
         handle, buf = self._writes.popleft()
-        self.store.wait(handle)
+        self._wait_io(handle)
         self.staging.recycle(buf)
 
     def unbind(self, block: BlockLayout, device: torch.device) -> None:

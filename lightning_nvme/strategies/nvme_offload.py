@@ -42,7 +42,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import background_save, plugin_io, snapshot, weights
+from lightning_nvme.checkpoint import background_save, base_file, plugin_io, snapshot, weights
 from lightning_nvme.checkpoint.background import BackgroundCopy
 from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
 from lightning_nvme.checks import ConfigError
@@ -135,7 +135,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                                  "with its initial weights) or pass ckpt_path=... to fit.")
             s = self.config
             classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
-            self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device)
+            self.param_offload = ParamOffload(trainer.lightning_module, classes, s.param_prefetch, self.root_device,
+                                              s.frozen_weights)
         super().setup(trainer)
         if self.param_offload is not None and self.nvme_store is None and self._eval_from is None:
             self.param_offload = None  # no optimizer: nothing trains, nothing to offload
@@ -155,8 +156,13 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                                  "store. Use an optimizer with state (SGD(momentum>0), AdamW, ...), or offload_params=False.")
             self.param_offload.start(self.nvme_store, planned)
             layout = self.param_offload.layout
-            rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks in the store "
-                           f"({layout.offloaded_bytes / MiB:.1f} MiB); {len(layout.resident)} parameters "
+            frozen = self.param_offload.frozen
+            in_place = (f", of which {frozen.head_bytes / MiB:.1f} MiB of frozen parameters in {len(frozen.heads)} "
+                        f"blocks read in place from {len(frozen.files)} base file(s) (frozen_weights='in_place', "
+                        f"{'O_DIRECT' if all(f.direct_fd >= 0 for f in frozen.files.values()) else 'buffered'})"
+                        if frozen is not None else "")
+            rank_zero_info(f"{self.strategy_name}: parameters of {len(layout.blocks)} blocks offloaded "
+                           f"({layout.offloaded_bytes / MiB:.1f} MiB{in_place}); {len(layout.resident)} parameters "
                            f"outside blocks, in memory ({layout.resident_bytes / MiB:.1f} MiB); param_prefetch={s.param_prefetch}")
             self._plan_desk()
 
@@ -174,7 +180,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                               "host RAM; set device_memory_budget=0 off CUDA.")
         check_device_memory_budget(budget, self.root_device)
         self.desk_plan = plan_desk(
-            [desk_block_item(b.region, self.nvme_store.region(b.region).capacity, b.trainable)
+            [desk_block_item(b.region, self.param_offload.block_bytes(b), b.trainable)
              for b in self.param_offload.blocks], budget)
         self.param_offload.keep_on_desk(self.desk_plan.kept)
         rank_zero_info(f"{self.strategy_name}: {self.desk_plan.summary()}")
@@ -185,8 +191,11 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         if self.param_offload is not None:
             assert self.nvme_store is not None
             on_desk = self.desk_plan.kept if self.desk_plan is not None else set()
-            items += [block_item(b.region, self.nvme_store.region(b.region).capacity, b.writable_offset, b.trainable)
-                      for b in self.param_offload.blocks if b.region not in on_desk]  # kept: never move
+            offload = self.param_offload
+            items += [block_item(b.region, self.nvme_store.region(b.region).capacity,
+                                 0 if offload.in_place(b) else b.writable_offset, b.trainable)  # in place: the tail only
+                      for b in offload.blocks if b.region not in on_desk  # kept: never move
+                      and self.nvme_store.region(b.region).capacity]
         return items
 
     def _check_param_offload_supported(self) -> None:
@@ -480,7 +489,15 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             rank_zero_warn(f"{self.strategy_name}: checkpoint {filepath} skipped: {skipped}")
             self.checkpoint_saves.append(snapshot.SaveRecord("skipped", path, skipped))
             return
+        saves = len(self.checkpoint_saves)
         super().save_checkpoint(checkpoint, filepath, storage_options)
+        referenced = [i.path for i in base_file.base_files(checkpoint.get("state_dict"))]
+        if referenced:  # frozen_weights="in_place": the checkpoint needs the user's base files as they are
+            for record in self.checkpoint_saves[saves:]:
+                record.base_files = referenced
+            rank_zero_info(f"{self.strategy_name}: checkpoint {filepath} references the frozen weights in "
+                           f"{referenced} (frozen_weights='in_place'), not a copy: a resume checks those files are "
+                           "unchanged (size, mtime, header sha256).")
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
@@ -530,11 +547,12 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         params = self._offloaded_weights()
         if params is None:
             return super().lightning_module_state_dict()
-        if params.layout.offloaded_bytes > self.config.inline_weights_bytes:
-            with params.by_reference():
+        with params.referencing_base_files():  # frozen weights read in place: references to the user's files
+            if params.layout.offloaded_bytes > self.config.inline_weights_bytes:
+                with params.by_reference():
+                    return super().lightning_module_state_dict()
+            with self._weights_readable():
                 return super().lightning_module_state_dict()
-        with self._weights_readable():
-            return super().lightning_module_state_dict()
 
     @override
     def _weights_streamed_by(self, readers: weights.WeightReaders) -> AbstractContextManager[set[str]]:

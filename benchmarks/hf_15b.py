@@ -28,7 +28,8 @@ step / raw read + bytes written / raw write; ``compute_s`` = the model's compute
 Then (unless ``--no-lora``), after the full finetune's store is deleted: the same shape written once as a bf16
 sharded safetensors checkpoint in the Hub layout (``_llama_ckpt.write_checkpoint``: one ~2 GB shard in memory at
 most), and rank-``--lora-rank`` peft LoRA on it twice: ``frozen_weights="in_place"`` (the base read from the
-checkpoint's files) and ``frozen_weights="store"`` (the base copied into the store first). ``lora_start_s`` /
+checkpoint's files) and ``frozen_weights="store"`` (the base copied into the store first), each after the base's pages
+are dropped from the page cache (a cold start). ``lora_start_s`` /
 ``copy_start_s``: from ``trainer.fit()`` to the first step's start; ``lora_store_bytes``: the in-place run's store.
 
     python benchmarks/hf_15b.py --dir /mnt/nvme/bench                  # 13 B full finetune, then LoRA
@@ -55,7 +56,7 @@ from typing import Any
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 import hf_7b  # noqa: E402
-from _disk import GiB, MiB  # noqa: E402
+from _disk import GiB, MiB, drop_file_cache  # noqa: E402
 from _llama_ckpt import INDEX, LLAMA2_7B, TINY, llama_config, tensor_shapes, write_checkpoint  # noqa: E402
 
 SHAPES: dict[str, dict[str, Any]] = {
@@ -162,6 +163,9 @@ def lora_both_ways(args: argparse.Namespace, params: int, out: dict[str, Any], l
     try:
         for mode in ("in_place", "store"):
             args.frozen_weights = mode
+            for f in os.listdir(path):  # a cold start for both (as lora_start.py): the base's pages out of the cache
+                if f.endswith(".safetensors"):
+                    drop_file_cache(os.path.join(path, f))
             loads.append(_load())
             runs[mode] = hf_7b._run_child(args, "lora")
     finally:

@@ -31,7 +31,7 @@ import time
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 sys.path.insert(0, ROOT)
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _disk import GiB, MiB, drop_file_cache, gbps, raw_read, spread  # noqa: E402
+from _disk import GiB, drop_file_cache, gbps, raw_read, spread  # noqa: E402
 
 
 def _log(msg: str) -> None:

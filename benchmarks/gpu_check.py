@@ -31,8 +31,9 @@ Cases (``--only NAME,...`` runs a subset):
 - ``params_prefetch2``: ``params_backward`` at ``param_prefetch=2``; on a GPU both require ``early_uploads > 0``.
 - ``params_int8``: bf16-true with ``state_format="int8"``, ``master_format="bf16_sr"``.
 - ``params_stress``: the staging pool shrunk to 2 buffers and ``--stress-cycles`` (~30 ms) of GPU spin before
-  every staging copy: a missing wait or a buffer reused too early shows as a bitwise difference. (The optimizer
-  ring's and the activations' copies have no such seam yet: not delayed.)
+  every staging copy and every copy between the device and the optimizer's ring (``optim.buffers.CudaOps``): a
+  missing wait or a buffer reused too early shows as a bitwise difference. (The activations' copies have no
+  such seam yet: not delayed.)
 - ``params_exception``: an exception injected in a block's forward at step 2: it propagates, host
   registrations are back to their level and ``memory_allocated`` to its level before (plus cuBLAS workspaces).
 - ``params_compile``: ``torch.compile`` with ``offload_params`` is refused by name.
@@ -80,6 +81,7 @@ from activation_offload import GPT, Tokens  # noqa: E402
 from lightning_nvme import NVMeOffloadStrategy  # noqa: E402
 from lightning_nvme.callbacks import NVMeActivationOffload  # noqa: E402
 from lightning_nvme.constants import MiB  # noqa: E402
+from lightning_nvme.optim import buffers as optim_buffers  # noqa: E402
 from lightning_nvme.params import staging  # noqa: E402
 from lightning_nvme.store import pinned  # noqa: E402
 
@@ -106,7 +108,7 @@ class AdamGPT(GPT):
     def configure_optimizers(self):
         opt = torch.optim.AdamW(self.parameters(), lr=1e-3, weight_decay=0.1, foreach=False)
         if self.reference_format is not None:
-            from lightning_nvme.optim.state_format import RoundTripOptimizer, StateFormat
+            from lightning_nvme.optim.formats.state_format import RoundTripOptimizer, StateFormat
 
             RoundTripOptimizer(opt, StateFormat(*self.reference_format))
         return opt
@@ -477,10 +479,17 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
             def small_pool(device: torch.device, buffer_bytes: int, pool_size: int) -> staging.Staging:
                 return real_for(device, buffer_bytes, 2)
             staging.staging_for = small_pool
+        real_ring_copy = optim_buffers.CudaOps.copy
+        if name == "params_stress":  # the optimizer ring's copies too: to the device, and back on its side stream
+            def ring_delayed(self: optim_buffers.CudaOps, dst: torch.Tensor, src: torch.Tensor) -> None:
+                torch.cuda._sleep(cycles)
+                real_ring_copy(self, dst, src)
+            optim_buffers.CudaOps.copy = ring_delayed  # type: ignore[method-assign]
         try:
             train(model, args, data, store_dir, [timer], strategy=strategy, precision=precision)
         finally:
             staging.CudaOps.copy, staging.staging_for = real_copy, real_for  # type: ignore[method-assign]
+            optim_buffers.CudaOps.copy = real_ring_copy  # type: ignore[method-assign]
         extra = staging_figures(strategy, timer, args)
         if name in ("params_backward", "params_prefetch2") and args.accelerator == "gpu":
             extra["early_uploads_ok"] = extra["early_uploads"] > 0  # the early-upload path ran

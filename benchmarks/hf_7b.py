@@ -228,16 +228,16 @@ def compute_child(args: argparse.Namespace) -> dict:
 def optimizer_seconds(params: list, args: argparse.Namespace, generic: bool = False) -> float:
     """The update arithmetic of the training run on ``params`` in memory, no I/O, timed on a second step (the
     first creates the state): AdamW(fused=True) with int8 moments and bf16_sr rounding as the offloaded run
-    does it, through the one-pass kernel (``optim/fused_update.py``); ``generic``: as the optimizer's own
+    does it, through the one-pass kernel (``optim/formats/fused_update.py``); ``generic``: as the optimizer's own
     step on decoded fp32 state (``RoundTripOptimizer``), the path without the kernel. The CPU an update
     costs wherever its bytes live; on a machine with few cores it competes with the backward for them."""
     import numpy as np
     import torch
 
-    from lightning_nvme.optim import fused_update
+    from lightning_nvme.optim.formats import fused_update
     from lightning_nvme.optim.formats.adamw_kernel import update_blocks
     from lightning_nvme.optim.formats.codec import as_numpy
-    from lightning_nvme.optim.state_format import RoundTripOptimizer, StateFormat
+    from lightning_nvme.optim.formats.state_format import RoundTripOptimizer, StateFormat
 
     for p in params:
         p.grad = torch.randn_like(p) * 1e-3

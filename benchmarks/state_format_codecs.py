@@ -8,7 +8,7 @@ so drift in this machine's load hits them alike. Each codec's throughput is repo
 state it encodes/decodes and of the bytes it sends to/reads from the disk, and as the median per-round
 ratio of the latter to the disk's write (encoders) or read (decoders) speed: > 1 means the codec keeps
 up with the disk.
-  ours     lightning_nvme.optim.state_format: bf16 cast (torch copy), int8 linear (signed) / 4th-root
+  ours     lightning_nvme.optim.formats.state_format: bf16 cast (torch copy), int8 linear (signed) / 4th-root
            (unsigned) codes with one absmax per 256 and hash-noise bf16 stochastic rounding (single-pass
            numba kernels, lightning_nvme/optim/formats/kernels.py); decoders write into a reused buffer
   torchao  torchao.optim.quant_utils (8-bit dynamic-map quantize/dequantize, _fp32_to_bf16_sr), eager
@@ -47,7 +47,7 @@ def cases(n: int) -> dict[str, Callable[[], object]]:
     import torch
 
     from lightning_nvme.optim.formats.masters import stochastic_round_bf16
-    from lightning_nvme.optim.state_format import StateFormat
+    from lightning_nvme.optim.formats.state_format import StateFormat
 
     x = torch.randn(n) * 1e-3
     v = x.square()

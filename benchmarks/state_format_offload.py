@@ -46,7 +46,7 @@ def setup(args, state: str, master: str, directory: str):
     import torch
 
     from lightning_nvme.optim import OffloadedOptimizer
-    from lightning_nvme.optim.state_format import StateFormat
+    from lightning_nvme.optim.formats.state_format import StateFormat
     from lightning_nvme.store import FlatStore
 
     model = build(args.params_m, args.width).bfloat16()
@@ -79,7 +79,7 @@ def codec_throughput(n: int) -> dict:
     import torch
 
     from lightning_nvme.optim.formats.masters import stochastic_round_bf16
-    from lightning_nvme.optim.state_format import StateFormat
+    from lightning_nvme.optim.formats.state_format import StateFormat
 
     x = torch.randn(n) * 1e-3
     dec = torch.empty(n)  # decoded into a reused buffer, as the optimizer's decode arena does

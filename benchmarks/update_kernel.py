@@ -1,5 +1,5 @@
 """CPU time of one AdamW update with ``state_format="int8"``, ``master_format="bf16_sr"`` and bf16 params:
-the one-pass kernel (``lightning_nvme/optim/fused_update.py``) against the generic path it replaces (the
+the one-pass kernel (``lightning_nvme/optim/formats/fused_update.py``) against the generic path it replaces (the
 optimizer's own fused step on decoded fp32 state: decode both moments, widen param and gradient, AdamW,
 encode both moments, round back; what ``RoundTripOptimizer`` and the chunk updater run without the kernel).
 
@@ -35,7 +35,7 @@ def main() -> None:
     args = p.parse_args()
     import torch
 
-    from lightning_nvme.optim import fused_update
+    from lightning_nvme.optim.formats import fused_update
     from lightning_nvme.optim.formats.adamw_kernel import update_blocks
     from lightning_nvme.optim.formats.codec import as_numpy
     from lightning_nvme.optim.formats.int8 import Int8

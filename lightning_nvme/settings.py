@@ -38,7 +38,7 @@ from lightning_nvme.constants import ALIGN, STORE_DIR_ENV, GiB, MiB
 from lightning_nvme.memory import HEAP_MMAP_THRESHOLD_MAX, OFF_HEAP_THRESHOLD
 from lightning_nvme.optim import CHUNK_BYTES, OVERLAP_MODES, PREFETCH_DEPTH
 from lightning_nvme.optim.formats import master_format_names, state_format_names
-from lightning_nvme.optim.state_format import StateFormat
+from lightning_nvme.optim.formats.state_format import StateFormat
 from lightning_nvme.store.flat_store import IO_CHUNK_BYTES, IO_WORKERS, STAGING_BYTES
 from lightning_nvme.store.stripes import STRIPE_BYTES
 

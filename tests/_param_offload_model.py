@@ -61,7 +61,7 @@ class TinyGPT(LightningModule):
         cls, kwargs = OPTIMIZERS[self.optimizer_name]
         opt = cls([p for p in self.parameters() if p.requires_grad], **kwargs)
         if self.ref_format:
-            from lightning_nvme.optim.state_format import RoundTripOptimizer, StateFormat
+            from lightning_nvme.optim.formats.state_format import RoundTripOptimizer, StateFormat
 
             RoundTripOptimizer(opt, StateFormat(*self.ref_format))
         return opt

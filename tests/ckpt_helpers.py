@@ -15,7 +15,7 @@ import torch
 from lightning_nvme.checkpoint import onefile
 from lightning_nvme.checkpoint.convert import pop_state_tensors, write_tensors
 from lightning_nvme.checkpoint.legacy import LEGACY_FORMAT_VERSION, META_FILE
-from lightning_nvme.checkpoint.streamed import MARKER, optimizer_file
+from lightning_nvme.checkpoint.state_files import MARKER, optimizer_file
 
 _EXTRACTED = tempfile.mkdtemp(prefix="lightning_nvme-records-")
 atexit.register(shutil.rmtree, _EXTRACTED, True)

@@ -8,6 +8,9 @@
   ``cudart()`` bindings and ``lightning_nvme.store.pinned``'s runtime to one fake.
 - ``fake_cuda_staging(monkeypatch)``: ``install`` plus every ``CudaStaging`` the parameter path makes built on a
   ``FakeOps`` and kept in the returned list, so a test can read their logs.
+- ``fake_cuda_optimizer(monkeypatch)``: every ``OffloadedOptimizer`` made afterwards copies its state through a
+  ``FakeOps`` (``optim.buffers.copy_ops_for``), so the device path of the update (copies to the device on the
+  compute stream, back on a side stream, store writes after their event) runs on CPU; returns the list made.
 - ``FakeOps``: streams and events recorded in a log (``CudaStaging``'s ``ops`` seam); an event completes
   only when synchronized, so nothing may rely on a copy having run. Device buffers are CPU tensors it
   sees (``record_stream``) and can count while alive. It also keeps what PyTorch's caching allocator
@@ -226,3 +229,20 @@ def fake_cuda_staging(monkeypatch) -> tuple[FakeCudaRuntime, list]:
 
     monkeypatch.setattr(staging, "staging_for", fake)
     return rt, made
+
+
+def fake_cuda_optimizer(monkeypatch, delay_s: float = 0.0) -> list[FakeOps]:
+    """Route ``optim.buffers.copy_ops_for`` to a ``FakeOps`` (``delay_s`` before each copy) for every offloaded
+    optimizer made afterwards: its update runs the device path (state copied to the "device" and back through
+    the ops) on CPU tensors. Returns the list of ops made, one per optimizer. ``raising=False``: on code without
+    the seam, nothing is routed and a test sees no copy at all."""
+    from lightning_nvme.optim import buffers
+
+    made: list[FakeOps] = []
+
+    def fake(params):
+        made.append(FakeOps(delay_s=delay_s))
+        return made[-1]
+
+    monkeypatch.setattr(buffers, "copy_ops_for", fake, raising=False)
+    return made

@@ -73,7 +73,7 @@ class MLP(LightningModule):
             groups[1]["weight_decay"] = 0.0
         opt = cls(groups, **kwargs)
         if self.ref_format:
-            from lightning_nvme.optim.state_format import RoundTripOptimizer, StateFormat
+            from lightning_nvme.optim.formats.state_format import RoundTripOptimizer, StateFormat
 
             RoundTripOptimizer(opt, StateFormat(*self.ref_format))
         if not self.use_scheduler:

@@ -26,7 +26,7 @@ import torch
 from lightning_nvme.checkpoint import paired, weights
 from lightning_nvme.checkpoint.load import open_checkpoint
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
-from lightning_nvme.checkpoint.streamed import (
+from lightning_nvme.checkpoint.state_files import (
     file_metadata,
     is_padding,
     open_readers,
@@ -34,7 +34,7 @@ from lightning_nvme.checkpoint.streamed import (
     parse_tensor_name,
     tensor_name,
 )
-from lightning_nvme.optim.state_format import STATE_DICT_KEY, StateFormat, decode_entries
+from lightning_nvme.optim.formats.state_format import STATE_DICT_KEY, StateFormat, decode_entries
 
 
 def to_lightning(src: str, dst_file: str) -> None:

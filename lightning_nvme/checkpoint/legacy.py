@@ -18,7 +18,7 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint.streamed import MARKER, OptimizerParts
+from lightning_nvme.checkpoint.state_files import MARKER, OptimizerParts
 
 LEGACY_FORMAT_VERSION = 1  # of the old checkpoint directory format (read only)
 META_FILE = "checkpoint.pt"

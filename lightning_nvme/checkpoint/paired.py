@@ -46,7 +46,7 @@ from typing import Any
 import torch
 
 from lightning_nvme.checkpoint import onefile, weights
-from lightning_nvme.checkpoint.streamed import OptimizerParts
+from lightning_nvme.checkpoint.state_files import OptimizerParts
 from lightning_nvme.fs import atomic
 
 PAIRED_FORMAT_VERSION = 3  # of the checkpoint: one file, its state files as records inside it
@@ -189,6 +189,59 @@ def save(checkpoint: dict[str, Any], path: str, write_parts: Callable[[str, str]
         abort(pending)
         raise
     finish(pending)
+
+
+@dataclass
+class DirectPart:
+    """A state file a save writes once, straight into its record of the one file: its name, its size, its marker
+    (``None``: the beside weights, which have none), and ``write(fd, offset)``, which writes the file's bytes at
+    ``offset`` of the open checkpoint file and fdatasyncs them."""
+
+    name: str
+    size: int
+    marker: dict[str, Any] | None
+    write: Callable[[int, int], None]
+
+
+def save_direct(checkpoint: dict[str, Any], path: str, plan: Callable[[str], list[DirectPart]]) -> list[DirectPart]:
+    """``save`` with each state file written once: ``plan(save_id)`` lists the save's state files with their sizes;
+    their records are reserved in the file (the temp directory holds sparse placeholders of those sizes, which the
+    zip writer maps and never reads), each is written into its record at its 4 KiB-aligned offset, then the file is
+    fsynced and switched in with the one rename (steps 1, 3, 4, 5 as ``save``; a kill before the rename leaves the
+    previous checkpoint and hidden temps the next save sweeps). Where the state files would not be clones of the
+    store (no reflink), ``save`` writes them into the temp directory and then copies them into their records:
+    twice the bytes."""
+    checkpoint = dict(checkpoint)
+    optimizer_states = checkpoint.pop("optimizer_states", None)
+    pending = begin(path)
+    staged: onefile.Staged | None = None
+    try:
+        weights.bind(checkpoint.get("state_dict") or {}, pending.path, pending.save_id)
+        parts = plan(pending.save_id)
+        for part in parts:
+            fd = os.open(os.path.join(pending.tmp, part.name), os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.ftruncate(fd, part.size)  # sparse: no byte written
+            finally:
+                os.close(fd)
+        publish(pending)
+        markers = [part.marker for part in parts if part.marker is not None]
+        staged = stage_main({**checkpoint, REF_KEY: reference(pending, optimizer_states, markers)}, pending.path,
+                            pending.tmp)
+        fd = os.open(staged.tmp, os.O_WRONLY)
+        try:
+            for part in parts:
+                part.write(fd, staged.records[part.name][0])
+        finally:
+            os.close(fd)
+        atomic.commit(staged.tmp, pending.path)
+    except BaseException:
+        if staged is not None and os.path.lexists(staged.tmp):
+            atomic.delete(staged.tmp)
+        abort(pending)
+        raise
+    finish(pending)
+    return parts
 
 
 def save_plain(checkpoint: dict[str, Any], path: str) -> None:

@@ -27,33 +27,52 @@ def _itemsize(dtype: torch.dtype) -> int:
     return torch.empty((), dtype=dtype).element_size()
 
 
+def _layout(entries: list[tuple[str, torch.dtype, tuple[int, ...]]], metadata: dict[str, str] | None
+            ) -> tuple[bytes, dict[str, tuple[int, torch.dtype]], int]:
+    """The file's header (``<u64 length><json>``, padded to 8 bytes), each entry's (data offset, dtype), data bytes."""
+    header: dict = {"__metadata__": dict(metadata or {})}
+    offsets: dict[str, tuple[int, torch.dtype]] = {}
+    pos = 0
+    for name, dtype, shape in entries:
+        n = 1
+        for s in shape:
+            n *= s
+        nbytes = n * _itemsize(dtype)
+        header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
+        offsets[name] = (pos, dtype)
+        pos += nbytes
+    blob = json.dumps(header, separators=(",", ":")).encode()
+    blob += b" " * (-len(blob) % 8)
+    return struct.pack("<Q", len(blob)) + blob, offsets, pos
+
+
+def safetensors_size(entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
+                     metadata: dict[str, str] | None = None) -> int:
+    """Bytes of the file ``SafetensorsWriter(path, entries, metadata)`` writes (known before a byte is written)."""
+    head, _, data = _layout(entries, metadata)
+    return len(head) + data
+
+
 class SafetensorsWriter:
+    """Writes the file ``path``; or, given ``fd``, the same bytes at offset ``base`` of that open file (a record of a
+    one-file checkpoint, reserved for it: the state is written once, straight into the checkpoint)."""
+
     def __init__(self, path: str, entries: list[tuple[str, torch.dtype, tuple[int, ...]]],
-                 metadata: dict[str, str] | None = None) -> None:
+                 metadata: dict[str, str] | None = None, fd: int | None = None, base: int = 0) -> None:
         self.path = path
-        header: dict = {"__metadata__": dict(metadata or {})}
-        self.offsets: dict[str, tuple[int, torch.dtype]] = {}
-        pos = 0
-        for name, dtype, shape in entries:
-            n = 1
-            for s in shape:
-                n *= s
-            nbytes = n * _itemsize(dtype)
-            header[name] = {"dtype": DTYPES[dtype], "shape": list(shape), "data_offsets": [pos, pos + nbytes]}
-            self.offsets[name] = (pos, dtype)
-            pos += nbytes
-        blob = json.dumps(header, separators=(",", ":")).encode()
-        blob += b" " * (-len(blob) % 8)
-        self.data_start = 8 + len(blob)
-        self.total = self.data_start + pos
-        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
-        self._pwrite(struct.pack("<Q", len(blob)) + blob, 0)
+        head, self.offsets, data = _layout(entries, metadata)
+        self.data_start = len(head)
+        self.total = self.data_start + data
+        self.base = base
+        self.own = fd is None
+        self.fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644) if fd is None else fd
+        self._pwrite(head, 0)
 
     def _pwrite(self, data, offset: int) -> None:
         mv = memoryview(data).cast("B")
         done = 0
         while done < len(mv):
-            n = os.pwrite(self.fd, mv[done:], offset + done)
+            n = os.pwrite(self.fd, mv[done:], self.base + offset + done)
             if n <= 0:
                 raise OSError(f"short write to {self.path} at offset {offset + done}")
             done += n
@@ -68,7 +87,12 @@ class SafetensorsWriter:
             self._pwrite(memview(values.data_ptr(), nbytes), self.data_start + start + elem_offset * _itemsize(dtype))
 
     def close(self) -> None:
-        """fsync, then drop the file from the page cache: a checkpoint must not spend the RAM we saved."""
+        """fsync, then drop the bytes from the page cache: a checkpoint must not spend the RAM we saved. A writer
+        into another file's range leaves that file open (and its size alone) for its owner."""
+        if not self.own:
+            os.fdatasync(self.fd)
+            os.posix_fadvise(self.fd, self.base, self.total, os.POSIX_FADV_DONTNEED)
+            return
         os.ftruncate(self.fd, self.total)
         os.fsync(self.fd)
         os.posix_fadvise(self.fd, 0, 0, os.POSIX_FADV_DONTNEED)

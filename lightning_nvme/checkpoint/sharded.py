@@ -6,7 +6,7 @@ file ``<name>.ckpt`` (see ``paired``) holds each optimizer's param groups, every
 (``step``) gathered from all ranks, and a marker naming the shard files, the world size and the partition.
 
 Names carry the param index and element range, so resuming at another world size is reading ranges: each
-rank reads the ranges it now owns from whichever shard files hold them (``streamed._FileSource``).
+rank reads the ranges it now owns from whichever shard files hold them (``state_files._FileSource``).
 
 The protocol (run by ``NVMeOffloadDDPStrategy``): rank 0 ``paired.begin``s and broadcasts the temp
 directory and save id; every rank ``write_shard``s into it; the ranks agree that all shards were written;
@@ -20,9 +20,9 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint import snapshot
+from lightning_nvme.checkpoint.copy import reflink as reflink_copy
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsWriter
-from lightning_nvme.checkpoint.streamed import file_metadata, tensor_name
+from lightning_nvme.checkpoint.state_files import file_metadata, tensor_name
 from lightning_nvme.optim import OffloadedOptimizer, Partition, Piece
 
 
@@ -78,9 +78,9 @@ def write_shard(off: OffloadedOptimizer, directory: str, i: int, rank: int, save
 
 
 def clone_shard(off: OffloadedOptimizer, directory: str, i: int, rank: int, save_id: str, block: int) -> tuple[str, int]:
-    """``write_shard`` as clones of this rank's own store regions (``snapshot.write_state``; the store fenced and
+    """``write_shard`` as clones of this rank's own store regions (``reflink_copy.write_state``; the store fenced and
     fdatasynced): the same values, one entry per chunk piece instead of per owned range, which every reader (resume
     at any world size, ``convert``) assembles alike. Returns the file name and the bytes cloned."""
     name = shard_file(i, rank)
-    return name, snapshot.write_state(off, os.path.join(directory, name), file_metadata(save_id, rank=str(rank)),
+    return name, reflink_copy.write_state(off, os.path.join(directory, name), file_metadata(save_id, rank=str(rank)),
                                       block)

@@ -32,7 +32,7 @@ from typing import Any, ClassVar
 import torch
 from safetensors import safe_open
 
-from lightning_nvme.checkpoint.safetensors_stream import CODES, DTYPES, SafetensorsReader, SafetensorsWriter
+from lightning_nvme.checkpoint.safetensors_stream import CODES, DTYPES, SafetensorsReader, SafetensorsWriter, safetensors_size
 from lightning_nvme.fs import atomic
 
 WEIGHTS_FILE = "weights.safetensors"
@@ -171,15 +171,27 @@ def resolve(state_dict: Mapping[str, Any], directory: str, problem: str | None,
 ReadSource = Callable[[Any], dict[str, torch.Tensor]]  # a reference's ``source`` -> values, one block at a time
 
 
-def write(path: str, state_dict: Mapping[str, Any], read_source: ReadSource, metadata: Mapping[str, str],
-          include_tensors: bool = False) -> None:
-    """Stream the references of ``state_dict`` into the safetensors file ``path`` (fsynced), one source (a block)
-    in memory at a time; with ``include_tensors``, its in-memory tensors too (a whole-model export)."""
+def _entries(state_dict: Mapping[str, Any], include_tensors: bool
+             ) -> tuple[list[tuple[str, torch.dtype, tuple[int, ...]]], dict[str, BesideWeight], dict[str, torch.Tensor]]:
     beside = refs(state_dict)
     tensors = {k: v for k, v in state_dict.items() if include_tensors and torch.is_tensor(v)}
     entries = [(k, v.torch_dtype, v.shape) for k, v in beside.items()]
     entries += [(k, v.dtype, tuple(v.shape)) for k, v in tensors.items()]
-    writer = SafetensorsWriter(path, entries, dict(metadata))
+    return entries, beside, tensors
+
+
+def written_size(state_dict: Mapping[str, Any], metadata: Mapping[str, str]) -> int:
+    """Bytes of the file ``write`` writes for ``state_dict``'s references (known before writing)."""
+    return safetensors_size(_entries(state_dict, False)[0], dict(metadata))
+
+
+def write(path: str, state_dict: Mapping[str, Any], read_source: ReadSource, metadata: Mapping[str, str],
+          include_tensors: bool = False, fd: int | None = None, base: int = 0) -> None:
+    """Stream the references of ``state_dict`` into the safetensors file ``path`` (fsynced), one source (a block)
+    in memory at a time; with ``include_tensors``, its in-memory tensors too (a whole-model export). Given ``fd``,
+    the same bytes go to offset ``base`` of that open file instead (its record in a one-file checkpoint)."""
+    entries, beside, tensors = _entries(state_dict, include_tensors)
+    writer = SafetensorsWriter(path, entries, dict(metadata), fd=fd, base=base)
     try:
         for key, t in tensors.items():
             writer.write(key, 0, t.detach().reshape(-1).cpu())

@@ -9,6 +9,7 @@ while the disk still reads from it.
 from __future__ import annotations
 
 from collections import deque
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -27,12 +28,35 @@ class ChunkBuffer:
     uploaded: Any = None  # a CUDA event after the asynchronous copies of its state to the device
 
 
-def uploads_done(device: torch.device) -> Any:
-    """An event on ``device``'s current stream, after the copies just issued from a (pinned) chunk buffer:
-    the ring waits on it before the store reads into that buffer again."""
-    event = torch.cuda.Event()
-    event.record(torch.cuda.current_stream(device))
-    return event
+class CudaOps:
+    """The CUDA calls the optimizer's device copies make, one object so a test substitutes one that records
+    them (``tests/fake_cuda.FakeOps``) and ``gpu_check`` one that delays them. The same protocol as
+    ``params.staging.CudaOps`` (a layer above, so not imported from here)."""
+
+    def stream(self, device: torch.device) -> Any:
+        return torch.cuda.Stream(device)
+
+    def current_stream(self, device: torch.device) -> Any:
+        return torch.cuda.current_stream(device)
+
+    def on(self, stream: Any) -> AbstractContextManager[Any]:
+        return torch.cuda.stream(stream)
+
+    def event(self, timing: bool = False) -> Any:
+        return torch.cuda.Event(enable_timing=timing)
+
+    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
+        t.record_stream(stream)
+
+    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
+        """One host <-> device copy on the current stream, never waiting for it."""
+        dst.copy_(src, non_blocking=True)
+
+
+def copy_ops_for(params: list[torch.Tensor]) -> CudaOps | None:
+    """The device copies of the state for these parameters: CUDA's when any is on CUDA, else none (the
+    update runs on the chunk buffer itself). A test routes this to a fake to run the device path on CPU."""
+    return CudaOps() if any(p.device.type == "cuda" for p in params) else None
 
 
 class ChunkRing:

@@ -12,8 +12,8 @@ import math
 import torch
 
 from lightning_nvme.optim.buffers import ChunkBuffer, DecodeArena
+from lightning_nvme.optim.formats.state_format import StateFormat
 from lightning_nvme.optim.plan import Piece
-from lightning_nvme.optim.state_format import StateFormat
 
 
 def flat(t: torch.Tensor) -> torch.Tensor:

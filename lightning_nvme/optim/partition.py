@@ -15,8 +15,8 @@ from dataclasses import dataclass
 
 from torch.optim import Optimizer
 
+from lightning_nvme.optim.formats.state_format import EXACT, StateFormat
 from lightning_nvme.optim.plan import bytes_per_element, describe_params
-from lightning_nvme.optim.state_format import EXACT, StateFormat
 
 Ranges = dict[int, list[tuple[int, int]]]  # param index -> sorted element ranges [start, stop)
 

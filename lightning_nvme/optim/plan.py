@@ -13,6 +13,7 @@ parameter whose update is not element-wise (the probe's split test) is never cut
 
 from __future__ import annotations
 
+from collections import defaultdict
 from collections.abc import Collection, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -20,8 +21,8 @@ import torch
 from torch.optim import Optimizer
 
 from lightning_nvme.constants import ALIGN, SLOT_ALIGN, align_up
+from lightning_nvme.optim.formats.state_format import EXACT, HALF_DTYPES, MASTER_KEY, Component, StateFormat
 from lightning_nvme.optim.probe import StateSpec, UnsupportedOptimizerError, check_supported, probe_state_spec, shape_class
-from lightning_nvme.optim.state_format import EXACT, HALF_DTYPES, MASTER_KEY, Component, StateFormat
 
 
 def placeholder(shape: torch.Size, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
@@ -227,3 +228,83 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
                     break
     close()
     return Plan(chunks, resident, specs, planned)
+
+
+class ChunkPlan:
+    """A ``Plan`` that follows its optimizer: the pieces of each parameter, the chunks' update order, and the
+    parameters that join after setup (``add_param_group``, ``requires_grad_(True)`` by a fine-tuning callback).
+
+    Why an object of its own: the update, the backward trigger and the state transfer all ask "which pieces
+    does parameter i have" and "in which order are chunks updated"; only this object changes the answer.
+    ``backward``: chunks are updated last first (backward's order). The ``chunks`` and ``resident`` lists are
+    the plan's own, extended in place (the read-ahead holds the same list)."""
+
+    def __init__(self, optimizer: Optimizer, plan: Plan, *, name: str, chunk_bytes: int, fmt: StateFormat,
+                 backward: bool) -> None:
+        self.optimizer = optimizer
+        self.plan = plan
+        self.name = name
+        self.chunk_bytes = chunk_bytes
+        self.fmt = fmt
+        self.backward = backward
+        self.pieces_of: defaultdict[int, list[tuple[Chunk | None, Piece]]] = defaultdict(list)  # None: resident
+        self.order: list[int] = []  # chunk indices in update order
+        self._known = [id(p) for p in self.params]  # id of each param, in the order the indices refer to
+        self._signature: list[tuple[int, int]] = []  # (id, length) of each group's param list when last checked
+        self._unplanned: list[tuple[int, torch.Tensor]] = []  # params not decided on (frozen at setup)
+        self._index(plan)
+
+    @property
+    def chunks(self) -> list[Chunk]:
+        return self.plan.chunks
+
+    @property
+    def resident(self) -> list[Piece]:
+        return self.plan.resident
+
+    @property
+    def params(self) -> list[torch.Tensor]:
+        return [p for g in self.optimizer.param_groups for p in g["params"]]
+
+    def _index(self, plan: Plan) -> None:
+        for c in plan.chunks:
+            for piece in c.pieces:
+                self.pieces_of[piece.index].append((c, piece))
+        for piece in plan.resident:
+            self.pieces_of[piece.index].append((None, piece))
+        self.order = list(range(len(self.chunks)))
+        if self.backward:
+            self.order.reverse()
+
+    def joined(self) -> list[int]:
+        """Indices of the parameters that have a gradient but no plan yet (checked cheaply when the param
+        groups are unchanged); parameters removed or reordered are refused."""
+        signature = [(id(g["params"]), len(g["params"])) for g in self.optimizer.param_groups]
+        if signature != self._signature:  # groups added or edited: check what changed
+            params = self.params
+            if len(params) < len(self._known) or any(id(p) != k for p, k in zip(params, self._known)):
+                raise UnsupportedOptimizerError(
+                    f"{type(self.optimizer).__name__}: parameters were removed from or reordered in its param "
+                    "groups during training; the offloaded state follows parameters by position, so only appending "
+                    "(optimizer.add_param_group) is supported. Rebuild the optimizer, or use strategy='auto'.")
+            self._known, self._signature = [id(p) for p in params], signature
+            self._unplanned = [(i, p) for i, p in enumerate(params) if i not in self.plan.planned]
+        return [i for i, p in self._unplanned if p.grad is not None]
+
+    def plan_more(self, new: list[int]) -> Plan:
+        """The plan of parameters ``new`` (in this plan's format, chunks numbered after this plan's); not
+        merged yet: the caller gives its chunks store regions first, then calls ``merge``."""
+        return plan_chunks(self.optimizer, self.chunk_bytes, self.name, only=new, first_chunk=len(self.chunks),
+                           specs=self.plan.specs, fmt=self.fmt)
+
+    def merge(self, extra: Plan) -> None:
+        self.chunks.extend(extra.chunks)
+        self.resident.extend(extra.resident)
+        self.plan.planned |= extra.planned
+        self._unplanned = [(i, p) for i, p in self._unplanned if i not in extra.planned]
+        self._index(Plan(extra.chunks, extra.resident, {}, set()))
+
+    def finished(self, chunk: Chunk, param: torch.Tensor, done: Collection[int]) -> bool:
+        """Whether every piece of ``param`` (one of ``chunk``'s) is in a chunk in ``done``."""
+        index = next(p.index for p in chunk.pieces if p.param is param)
+        return all(other.index in done for other, _ in self.pieces_of[index] if other is not None)

@@ -15,7 +15,7 @@ probe updates a dummy whole and as two halves of very different norms and compar
 
 Why the raw step: torch wraps every optimizer class's ``step`` so that the step pre/post hooks fire.
 The strategy runs the class's step once per chunk (and here on dummies), so it calls the unwrapped
-function and fires the hooks itself, once per ``optimizer.step()`` (see ``step_hooks``).
+function and fires the hooks itself, once per ``optimizer.step()`` (see ``binding``).
 """
 
 from __future__ import annotations
@@ -29,7 +29,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_nvme.optim.step_hooks import hooks_silenced
+from lightning_nvme.optim.binding import hooks_silenced
 
 MASTER_KEY = "master_param"  # the stored fp32 master weights of a half-precision parameter: one definition
 # Class attribute a custom optimizer sets to say "my step only updates each parameter from its own

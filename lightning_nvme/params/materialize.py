@@ -104,10 +104,11 @@ def _skip(module: nn.Module, prefix: str, device: torch.device, skip: Collection
     left = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
     uncovered = [n for n in left if source is None or prefix + n not in source]
     if skipped and uncovered:
-        raise ValueError(f"{prefix.rstrip('.')}: streamed evaluation reads {[prefix + n for n in skipped]} per block "
-                         f"forward, but {[prefix + n for n in uncovered]} of the same module would need its "
-                         "reset_parameters(), which also writes the streamed ones. Give the model initial weights "
-                         "covering them (initial_weights()), or evaluate with offload_params=False.")
+        raise ValueError(f"{prefix.rstrip('.')}: {[prefix + n for n in skipped]} are read per block from their file "
+                         "(streamed evaluation, or frozen_weights='in_place' in fit), but "
+                         f"{[prefix + n for n in uncovered]} of the same module would need its reset_parameters(), "
+                         "which also writes the streamed ones. Give the model initial weights covering them "
+                         "(initial_weights()), or use offload_params=False (evaluation) / frozen_weights='store' (fit).")
 
 
 def _initialize(module: nn.Module, prefix: str, device: torch.device, source: InitialWeights | None,

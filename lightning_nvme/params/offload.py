@@ -28,6 +28,15 @@ from lightning_nvme.params.schedule import UPDATE, USER, BlockScheduler
 from lightning_nvme.store import FlatStore, StoreIOError
 
 
+class Tail:
+    """The trainable tail of a block whose frozen head is read in place: the source of its adapters' references in
+    a checkpoint that references the head in the base file (``read_block`` reads only this tail; never cloned from
+    the store region as a whole block, whose offsets start at the tail)."""
+
+    def __init__(self, block: BlockLayout) -> None:
+        self.block = block
+
+
 class ParamOffload:
     """Args:
         model: the module whose parameters leave memory (the LightningModule).
@@ -46,6 +55,8 @@ class ParamOffload:
         self.frozen_weights = frozen_weights
         self.frozen: FrozenFiles | None = None  # the base files frozen heads are read from (in place)
         self._file_refs = False  # state_dict() gives base-file references for the parameters read in place
+        self._tails: dict[int, Tail] = {}
+        self._head_as_file: set[int] = set()  # blocks whose loaded head is the base file's own (nothing to check)
         self.prefetch = prefetch
         self.device = device or torch.device("cpu")
         self.block_classes = block_classes
@@ -316,14 +327,17 @@ class ParamOffload:
         if self.residency is not None:
             self.residency.issue_writes()
 
-    def in_store(self, source: BlockLayout) -> bool:
-        """The store holds this block's current values (after ``issue_writes`` and a fence)."""
+    def in_store(self, source: BlockLayout | Tail) -> bool:
+        """The store holds this block's current values (after ``issue_writes`` and a fence) laid out as the block (a
+        snapshot may clone its region); a ``Tail`` is read, never cloned."""
         assert self.residency is not None
-        return self.residency.in_store(source)
+        return not isinstance(source, Tail) and self.residency.in_store(source)
 
-    def read_block(self, source: BlockLayout) -> dict[str, torch.Tensor]:
-        """One block's values by parameter name (one block of memory)."""
+    def read_block(self, source: BlockLayout | Tail) -> dict[str, torch.Tensor]:
+        """One block's values by parameter name (one block of memory); of a ``Tail``, its trainable ones only."""
         assert self.residency is not None
+        if isinstance(source, Tail):
+            return self.residency.read_tail(source.block)
         return self.residency.read_values(source, copy=False)
 
     @contextmanager
@@ -348,23 +362,24 @@ class ParamOffload:
         def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
             if self.residency is None:
                 return
+            source: BlockLayout | Tail = block
+            local_left = local
             if self._file_refs and self.frozen is not None and self.in_place(block):
                 refs = {name: self.frozen.reference(slot.name) for name, slot in local}
                 local_left = [(n, s) for n, s in local if refs[n] is None]
                 for name, ref in refs.items():
                     if ref is not None and prefix + name in state_dict:
                         state_dict[prefix + name] = ref
-                if all(ref is not None for ref in refs.values()):
+                if not local_left:
                     return
-            else:
-                local_left = local
+                source = self._tails.setdefault(block.index, Tail(block))  # the adapters: only the tail is read
             if self._referencing:
                 for name, slot in local_left:
                     if prefix + name in state_dict:
-                        state_dict[prefix + name] = BesideWeight.of(prefix + name, slot.param, (block, slot.name))
+                        state_dict[prefix + name] = BesideWeight.of(prefix + name, slot.param, (source, slot.name))
                 return
             try:
-                values = self.residency.read_values(block)
+                values = self.read_block(source) if isinstance(source, Tail) else self.residency.read_values(block)
             except StoreIOError as e:
                 raise RuntimeError(f"the parameters of {block.name} live only in the store "
                                    f"{self.residency.store.path} and could not be read ({e}). After fit the store "
@@ -379,10 +394,22 @@ class ParamOffload:
         return hook
 
     def _load_pre_hook(self, block: BlockLayout) -> Any:
-        def hook(module: nn.Module, state_dict: dict[str, Any], *args: Any) -> None:
+        local = self._local_slots(block)
+
+        def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, *args: Any) -> None:
             if self.residency is None:
                 return
             self.residency.acquire(block, USER)
+            self._head_as_file.discard(block.index)
+            if self.frozen is not None and self.in_place(block):
+                # A reference to exactly the file this run reads the head from (same identity, same tensor): the
+                # bound head already holds those bytes, so nothing is read, and the head needs no check on write-back
+                same = {prefix + name: slot for name, slot in local if slot.offset < block.writable_offset
+                        and _same_reference(state_dict.get(prefix + name), self.frozen.reference(slot.name))}
+                for key, slot in same.items():
+                    state_dict[key] = slot.param.detach()
+                if len(same) == sum(1 for _, slot in local if slot.offset < block.writable_offset):
+                    self._head_as_file.add(block.index)
             for key, value in state_dict.items():  # ``state_dict`` is this block's own copy: the values go with it
                 if isinstance(value, FileWeight):  # read in place by the run saved: its base file, checked
                     state_dict[key] = value.read()
@@ -393,6 +420,13 @@ class ParamOffload:
     def _load_post_hook(self, block: BlockLayout) -> Any:
         def hook(module: nn.Module, incompatible: Any) -> None:
             if self.residency is not None:
-                self.residency.mark_dirty(block, whole=True)  # frozen parameters were loaded too
+                # frozen parameters were loaded too (unless they are the base file's, read in place)
+                self.residency.mark_dirty(block, whole=block.index not in self._head_as_file)
                 self.residency.release(block, USER)
         return hook
+
+
+def _same_reference(value: Any, ours: FileWeight | None) -> bool:
+    """``value`` references the very tensor this run reads in place, in the file as this run recorded it."""
+    return (isinstance(value, FileWeight) and ours is not None and value.file_key == ours.file_key
+            and value.identity == ours.identity)

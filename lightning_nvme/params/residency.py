@@ -153,6 +153,19 @@ class BlockResidency:
             copy = False  # the fresh buffer is the caller's already
         return {s.name: self._view(buf, s).clone() if copy else self._view(buf, s) for s in block.slots}
 
+    def read_tail(self, block: BlockLayout) -> dict[str, torch.Tensor]:
+        """The trainable parameters' values of a block whose head is read in place (a checkpoint of its adapters
+        references the head in its file): from memory if resident, else only the tail is read from the store."""
+        st = self._state[block.index]
+        w = block.writable_offset
+        if st.buffer is not None or st.kept is not None:
+            values = self.read_values(block)
+            return {s.name: values[s.name] for s in block.slots if s.offset >= w}
+        self._issue_writes(of=block)
+        buf = self.staging.caller_buffer(self.store.region(block.region).capacity)
+        self._wait_io(self._read(block, buf, w))
+        return {s.name: self._view(buf, s, w) for s in block.slots if s.offset >= w}
+
     # ---- residency ---------------------------------------------------------------------------------
     def is_resident(self, block: BlockLayout) -> bool:
         return self._state[block.index].buffer is not None
@@ -395,7 +408,7 @@ class BlockResidency:
         tail = None
         hi = min(end, w + self.store.region(block.region).capacity)
         lo = max(offset, w)
-        if hi > lo:
+        if hi > lo and block.nbytes > w:  # a block with no trainable tail has nothing in the store
             tail = self.store.read(block.region, buf[lo - offset:hi - offset], lo - w)
         if offset and offset < w:
             raise RuntimeError(f"block {block.name}: a read from byte {offset}, inside its frozen head (a bug)")

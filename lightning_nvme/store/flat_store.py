@@ -96,7 +96,7 @@ class FlatStore:
         self._stats = StatsRecorder()
         self.shelf = Shelf()  # regions kept in memory (host_memory_budget); see shelve()
         # Called with a region's name before any write to it and before it is shelved (after which it changes in
-        # place): a background checkpoint copies the region's saved bytes out first (checkpoint/background.py).
+        # place): a background checkpoint copies the region's saved bytes out first (checkpoint/copy/background.py).
         self.write_barrier: Callable[[str], None] | None = None
         opened = open_files(self.directories, base, reopen=reopen, direct=direct, stripe_bytes=stripe_bytes)
         self._locks, self._files = opened.locks, opened.files

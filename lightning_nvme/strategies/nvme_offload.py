@@ -23,8 +23,6 @@ from __future__ import annotations
 
 import functools
 import itertools
-import os
-import time
 from collections import deque
 from collections.abc import Callable, Generator, Iterator, Mapping
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -37,17 +35,13 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import SingleDeviceStrategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import background_save, base_file, plugin_io, snapshot, weights
-from lightning_nvme.checkpoint.background import BackgroundCopy
-from lightning_nvme.checkpoint.streamed import file_metadata, write_optimizer
+from lightning_nvme.checkpoint import base_file, weights
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
-from lightning_nvme.fs import reflink
 from lightning_nvme.memory import release_freed_memory
 from lightning_nvme.models.hub_export import MAX_SHARD_BYTES, export_hf
 from lightning_nvme.optim import UpdateListener
@@ -95,7 +89,6 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         self._init_offload(config)
         self.param_offload: ParamOffload | None = None
         self.desk_plan: DeskPlan | None = None  # blocks kept on the GPU (device_memory_budget)
-        self._background: BackgroundCopy | None = None  # the last background save (checkpoint_copy="background")
         self.eval_stream: ForwardStream | None = None  # streamed evaluation (offload_params outside fit)
         self.eval_stats: StreamStats | None = None  # the last streamed evaluation's reads (kept after it)
         self._eval_from: ParamOffload | None = None  # the fit's offload whose store holds the weights, or None
@@ -146,7 +139,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         if self.param_offload is not None:
             assert self.nvme_store is not None
             s = self.config
-            planned = [piece.param for off in self.offloaded for c in off.chunks for piece in c.pieces]
+            planned = [p for off in self.offloaded for r in off.regions() for p in r.params]
             in_blocks = self.param_offload.layout.block_of()
             stateless = [piece.index for off in self.offloaded for piece in off.resident if id(piece.param) in in_blocks]
             if stateless:
@@ -435,8 +428,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],
                        model: pl.LightningModule | torch.nn.Module | None = None, **kwargs: Any) -> Any:
-        if self._background is not None:
-            self._background.report()  # a background save that failed since the last step
+        self.saver.report()  # a background save that failed since the last step
         params = self.param_offload
         if params is None:
             return super().optimizer_step(optimizer, closure, model, **kwargs)
@@ -449,8 +441,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        parts = self._optimizer_parts  # read before super() takes it: no streamed part means a plain checkpoint
-        plain = parts is None or any(marker is None for marker in parts.markers)
+        plain = self.resume.plain  # read before super() restores it: no streamed part means a plain checkpoint
         if self.param_offload is not None and plain:
             with self.param_offload.resident():  # fp32 masters of a plain checkpoint come from the parameters
                 return super().load_optimizer_state_dict(checkpoint)
@@ -459,9 +450,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     @override
     def teardown(self) -> None:
         try:
-            if self._background is not None:  # the copy reads the store: it ends (commits) before the store closes
-                self._background.wait()
-                self._background.report()
+            self.saver.close()  # a background copy reads the store: it ends (commits) before the store closes
         finally:
             try:
                 if self.eval_stream is not None or self._eval_store is not None:
@@ -474,21 +463,17 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
 
     def __getstate__(self) -> dict[str, Any]:
         # their threads, locks and open files stay with this instance
-        return {**super().__getstate__(), "_background": None, "eval_stream": None, "_eval_store": None,
+        return {**super().__getstate__(), "eval_stream": None, "_eval_store": None,
                 "eval_window": None, "last_eval_window": None}
 
-    # ---- background saves (checkpoint_copy="background", lightning_nvme.checkpoint.background) -----------
+    # ---- checkpoints (lightning_nvme.checkpoint.Saver) ------------------------------------------------
+    @property
+    def _background(self) -> Any:
+        """The last background save (``checkpoint_copy="background"``): its copy, until the next one."""
+        return self.saver.background
+
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        copy, path = self._background, os.path.abspath(os.fspath(filepath))
-        joins = (self.config.checkpoint_copy == "background" and not background_save.unsupported(self.nvme_store, checkpoint)
-                 and plugin_io.writes_itself(self.checkpoint_io, filepath, storage_options)
-                 and (("optimizer_states" in checkpoint and bool(self.offloaded)) or weights.has_refs(checkpoint)))
-        skipped = copy.settle(path, self.config.checkpoint_in_flight, joins) if copy is not None else ""
-        if skipped:
-            rank_zero_warn(f"{self.strategy_name}: checkpoint {filepath} skipped: {skipped}")
-            self.checkpoint_saves.append(snapshot.SaveRecord("skipped", path, skipped))
-            return
         saves = len(self.checkpoint_saves)
         super().save_checkpoint(checkpoint, filepath, storage_options)
         referenced = [i.path for i in base_file.base_files(checkpoint.get("state_dict"))]
@@ -500,29 +485,8 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
                            "unchanged (size, mtime, header sha256).")
 
     @override
-    def remove_checkpoint(self, filepath: _PATH) -> None:
-        copy = self._background  # while a background save is in flight: after its commit (BackgroundCopy.remove_after)
-        if copy is None or not copy.remove_after(lambda: super(NVMeOffloadStrategy, self).remove_checkpoint(filepath)):
-            super().remove_checkpoint(filepath)
-
-    def _save_background(self, checkpoint: dict[str, Any], path: str, t0: float) -> None:
-        store = self.nvme_store
-        assert store is not None
-        params = self._offloaded_weights()
-        if params is not None:
-            params.issue_writes()
-        store.fence(durable=True)
-        record = snapshot.SaveRecord("background", path)
-        optimizers = self.offloaded if "optimizer_states" in checkpoint else []
-        running = self._background if self._background is not None and self._background.in_flight else None
-        pending = running.bytes_pending if running is not None else 0  # the copy in flight's files fill up still
-        state = sum(off.state_bytes for off in optimizers)
-        snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint) + pending, "background save")
-        self._background = background_save.start(
-            store, checkpoint, path, optimizers, self.config.checkpoint_copy_buffer_bytes, record,
-            params.in_store if params is not None else None, params.read_block if params is not None else None,
-            running)
-        self.checkpoint_saves.append(snapshot.timed(record, t0))
+    def _save_arguments(self) -> dict[str, Any]:
+        return {**super()._save_arguments(), "params": self._offloaded_weights()}
 
     # ---- checkpoints and export of offloaded weights ---------------------------------------------------
     def _offloaded_weights(self) -> ParamOffload | None:
@@ -558,63 +522,6 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     def _weights_streamed_by(self, readers: weights.WeightReaders) -> AbstractContextManager[set[str]]:
         params = self._offloaded_weights()
         return nullcontext(set()) if params is None else params.loading_from(readers)
-
-    @override
-    def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
-        t0 = time.perf_counter()
-        fallback = "checkpoint_copy='streamed'"
-        if self.config.checkpoint_copy == "background":
-            fallback = background_save.unsupported(self.nvme_store, checkpoint)
-            if not fallback:
-                return self._save_background(checkpoint, path, t0)
-        optimizers = self.offloaded if "optimizer_states" in checkpoint else []
-        params = self._offloaded_weights() if weights.has_refs(checkpoint) else None
-        with self._open_store() as store:
-            if params is not None:
-                params.issue_writes()
-            store.fence(durable=True)
-            clone, reason = self._clone_plan(store, path, optimizers, params, fallback)
-            record = snapshot.SaveRecord("reflink" if clone else "streamed", path, reason)
-            block = reflink.probe(os.path.dirname(path)).block_size if clone else 0
-
-            def write_parts(directory: str, save_id: str) -> list[dict[str, Any]]:
-                markers = []
-                for i, off in enumerate(optimizers):
-                    if clone:
-                        marker, cloned = snapshot.write_optimizer(off, directory, i, save_id, block)
-                        markers.append(marker)
-                        record.bytes_cloned += cloned
-                    else:
-                        markers.append(write_optimizer(off, directory, i, save_id))
-                if weights.has_refs(checkpoint):
-                    assert self.param_offload is not None
-                    target = os.path.join(directory, weights.WEIGHTS_FILE)
-                    if clone:
-                        record.bytes_cloned += snapshot.write_weights(
-                            target, checkpoint["state_dict"], store, self.param_offload.in_store,
-                            self.param_offload.read_block, file_metadata(save_id), block)
-                    else:
-                        weights.write(target, checkpoint["state_dict"], self.param_offload.read_block,
-                                      file_metadata(save_id))
-                record.files = sorted(os.listdir(directory))
-                size = sum(os.path.getsize(os.path.join(directory, f)) for f in record.files)
-                record.bytes_written = size - record.bytes_cloned
-                return markers
-
-            state = sum(off.state_bytes for off in optimizers) if not clone else 0
-            snapshot.check_space(path, state + snapshot.weight_bytes(checkpoint), f"{record.path} save")
-            ckpt.paired.save(checkpoint, path, write_parts)
-        self.checkpoint_saves.append(snapshot.timed(record, t0))
-
-    def _clone_plan(self, store: FlatStore, path: str, optimizers: list[Any], params: ParamOffload | None,
-                    fallback: str) -> tuple[bool, str]:
-        """Whether this save clones the store (``checkpoint_copy``); ``"reflink"`` refuses where it cannot;
-        ``"streamed"`` and a background save that cannot run (``fallback`` says why) stream."""
-        if self.config.checkpoint_copy in ("streamed", "background"):
-            return False, fallback
-        regions = [c.region for off in optimizers for c in off.chunks]
-        regions += [b.region for b in params.layout.blocks] if params is not None else []
-        return snapshot.plan(store, path, regions, self.config.checkpoint_copy, self.strategy_name)
 
     def export_weights(self, path: str, layout: str = "lightning", max_shard_bytes: int = MAX_SHARD_BYTES,
                        merge_adapters: bool = False) -> None:

@@ -26,8 +26,6 @@ k's all-reduce and the rest of backward proceed. The last bucket's chunks are up
 from __future__ import annotations
 
 import inspect
-import os
-import time
 from collections.abc import Callable, Mapping, Sequence
 from datetime import timedelta
 from typing import Any, Literal
@@ -44,15 +42,13 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import sharded, snapshot
+from lightning_nvme.checkpoint import DDP_BACKGROUND_REFUSAL
 from lightning_nvme.checks import ConfigError, reject_unknown
-from lightning_nvme.fs import atomic, reflink
+from lightning_nvme.fs import atomic
 from lightning_nvme.memory import available_host_memory
 from lightning_nvme.optim import OffloadedOptimizer, Partition, partition_by_bytes
 from lightning_nvme.preflight.resources import check_host_memory_budget
 from lightning_nvme.settings import DDPOffloadSettings, from_arguments, with_settings
-from lightning_nvme.store import FlatStore
 from lightning_nvme.strategies.offload_strategy import OffloadStrategy
 from lightning_nvme.strategies.param_broadcast import ParamBroadcast, broadcast_groups, plan_items
 from lightning_nvme.strategies.placement import resolve_budget
@@ -97,8 +93,7 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
             raise ConfigError("offload_params", "nvme_offload_ddp does not offload parameters yet. Fix: use "
                               "strategy='nvme_offload' (one device) for parameter offload, or offload_params=False.")
         if config.checkpoint_copy == "background":
-            raise ConfigError("checkpoint_copy", "nvme_offload_ddp streams each rank's shard during the save; the "
-                              "background copy is single-device only. Fix: checkpoint_copy='auto' or 'streamed'.")
+            raise ConfigError("checkpoint_copy", DDP_BACKGROUND_REFUSAL)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -243,81 +238,13 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
         self.barrier("nvme_offload_ddp.load_checkpoint")
 
     @override
-    def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
-        """Every rank streams its shard into one temp directory named by rank 0; rank 0 publishes them and
-        switches the checkpoint file in once every rank reports its shard written (or removes them if any
-        failed). See ``lightning_nvme.checkpoint.paired`` for the commit protocol."""
-        error: BaseException | None = None
-        begun: tuple[ckpt.paired.Pending | None, str | None] = (None, None)
-        if self.is_global_zero:
-            try:
-                begun = (ckpt.paired.begin(path), None)
-            except OSError as e:  # e.g. the checkpoint directory is not writable: every rank must hear of it
-                error, begun = e, (None, repr(e))
-        pending, begin_error = self.broadcast(begun)
-        if begin_error is not None or pending is None:
-            raise error or RuntimeError(f"nvme_offload_ddp: rank 0 could not create {path}: {begin_error}")
-        scalars: list[dict[int, dict[str, Any]]] = []
-        t0, record = time.perf_counter(), None
-        try:
-            with self._open_store() as store:
-                store.fence(durable=True)
-                record = self._write_shards(store, path, pending.tmp, pending.save_id, scalars)
-        except BaseException as e:  # reported to every rank below, then re-raised
-            error = e
-        gathered = self._all_gather((repr(error) if error else None, scalars))
-        failed = [(r, msg) for r, (msg, _) in enumerate(gathered) if msg is not None]
-        if not failed and self.is_global_zero:
-            try:
-                states = self._merged_optimizer_states(checkpoint, [s for _, s in gathered])
-                markers = [{**sharded.shard_marker(i, self.partitions[i], [tuple(p.shape) for p in off.params]),
-                            **ckpt.format_entry(off)} for i, off in enumerate(self.offloaded)]
-                main = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
-                ckpt.paired.publish(pending)
-                ckpt.paired.write_main({**main, ckpt.paired.REF_KEY: ckpt.paired.reference(pending, states, markers)},
-                                       path, pending.tmp)
-            except BaseException as e:
-                error, failed = e, [(0, repr(e))]
-        if self.is_global_zero:
-            ckpt.paired.abort(pending) if failed else ckpt.paired.finish(pending)
-        failed = self.broadcast(failed)  # after the abort: no rank returns while the temp dir still exists
-        if not failed and record is not None:
-            self.checkpoint_saves.append(snapshot.timed(record, t0))
-        if failed:
-            if error is not None:
-                raise error
-            raise RuntimeError(f"nvme_offload_ddp: checkpoint {path} was not written: " +
-                               "; ".join(f"rank {r}: {msg}" for r, msg in failed))
+    def _save_arguments(self) -> dict[str, Any]:
+        """Every rank saves its shard, committed together (``Saver``: the ranks agree in the save)."""
+        return {**super()._save_arguments(), "ranks": self, "partitions": self.partitions}
 
-    def _write_shards(self, store: FlatStore, path: str, directory: str, save_id: str,
-                      scalars: list[dict[int, dict[str, Any]]]) -> snapshot.SaveRecord:
-        """This rank's shards in ``directory``: clones of its own store where the checkpoint's filesystem allows
-        (``checkpoint_copy``, as ``nvme_offload``), else streamed; the record says which and why."""
-        regions = [c.region for off in self.offloaded for c in off.chunks]
-        clone, reason = snapshot.plan(store, path, regions, self.config.checkpoint_copy, self.strategy_name)
-        record = snapshot.SaveRecord("reflink" if clone else "streamed", path, reason)
-        block = reflink.probe(os.path.dirname(os.path.abspath(path))).block_size if clone else 0
-        for i, off in enumerate(self.offloaded):
-            if clone:
-                name, cloned = sharded.clone_shard(off, directory, i, self.global_rank, save_id, block)
-                record.bytes_cloned += cloned
-            else:
-                name = sharded.write_shard(off, directory, i, self.global_rank, save_id)
-            record.files.append(name)
-            scalars.append(off.scalar_state())
-        record.bytes_written = sum(os.path.getsize(os.path.join(directory, f)) for f in record.files) - record.bytes_cloned
-        return record
-
-    def _merged_optimizer_states(self, checkpoint: dict[str, Any],
-                                 scalars_by_rank: list[list[dict]]) -> list[dict[str, Any]]:
-        """Each optimizer's param groups, with the scalar state (``step``) of every param from the rank owning it."""
-        states = []
-        for i, state in enumerate(checkpoint["optimizer_states"]):
-            merged: dict[int, dict[str, Any]] = {}
-            for per_rank in scalars_by_rank:
-                merged.update(per_rank[i])
-            states.append({**state, "state": dict(sorted(merged.items()))})
-        return states
+    def all_gather_objects(self, obj: Any) -> list[Any]:
+        """Every rank's ``obj``, in rank order (one process: ``[obj]``)."""
+        return self._all_gather(obj)
 
     def _all_gather(self, obj: Any) -> list[Any]:
         if not dist.is_available() or not dist.is_initialized():

@@ -13,9 +13,6 @@ follows an update (``_after_update``) and how its optimizer state is saved (``_s
 from __future__ import annotations
 
 import functools
-import os
-import shutil
-import tempfile
 import uuid
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
@@ -32,9 +29,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nvme import checkpoint as ckpt
-from lightning_nvme.checkpoint import onefile, plugin_io, snapshot, weights
-from lightning_nvme.checkpoint.load import open_checkpoint
+from lightning_nvme.checkpoint import Resume, Saver, SaveRecord, WeightReaders
 from lightning_nvme.constants import GiB, MiB
 from lightning_nvme.doctor.profile import IOProfile, io_request, slowest_disk_note
 from lightning_nvme.fs import atomic
@@ -70,7 +65,8 @@ class OffloadStrategy(Strategy):
         self.offloaded = []
         self.shelf_plan: ShelfPlan | None = None  # what host_memory_budget keeps in RAM (made at setup)
         self._run_token = uuid.uuid4().hex[:12]  # names this instance's store (see store_claim)
-        self.checkpoint_saves: list[snapshot.SaveRecord] = []  # how each save copied the state (telemetry)
+        self.saver = Saver(self.strategy_name, config)
+        self.resume = Resume()
 
     @property
     def _store_rank(self) -> int:
@@ -100,7 +96,7 @@ class OffloadStrategy(Strategy):
         """The regions a step moves, for the placement plan (``host_memory_budget``): optimizer chunks here,
         parameter blocks in the strategy that offloads them."""
         # a chunk's whole region (page-aligned): what the optimizer reads and writes, and what the shelf holds
-        return [chunk_item(c.region, off.capacity[c.index]) for off in self.offloaded for c in off.chunks]
+        return [chunk_item(r.name, r.nbytes) for off in self.offloaded for r in off.regions()]
 
     # ---- the shelf: what stays in host memory (host_memory_budget, lightning_nvme.strategies.placement) --------------
     def _host_budget(self) -> int:
@@ -122,8 +118,7 @@ class OffloadStrategy(Strategy):
             return
         placed = set(self.shelf_plan.extend(items))
         if placed:
-            fresh = {c.region for off in self.offloaded for c in off.chunks
-                     if c.region in placed and not any(off.initialized(p) for p in c.pieces)}
+            fresh = {r.name for off in self.offloaded for r in off.regions() if r.name in placed and not r.has_state}
             self.nvme_store.shelve([r for r in placed if r not in fresh])  # hold bytes already written
             self.nvme_store.shelve([r for r in placed if r in fresh], load=False)
         rank_zero_info(f"{self.strategy_name}: {self.shelf_plan.summary()}")
@@ -231,7 +226,7 @@ class OffloadStrategy(Strategy):
         state = sum(o.state_bytes for o in self.offloaded)
         resident = sum(o.ring.total_bytes for o in self.offloaded) + self.nvme_store.staging_bytes
         rank_zero_info(f"{self.strategy_name}: optimizer state store {self.nvme_store.path} ({self.nvme_store.mode} "
-                       f"I/O): {state / GiB:.2f} GiB on disk in {sum(len(o.chunks) for o in self.offloaded)} "
+                       f"I/O): {state / GiB:.2f} GiB on disk in {sum(len(o.regions()) for o in self.offloaded)} "
                        f"chunks; {resident / MiB:.0f} MiB of resident buffers; overlap={self.config.overlap}; "
                        f"{fmt.describe()}")
 
@@ -292,61 +287,33 @@ class OffloadStrategy(Strategy):
         return out
 
     # ---- checkpoints ------------------------------------------------------------------------------------
-    # A checkpoint is one file Lightning's loaders open, with the optimizer state streamed beside it
-    # (``lightning_nvme.checkpoint.paired``). Loading keeps Lightning's order: ``load_checkpoint`` (before setup)
-    # hands Lightning its usual dict and keeps where the streamed state is on the strategy, not in the dict;
-    # ``load_optimizer_state_dict`` (after setup, when the offloaded optimizers exist) streams it back.
-    # Weights streamed beside the file (``offload_params``, ``checkpoint.weights``) stay references in that
-    # dict until ``load_model_state_dict`` streams them into the store (or reads them: a model in memory).
-    _optimizer_parts: ckpt.OptimizerParts | None = None
+    # A checkpoint is one file Lightning's loaders open, the optimizer state inside it. ``self.saver``
+    # (``lightning_nvme.checkpoint.Saver``) writes, delivers and removes it; ``self.resume``
+    # (``checkpoint.Resume``) reads it back in Lightning's order: ``load_checkpoint`` (before setup) hands
+    # Lightning its usual dict and keeps where the streamed state is; ``load_optimizer_state_dict`` (after setup,
+    # when the offloaded optimizers exist) streams it back. Weights streamed beside the dict (``offload_params``)
+    # stay references until ``load_model_state_dict`` streams them into the store (or reads them: a model in memory).
+    @property
+    def checkpoint_saves(self) -> list[SaveRecord]:
+        """How each save copied the state (telemetry)."""
+        return self.saver.records
 
-    def _save_streamed(self, checkpoint: dict[str, Any], path: str) -> None:
-        """Write ``checkpoint`` (with ``optimizer_states``) and the offloaded state to local ``path``."""
-        raise NotImplementedError
+    def _save_arguments(self) -> dict[str, Any]:
+        """What ``Saver.save`` takes from this strategy besides the checkpoint (data parallel adds its ranks)."""
+        return {"optimizers": self.offloaded, "open_store": self._open_store, "live_store": self.nvme_store,
+                "settings": self.config}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH,
                         storage_options: Any | None = None) -> None:
-        beside = weights.has_refs(checkpoint)
-        streamed = (bool(self.offloaded) and "optimizer_states" in checkpoint) or beside
-        if not plugin_io.writes_itself(self.checkpoint_io, filepath, storage_options):
-            if streamed:
-                return self._save_through_plugin(checkpoint, filepath, storage_options, beside)
-            return super().save_checkpoint(checkpoint, filepath, storage_options)
-        if streamed:
-            return self._save_streamed(checkpoint, os.path.abspath(os.fspath(filepath)))
-        if self.is_global_zero:
-            ckpt.paired.save_plain(checkpoint, os.fspath(filepath))
-
-    def _save_through_plugin(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None,
-                             beside: bool) -> None:
-        """A remote URL, ``storage_options`` or a user's ``CheckpointIO``: the one file is built locally, in a hidden
-        temp directory beside the store (as a local save: cloned from the store where it can be), then streamed
-        through fsspec or handed to the plugin with its state records as file-mapped storages (never read into
-        memory at once; ``AsyncCheckpointIO`` clones tensors, not storages). The save record says so."""
-        if getattr(self, "world_size", 1) > 1 or not (self.offloaded or self.nvme_store):  # DDP: not yet
-            plugin_io.refuse_streamed(self.strategy_name, self.checkpoint_io, filepath, storage_options, beside)
-        with self._open_store() as store:
-            where = store.directory
-        staging = tempfile.mkdtemp(prefix=".lightning_nvme-ckpt-", dir=where)
-        try:
-            local = os.path.join(staging, os.path.basename(os.fspath(filepath).rstrip("/")) or "checkpoint.ckpt")
-            saves = len(self.checkpoint_saves)
-            self._save_streamed(checkpoint, local)
-            how = plugin_io.ship(local, filepath, storage_options, self.checkpoint_io)
-            for record in self.checkpoint_saves[saves:]:
-                record.checkpoint = os.fspath(filepath)
-                record.reason = (f"{record.reason}; " if record.reason else "") + (
-                    f"built in {staging} ({record.path}), then {how}: no reflink into a remote or plugin destination")
-        finally:
-            shutil.rmtree(staging, ignore_errors=True)
+        self.saver.save(checkpoint, filepath, self.checkpoint_io, storage_options, **self._save_arguments())
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         off = self.offloaded_for(optimizer)
         if off is None:
             return super().optimizer_state(optimizer)
-        return ckpt.optimizer_placeholder(off)
+        return self.saver.placeholder(off)
 
     def _recover_before_load(self, path: str) -> None:
         """Finish or undo an interrupted commit of ``path`` before reading it (once: data-parallel overrides)."""
@@ -354,44 +321,31 @@ class OffloadStrategy(Strategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        self._optimizer_parts = None
-        if plugin_io.is_local(checkpoint_path):
-            self._recover_before_load(os.path.abspath(os.fspath(checkpoint_path)))
         # weights beside the file stay references until load_model_state_dict
         load_file: Callable[[str], dict[str, Any]] = functools.partial(super().load_checkpoint, weights_only=weights_only)
-        if plugin_io.maps_records(self.checkpoint_io, checkpoint_path):  # the state records read in place, never whole
-            load_file = functools.partial(onefile.load_mapped, weights_only=weights_only)
-        checkpoint, self._optimizer_parts = open_checkpoint(checkpoint_path, load_file)
-        return checkpoint
+        return self.resume.open(checkpoint_path, self.checkpoint_io, load_file, self._recover_before_load, weights_only)
 
-    def _weights_streamed_by(self, readers: weights.WeightReaders) -> AbstractContextManager[set[str]]:
+    def _weights_streamed_by(self, readers: WeightReaders) -> AbstractContextManager[set[str]]:
         """Inside, ``load_state_dict`` streams these state-dict keys' beside weights itself (into the store)."""
         return nullcontext(set())
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        if not weights.has_refs(checkpoint):
+        if not self.resume.has_beside_weights(checkpoint):
             return super().load_model_state_dict(checkpoint, strict=strict)
-        with weights.WeightReaders() as readers, self._weights_streamed_by(readers) as streamed:
-            state_dict = {k: readers.read(v) if isinstance(v, weights.BesideWeight) and k not in streamed else v
-                          for k, v in checkpoint["state_dict"].items()}  # the rest: a model in memory anyway
+        with self.resume.state_dict(checkpoint, self._weights_streamed_by) as state_dict:  # the rest: in memory anyway
             super().load_model_state_dict({**checkpoint, "state_dict": state_dict}, strict=strict)
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        parts, self._optimizer_parts = self._optimizer_parts, None
         if not self.offloaded:
+            self.resume.parts = None
             return super().load_optimizer_state_dict(checkpoint)
-        for i, (off, state) in enumerate(zip(self.offloaded, checkpoint["optimizer_states"])):
-            marker = parts.markers[i] if parts is not None and i < len(parts.markers) else None
-            ckpt.restore_optimizer(off, state, marker, parts)
+        self.resume.restore(self.offloaded, checkpoint)
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
-        if not plugin_io.writes_itself(self.checkpoint_io, filepath, None):
-            return super().remove_checkpoint(filepath)
-        if self.is_global_zero:
-            ckpt.paired.remove(os.fspath(filepath))
+        self.saver.remove(filepath, self.checkpoint_io, self.is_global_zero)
 
     @classmethod
     @override

@@ -52,9 +52,11 @@ def _gpu_check(monkeypatch):
 
 def _on_fake_cuda(monkeypatch):
     """The offload strategy's staging is ``CudaStaging``'s logic over ``fake_cuda`` (device copies are separate CPU
-    buffers, every copy and event recorded), as on a GPU."""
-    from fake_cuda import fake_cuda_staging
+    buffers, every copy and event recorded), as on a GPU; so are the optimizer state's copies to the device and
+    back (``fake_cuda_optimizer``)."""
+    from fake_cuda import fake_cuda_optimizer, fake_cuda_staging
 
+    fake_cuda_optimizer(monkeypatch)
     return fake_cuda_staging(monkeypatch)
 
 

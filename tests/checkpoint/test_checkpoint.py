@@ -131,7 +131,7 @@ def test_model_checkpoint_callback_and_atomic_overwrite(tmp_path):
 
 
 def test_failed_save_leaves_previous_checkpoint_intact(tmp_path, monkeypatch):
-    from lightning_nvme.checkpoint import streamed
+    from lightning_nvme.checkpoint.copy import streamed
 
     model = MLP()
     t = trainer(tmp_path, offload(tmp_path), 1, enable_checkpointing=False)

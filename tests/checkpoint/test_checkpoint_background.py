@@ -29,8 +29,8 @@ from test_checkpoint import assert_params_equal, reference, resume_in_new_proces
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadDDPStrategy, NVMeOffloadStrategy
-from lightning_nvme.checkpoint import background
-from lightning_nvme.checkpoint.background import BackgroundCopy, CheckpointCopyError
+from lightning_nvme.checkpoint.copy import background
+from lightning_nvme.checkpoint.copy.background import BackgroundCopy, CheckpointCopyError
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.fs import reflink
 
@@ -437,7 +437,7 @@ class _SecondSaveShort(_SaveThenHold):
         import shutil
         from types import SimpleNamespace
 
-        from lightning_nvme.checkpoint import snapshot
+        from lightning_nvme.checkpoint import record
 
         strategy = trainer.strategy
         own = sum(off.state_bytes for off in strategy.offloaded) + sum(
@@ -445,13 +445,13 @@ class _SecondSaveShort(_SaveThenHold):
         pending = self.copy.bytes_pending
         assert pending > 0 and self.copy.in_flight
         real = shutil.disk_usage(str(self.a2 + "x").rsplit("/", 1)[0])
-        self.monkeypatch.setattr(snapshot, "shutil", SimpleNamespace(
+        self.monkeypatch.setattr(record, "shutil", SimpleNamespace(
             disk_usage=lambda p: real._replace(free=own + pending - 1)))
         try:
             trainer.save_checkpoint(self.a2)
-        except snapshot.CheckpointSpaceError as e:
+        except record.CheckpointSpaceError as e:
             self.refused = str(e)
-        self.monkeypatch.setattr(snapshot, "shutil", shutil)
+        self.monkeypatch.setattr(record, "shutil", shutil)
         self.gate.release()  # the run ends here: let the first copy commit
 
 

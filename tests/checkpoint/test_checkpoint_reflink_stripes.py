@@ -20,7 +20,7 @@ from test_checkpoint_reflink import _parts_file, _SaveTwice, _write_bytes
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
-from lightning_nvme.checkpoint import snapshot
+from lightning_nvme.checkpoint.copy import reflink as copy_reflink
 from lightning_nvme.fs import reflink
 from lightning_nvme.preflight.resources import PreflightWarning
 from lightning_nvme.store import FlatStore
@@ -118,10 +118,10 @@ def test_stripe_unit_not_a_multiple_of_the_block_is_not_cloned(xfs_dir, monkeypa
     assert real.supported, real.reason
     with FlatStore(_dirs(xfs_dir / "s-block"), stripe_bytes=12 << 10) as store:
         store.add_regions([("a", 64 << 10), ("b", 48 << 10)])
-        assert snapshot.choose(store, str(xfs_dir / "s-block" / "c.ckpt"), ["a", "b"]) == (True, "")
+        assert copy_reflink.choose(store, str(xfs_dir / "s-block" / "c.ckpt"), ["a", "b"]) == (True, "")
         big = reflink.Support(real.directory, True, 8192, real.device)
         monkeypatch.setattr(reflink, "probe", lambda directory: big)
-        clone, reason = snapshot.choose(store, str(xfs_dir / "s-block" / "c.ckpt"), ["a", "b"])
+        clone, reason = copy_reflink.choose(store, str(xfs_dir / "s-block" / "c.ckpt"), ["a", "b"])
         assert not clone
         assert reason == ("the store's stripe_bytes (12288) is not a multiple of the filesystem block size 8192: "
                           "clones need block-aligned ranges")
@@ -136,13 +136,13 @@ def test_striped_offload_params_weights_are_cloned_unit_by_unit(xfs_dir, tmp_pat
     from test_param_offload import trainer as param_trainer
 
     weights_cloned: list[int] = []  # bytes of the weights file cloned, per reflink save
-    write_weights = snapshot.write_weights
+    write_weights = copy_reflink.write_weights
 
     def counting(*args, **kwargs) -> int:
         weights_cloned.append(write_weights(*args, **kwargs))
         return weights_cloned[-1]
 
-    monkeypatch.setattr(snapshot, "write_weights", counting)
+    monkeypatch.setattr(copy_reflink, "write_weights", counting)
     a, b = str(xfs_dir / "s-params" / "a.ckpt"), str(tmp_path / "b.ckpt")
     strategy = NVMeOffloadStrategy(store_dir=_dirs(xfs_dir / "s-params"), chunk_bytes=64 << 10, offload_params=True,
                                    overlap="backward", inline_weights_bytes=0, stripe_bytes=4096)
@@ -165,7 +165,7 @@ def test_striped_offload_params_weights_are_cloned_unit_by_unit(xfs_dir, tmp_pat
 
 
 def test_checkpoint_copy_decides_for_a_striped_store_as_for_one(tmp_path):
-    """``snapshot.plan``, which both strategies (and each data-parallel rank) ask: ``"streamed"`` never clones,
+    """``copy_reflink.plan``, which both strategies (and each data-parallel rank) ask: ``"streamed"`` never clones,
     ``"auto"`` streams where clones are impossible saying why, ``"reflink"`` refuses there naming the strategy."""
     from lightning_nvme.checks import ConfigError
 
@@ -174,9 +174,9 @@ def test_checkpoint_copy_decides_for_a_striped_store_as_for_one(tmp_path):
     with FlatStore(_dirs(tmp_path), stripe_bytes=4096) as store:
         store.add_regions([("a", 64 << 10)])
         path = str(tmp_path / "c.ckpt")
-        assert snapshot.plan(store, path, ["a"], "streamed", "nvme_offload_ddp") == (False, "checkpoint_copy='streamed'")
-        clone, reason = snapshot.plan(store, path, ["a"], "auto", "nvme_offload_ddp")
+        assert copy_reflink.plan(store, path, ["a"], "streamed", "nvme_offload_ddp") == (False, "checkpoint_copy='streamed'")
+        clone, reason = copy_reflink.plan(store, path, ["a"], "auto", "nvme_offload_ddp")
         assert not clone and "FICLONE" in reason
         with pytest.raises(ConfigError, match="checkpoint_copy: nvme_offload_ddp: 'reflink' is set but .*FICLONE"):
-            snapshot.plan(store, path, ["a"], "reflink", "nvme_offload_ddp")
+            copy_reflink.plan(store, path, ["a"], "reflink", "nvme_offload_ddp")
         store.close(delete=True)

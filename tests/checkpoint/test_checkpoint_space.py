@@ -15,7 +15,7 @@ from models import MLP
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
-from lightning_nvme.checkpoint.snapshot import CheckpointSpaceError
+from lightning_nvme.checkpoint.record import CheckpointSpaceError
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.doctor import command

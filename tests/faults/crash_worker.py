@@ -55,7 +55,7 @@ HERE = os.path.dirname(os.path.abspath(__file__))
 TESTS = os.path.dirname(HERE)
 STORE_FILE = "store-rank0.bin"
 PHASES = ("writeback", "checkpoint", "activation", "params", "copy", "commit", "exit")
-COPY_THREAD = "lightning-nvme-checkpoint-copy"  # lightning_nvme.checkpoint.background
+COPY_THREAD = "lightning-nvme-checkpoint-copy"  # lightning_nvme.checkpoint.copy.background
 # File-system audit events counted as checkpoint events (pwrite/fsync have no audit event: wrapped).
 CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmdir", "shutil.rmtree",
                            "os.truncate", "ctypes.dlsym"}

@@ -34,8 +34,8 @@ import crash_worker as cw  # noqa: E402
 
 from lightning_nvme.checkpoint import convert
 from lightning_nvme.checkpoint.load import open_checkpoint
-from lightning_nvme.checkpoint.streamed import is_padding, open_readers
-from lightning_nvme.optim.state_format import StateFormat
+from lightning_nvme.checkpoint.state_files import is_padding, open_readers
+from lightning_nvme.optim.formats.state_format import StateFormat
 
 SEED = int(os.environ.get("CRASH_SEED", "20261129"))
 TRIALS = int(os.environ.get("CRASH_TRIALS", "8"))  # per phase

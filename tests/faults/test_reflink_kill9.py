@@ -1,5 +1,5 @@
 """kill -9 over reflink checkpoints: the crash suite's runs (``crash_worker``) with their store and checkpoints on a
-loop-mounted XFS with reflinks (``xfs_dir``), so every save clones the store's chunks (``checkpoint.snapshot``).
+loop-mounted XFS with reflinks (``xfs_dir``), so every save clones the store's chunks (``checkpoint.copy.reflink``).
 Seeded kills at every file-system call of save and commit (each clone ``ioctl`` among them) and at the targeted
 commit steps; after each, every visible checkpoint equals the uninterrupted reference run's bit for bit, and the
 chain resumes to the reference's final parameters (checks of ``test_crash_consistency``)."""
@@ -32,7 +32,7 @@ from test_crash_consistency import (  # noqa: E402
 )
 
 from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader  # noqa: E402
-from lightning_nvme.checkpoint.streamed import is_padding  # noqa: E402
+from lightning_nvme.checkpoint.state_files import is_padding  # noqa: E402
 
 
 @pytest.fixture(scope="module")

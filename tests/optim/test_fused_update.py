@@ -1,4 +1,4 @@
-"""The one-pass update kernel (``optim/fused_update.py``): where it runs (AdamW/Adam ``fused=True``, int8 state,
+"""The one-pass update kernel (``optim/formats/fused_update.py``): where it runs (AdamW/Adam ``fused=True``, int8 state,
 bf16_sr, bf16 CPU params) the run stays bitwise equal to the in-memory ``RoundTripOptimizer`` and to the
 generic per-chunk step (params, stored state, step counts), pieces with a partial last block included, in
 both overlap modes and across a checkpoint; everywhere else the gate sends the update to the optimizer's own
@@ -14,8 +14,8 @@ from test_strategy import assert_same_params, fit
 
 import lightning_nvme  # noqa: F401
 from lightning_nvme import NVMeOffloadStrategy
-from lightning_nvme.optim import fused_update
-from lightning_nvme.optim.state_format import StateFormat, StateFormatError
+from lightning_nvme.optim.formats import fused_update
+from lightning_nvme.optim.formats.state_format import StateFormat, StateFormatError
 
 INT8_SR = StateFormat("int8", "bf16_sr")
 # hidden 300: every weight and bias of the body ends in a partial int8 block (the part torch's scalar tail computes)

@@ -16,7 +16,7 @@ from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.optim import plan_chunks
 from lightning_nvme.optim.formats.int8 import BLOCK
 from lightning_nvme.optim.formats.masters import sr_key, stochastic_round_bf16
-from lightning_nvme.optim.state_format import StateFormat, StateFormatError
+from lightning_nvme.optim.formats.state_format import StateFormat, StateFormatError
 
 
 def offload(tmp_path, **kw):
@@ -265,7 +265,7 @@ def test_hydra_strategy_config_takes_the_formats():
 def _grow(tmp_path, fmt, offloaded):
     """Six AdamW steps; the second layer (frozen at setup) becomes trainable at step 3, so an offloaded plan grows."""
     from lightning_nvme.optim import OffloadedOptimizer
-    from lightning_nvme.optim.state_format import RoundTripOptimizer
+    from lightning_nvme.optim.formats.state_format import RoundTripOptimizer
     from lightning_nvme.store import FlatStore
 
     torch.manual_seed(0)
@@ -331,7 +331,7 @@ def test_offload_params_with_compressed_state_bitwise_equal_to_reference(tmp_pat
     from _param_offload_model import TinyGPT
     from test_param_offload import trainer as po_trainer
 
-    from lightning_nvme.optim.state_format import RoundTripOptimizer
+    from lightning_nvme.optim.formats.state_format import RoundTripOptimizer
 
     class RefGPT(TinyGPT):
         def configure_optimizers(self):

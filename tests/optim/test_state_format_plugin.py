@@ -13,7 +13,7 @@ from test_strategy import assert_same_params, fit
 
 from lightning_nvme.optim import plan_chunks
 from lightning_nvme.optim.formats import Component, register, state_format_names
-from lightning_nvme.optim.state_format import StateFormat
+from lightning_nvme.optim.formats.state_format import StateFormat
 
 BLOCK = 64
 

@@ -22,6 +22,7 @@ from test_hf_any_arch import data, make_checkpoint, trainer
 from lightning_nvme import NVMeOffloadStrategy
 from lightning_nvme.checkpoint.base_file import FileWeight
 from lightning_nvme.checkpoint.load import open_checkpoint
+from lightning_nvme.checkpoint.weights import BesideWeight
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.models import HFCausalLM
 from lightning_nvme.params.frozen_files import FrozenFiles
@@ -138,7 +139,9 @@ def test_checkpoint_references_base_and_a_changed_base_is_refused(bases, tmp_pat
     shutil.copytree(bases["llama"], base)
     # restore_params=False: the weights stay where fit keeps them (a save during fit, e.g. ModelCheckpoint, is the
     # same); with the default, fit's end gives the module its values back and a later save holds values
-    t, _, _ = _fit(base, tmp_path / "a", "in_place", steps=4, restore_params=False)
+    # inline_weights_bytes=0: the adapters stream beside the file (only each block's tail read), the base referenced
+    t, _, _ = _fit(base, tmp_path / "a", "in_place", steps=4, restore_params=False, inline_weights_bytes=0,
+                   checkpoint_copy="streamed")
     ckpt = tmp_path / "a.ckpt"
     t.save_checkpoint(ckpt)
     checkpoint, _ = open_checkpoint(ckpt)
@@ -146,7 +149,9 @@ def test_checkpoint_references_base_and_a_changed_base_is_refused(bases, tmp_pat
     frozen_in_blocks = [s.name for b in t.strategy.param_offload.blocks for s in b.slots if not s.trainable]
     assert sorted(refs) == sorted(frozen_in_blocks)  # the base referenced, not copied; adapters are values
     assert {os.path.realpath(r.identity.path) for r in refs.values()} == {os.path.realpath(f"{base}/model.safetensors")}
-    assert all(torch.is_tensor(v) for k, v in checkpoint["state_dict"].items() if k not in refs)
+    others = {k: v for k, v in checkpoint["state_dict"].items() if k not in refs}
+    assert any(isinstance(v, BesideWeight) for v in others.values())  # the adapters, beside the file
+    assert all(torch.is_tensor(v) or isinstance(v, BesideWeight) for v in others.values())
     record = t.strategy.checkpoint_saves[-1]  # the save record says so
     assert record.base_files == [os.path.abspath(f"{base}/model.safetensors")]
     assert "referenced in the base file" in record.describe()
@@ -173,14 +178,14 @@ def test_base_changed_under_a_run_is_refused(bases, tmp_path):
 
 
 def test_resume_in_a_new_process_is_bitwise(bases, tmp_path):
-    """Fit 8 steps reading the base in place, save (the base referenced), resume in a new process to 16: bitwise
-    equal to the same save and resume with the base copied into the store."""
+    """Fit 8 steps reading the base in place, save (the base referenced, the adapters beside the file), resume in a
+    new process to 16: bitwise equal to the same save and resume with the base copied into the store."""
     path = bases["qwen2"]
     ref, _, _ = _fit(path, tmp_path / "ref", "store")
     ref.save_checkpoint(tmp_path / "ref.ckpt")
     _, ref_model, _ = _fit(path, tmp_path / "ref2", "store", steps=2 * STEPS, ckpt_path=str(tmp_path / "ref.ckpt"))
 
-    t, _, _ = _fit(path, tmp_path / "a", "in_place", restore_params=False)
+    t, _, _ = _fit(path, tmp_path / "a", "in_place", restore_params=False, inline_weights_bytes=0)
     ckpt = tmp_path / "epoch1.ckpt"
     t.save_checkpoint(ckpt)
     checkpoint, _ = open_checkpoint(ckpt)
@@ -195,12 +200,14 @@ probe = Probe()
 t, model, _ = _fit({path!r}, Path({str(tmp_path / 'b')!r}), "in_place", steps={2 * STEPS}, probe=probe,
                    ckpt_path={str(ckpt)!r})
 torch.save(dict(model.named_parameters()), {str(tmp_path / 'resumed.pt')!r})
-print(json.dumps({{"step": t.global_step, "heads": probe.heads}}))
+print(json.dumps({{"step": t.global_step, "heads": probe.heads,
+                  "heads_not_reread": sorted(t.strategy.param_offload._head_as_file)}}))
 """
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=600)
     assert out.returncode == 0, out.stderr[-3000:]
     result = json.loads(out.stdout.strip().splitlines()[-1])
-    assert result == {"step": 2 * STEPS, "heads": 3}
+    # the references name the file this run reads: the bound heads are the values, nothing read or compared again
+    assert result == {"step": 2 * STEPS, "heads": 3, "heads_not_reread": [0, 1, 2]}
     resumed = torch.load(tmp_path / "resumed.pt")
     for name, p in ref_model.named_parameters():
         assert torch.equal(resumed[name], p), name
@@ -284,3 +291,46 @@ def test_a_truncated_base_file_is_refused_at_open(tmp_path):
             frozen.open(path)
     finally:
         frozen.close()
+
+
+def test_frozen_layers_without_lora_read_in_place_bitwise_and_exported(bases, tmp_path):
+    """A model (no adapters) whose first two layers are frozen: those blocks have no trainable tail (an empty store
+    region), read wholly from the file; the rest trains in the store. Bitwise equal to the same run with the frozen
+    layers in the store; ``lightning-nvme export`` of its checkpoint (the base referenced) writes the full Hub
+    layout, equal to the model's weights."""
+    from safetensors.torch import load_file
+
+    from lightning_nvme.cli import main
+
+    path = bases["llama"]
+    runs = {}
+    for frozen in ("in_place", "store"):
+        root = tmp_path / frozen
+        probe = Probe()
+        t = trainer(root, _strategy(root, frozen, restore_params=False), steps=STEPS, callbacks=[probe])
+        with t.init_module(empty_init=True):
+            model = HFCausalLM(path, block_size=16)
+        for layer in model.model.model.layers[:2]:
+            layer.requires_grad_(False)
+        t.fit(model, data())
+        t.save_checkpoint(tmp_path / f"{frozen}.ckpt")
+        runs[frozen] = (t, probe)
+    (t_in, p_in), (_, p_st) = runs["in_place"], runs["store"]
+    assert p_in.heads == 2 and p_st.heads == 0
+    blocks = t_in.strategy.param_offload.blocks
+    assert all(p_in.regions[b.region] <= 4096 for b in blocks[:2])  # of the frozen layers: an empty page at most
+    for a, b in zip(p_in.losses, p_st.losses):
+        assert torch.equal(a, b)
+    exported = {}
+    for frozen in ("in_place", "store"):
+        out = tmp_path / f"hub-{frozen}"
+        assert main(["export", str(tmp_path / f"{frozen}.ckpt"), str(out)]) == 0
+        exported[frozen] = load_file(str(out / "model.safetensors"))
+    original = load_file(f"{path}/model.safetensors")
+    assert exported["in_place"].keys() == exported["store"].keys() == original.keys()
+    for key, value in exported["store"].items():
+        assert torch.equal(exported["in_place"][key], value), key
+    assert torch.equal(exported["in_place"]["model.layers.0.mlp.up_proj.weight"],
+                       original["model.layers.0.mlp.up_proj.weight"])  # frozen: the base file's
+    assert not torch.equal(exported["in_place"]["model.layers.2.mlp.up_proj.weight"],
+                           original["model.layers.2.mlp.up_proj.weight"])  # trained

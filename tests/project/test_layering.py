@@ -165,8 +165,8 @@ def test_the_checker_sees_what_it_must() -> None:
     """The edge rules on the package itself: an in-function import and an implied package ``__init__`` count,
     an enclosing package does not."""
     graph = edges()
-    # checkpoint/paired.py imports lightning_nvme.checkpoint.streamed: the module, not its own package
-    assert "lightning_nvme.checkpoint.streamed" in graph["lightning_nvme.checkpoint.paired"]
+    # checkpoint/paired.py imports lightning_nvme.checkpoint.state_files: the module, not its own package
+    assert "lightning_nvme.checkpoint.state_files" in graph["lightning_nvme.checkpoint.paired"]
     assert "lightning_nvme.checkpoint" not in graph["lightning_nvme.checkpoint.paired"]
     # strategies/offload_strategy.py imports lightning_nvme.store.layout...: the store package's __init__ runs too
     assert "lightning_nvme.store" in graph["lightning_nvme.strategies.offload_strategy"]

@@ -379,16 +379,16 @@ def _train(run: dict, world: int) -> None:
                       enable_model_summary=False, callbacks=callbacks)
     updated_in_backward = 0
     if run["strategy"] != "ddp" and run.get("overlap") == "backward":
-        from lightning_nvme.optim import OffloadedOptimizer
+        from lightning_nvme.optim.chunk_update import ChunkUpdater
 
-        original = OffloadedOptimizer._update_chunk
+        original = ChunkUpdater.update_chunk
 
-        def counting(self, c):
+        def counting(self, c, in_backward=False):
             nonlocal updated_in_backward
-            updated_in_backward += bool(self._armed)
-            return original(self, c)
+            updated_in_backward += bool(in_backward)
+            return original(self, c, in_backward)
 
-        OffloadedOptimizer._update_chunk = counting
+        ChunkUpdater.update_chunk = counting
     try:
         trainer.fit(model, ckpt_path=run.get("resume"))
     except Exception as e:  # noqa: BLE001  (a run that must be refused on every rank records its error)

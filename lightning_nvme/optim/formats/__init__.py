@@ -1,6 +1,9 @@
-"""How optimizer state is stored on the SSD: one module per state format, the master policies, the
-registry that names them, and the numba kernels they use. A new format is a module implementing
-``StateCodec`` and one ``register`` line below (or in the code that uses it)."""
+"""How optimizer state is stored on the SSD: one module per state format (``exact``, ``bf16``, ``int8``), the
+master policies (``masters``), the registry that names them, ``state_format`` (``StateFormat``: a format with a
+master policy, the API the optimizer, plan and checkpoints ask, and the in-memory reference), the numba
+kernels: shared element maths in ``kernels``, the one-pass AdamW update in ``adamw_kernel`` driven by
+``fused_update``. A new format is a module implementing ``StateCodec`` and one ``register`` line below (or in
+the code that uses it)."""
 
 from lightning_nvme.optim.formats.bf16 import Bf16
 from lightning_nvme.optim.formats.codec import Component, MasterPolicy, StateCodec, StateFormatError

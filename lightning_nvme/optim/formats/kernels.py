@@ -1,5 +1,6 @@
 """Single-pass CPU kernels of the compressed state formats (numba): blockwise int8 codes and bf16
-stochastic rounding.
+stochastic rounding. The formats' shared element maths lives here, once; ``adamw_kernel.py`` is the one-pass
+AdamW update only (driven by ``fused_update.py``) and calls these block functions for its codes and rounding.
 
 Why numba: written with torch ops, each codec is 6-10 passes over the state with a fresh temporary per
 pass; on 2 cores that ran at 0.1-0.2x the disk's speed (docs/state_format.md), i.e. compressing the state

@@ -1,4 +1,4 @@
-"""Optimizer state files made of reflinks to the store: a checkpoint that writes its header and nothing else.
+"""``checkpoint_copy="reflink"``: optimizer state files made of reflinks to the store, a save that writes headers only.
 
 Where the store's filesystem shares extents (``lightning_nvme.fs.reflink``), ``optimizer-<i>.safetensors`` is laid
 out as the store's chunks themselves: a header padded to a filesystem block, then each chunk region with state,
@@ -17,51 +17,25 @@ one state file: the same file as from one directory; ``stripe_bytes`` must then 
 
 from __future__ import annotations
 
-import errno
 import json
 import logging
 import math
 import os
-import shutil
 import struct
-import time
 from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Any
-
-import torch
 
 from lightning_nvme.checkpoint import weights
 from lightning_nvme.checkpoint.safetensors_stream import DTYPES
-from lightning_nvme.checkpoint.streamed import PAD_PREFIX, file_metadata, format_entry, optimizer_file, tensor_name
+from lightning_nvme.checkpoint.state_files import PAD_PREFIX, file_metadata, format_entry, optimizer_file, tensor_name
 from lightning_nvme.checks import ConfigError
-from lightning_nvme.fs import fsinfo, reflink
+from lightning_nvme.fs import reflink
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.store import FlatStore
 from lightning_nvme.store.aligned import memview
 
 log = logging.getLogger(__name__)
-
-@dataclass
-class SaveRecord:
-    """How one save wrote its streamed state: ``path`` is ``"reflink"`` or ``"streamed"`` (with ``reason``)."""
-
-    path: str
-    checkpoint: str
-    reason: str = ""
-    seconds: float = 0.0
-    bytes_written: int = 0  # bytes this save wrote into its state files (headers for reflink)
-    bytes_cloned: int = 0  # bytes shared with the store instead of written
-    files: list[str] = field(default_factory=list)
-    base_files: list[str] = field(default_factory=list)  # frozen weights referenced there, not copied (in place)
-
-    def describe(self) -> str:
-        moved = (f"{self.bytes_cloned} bytes cloned, {self.bytes_written} written" if self.path == "reflink"
-                 else f"{self.bytes_written} bytes written" + (f" ({self.reason})" if self.reason else ""))
-        refs = (f"; frozen weights referenced in the base file(s) {self.base_files}, not copied: the checkpoint "
-                "needs them unchanged" if self.base_files else "")
-        return f"checkpoint {self.checkpoint}: {self.path} save in {self.seconds:.3f} s, {moved}{refs}"
-
 
 def choose(store: FlatStore, checkpoint_path: str, regions: list[str]) -> tuple[bool, str]:
     """Whether this save can clone ``regions`` of ``store`` into ``checkpoint_path``'s directory, and if not why.
@@ -123,7 +97,7 @@ class _Entry:
 
 def layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[str, int, int]]]:
     """The file's entries, and the (region name, file data offset, bytes) of each chunk region with state in it,
-    placed whole (the reflink path clones them, the background path, ``checkpoint.background``, copies them)."""
+    placed whole (the reflink path clones them, the background path, ``copy.background``, copies them)."""
     entries: list[_Entry] = []
     regions: list[tuple[str, int, int]] = []
     pos = 0
@@ -165,7 +139,7 @@ def header(entries: list[_Entry], metadata: dict[str, str], block: int) -> bytes
 
 def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: str, block: int) -> tuple[dict, int]:
     """Optimizer ``i``'s state file in ``directory`` as clones of its store regions (fsynced); returns its marker
-    (as ``streamed.write_optimizer``'s, plus the param shapes its range entries need) and the bytes cloned.
+    (as ``streamed.optimizer_part``'s, plus the param shapes its range entries need) and the bytes cloned.
     The caller has fenced and fdatasynced the store: a clone copies what is on disk."""
     cloned = write_state(off, os.path.join(directory, optimizer_file(i)), file_metadata(save_id), block)
     marker = {"file": optimizer_file(i), **format_entry(off), "shapes": [list(p.shape) for p in off.params]}
@@ -284,30 +258,3 @@ def write_weights(path: str, state_dict: dict[str, Any], store: FlatStore, in_st
     clones = _clones(store, regions)
     _write_file(path, head, clones, end, block, lambda fd: write_values(fd, len(head), entries, written, read_source))
     return sum(n for *_, n in clones)
-
-
-class CheckpointSpaceError(OSError):
-    """A save refused before it wrote anything: the checkpoint's filesystem cannot hold it."""
-
-
-def weight_bytes(checkpoint: dict[str, Any]) -> int:
-    """Bytes of the weights a save writes: the file's tensors and the weights streamed beside it."""
-    state = checkpoint.get("state_dict") or {}
-    inline = sum(v.numel() * v.element_size() for v in state.values() if torch.is_tensor(v))
-    return inline + sum(math.prod(r.shape) * r.torch_dtype.itemsize for r in weights.refs(state).values())
-
-
-def check_space(path: str, needed: int, how: str) -> None:
-    """Refuse a save of ``needed`` bytes into ``path``'s directory before it writes anything, naming the bytes."""
-    free = shutil.disk_usage(fsinfo.existing_ancestor(os.path.dirname(os.path.abspath(path)))).free
-    if needed > free:
-        raise CheckpointSpaceError(errno.ENOSPC, f"checkpoint {path} ({how}) needs {needed} bytes "
-                                   f"({needed / 2**30:.2f} GiB) but {free} bytes ({free / 2**30:.2f} GiB) are free "
-                                   f"there; nothing was written. Free {needed - free} bytes, keep fewer checkpoints "
-                                   "(save_top_k), or save to a larger disk.")
-
-
-def timed(record: SaveRecord, t0: float) -> SaveRecord:
-    record.seconds = time.perf_counter() - t0
-    log.info(record.describe())
-    return record

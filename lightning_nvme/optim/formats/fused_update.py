@@ -27,8 +27,8 @@ from lightning_nvme.constants import INT8_BLOCK as BLOCK
 from lightning_nvme.optim.formats.codec import StateFormatError, as_numpy
 from lightning_nvme.optim.formats.int8 import Int8
 from lightning_nvme.optim.formats.masters import StochasticBf16, sr_key
+from lightning_nvme.optim.formats.state_format import StateFormat
 from lightning_nvme.optim.plan import Piece
-from lightning_nvme.optim.state_format import StateFormat
 
 log = logging.getLogger(__name__)
 

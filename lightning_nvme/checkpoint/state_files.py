@@ -1,4 +1,4 @@
-"""Optimizer state streamed to and from safetensors files, chunk by chunk from the store.
+"""The optimizer state files of a checkpoint (safetensors), and reading them back chunk by chunk into the store.
 
 One file per optimizer (``optimizer-<i>.safetensors``; a data-parallel rank writes
 ``optimizer-<i>-rank<r>.safetensors``, see ``sharded``), one tensor per parameter:
@@ -7,15 +7,14 @@ One file per optimizer (``optimizer-<i>.safetensors``; a data-parallel rank writ
 store holds: with a compressed ``state_format`` bf16 values, or int8/uint8 codes plus
 ``state.<param index>.<key>.absmax`` (one fp32 per block of ``BLOCK`` elements; its ranges count blocks);
 the marker records the format (``format_entry``) and a resume in another format is refused
-(``check_format``). Saving streams from the store (memory bounded by the optimizer's ring buffers);
-loading streams back the same way, restoring moments, step counts and master weights exactly. Where the
+(``check_format``). How a save writes them is its copy mode (``copy/``: streamed, reflink, background);
+loading streams back chunk by chunk, restoring moments, step counts and master weights exactly. Where the
 files live and how they are tied to the checkpoint file is ``paired`` (and ``legacy`` for the old
 directory format).
 """
 
 from __future__ import annotations
 
-import math
 import os
 import re
 from collections.abc import Mapping, Sequence
@@ -24,9 +23,9 @@ from typing import Any
 
 import torch
 
-from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader, SafetensorsWriter
-from lightning_nvme.optim import OffloadedOptimizer, Piece
-from lightning_nvme.optim.state_format import StateFormat, StateFormatError
+from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader
+from lightning_nvme.optim import OffloadedOptimizer
+from lightning_nvme.optim.formats.state_format import StateFormat, StateFormatError
 
 MARKER = "lightning_nvme"
 PARTS_VERSION = "1"  # of the safetensors layout (names, metadata); unchanged since the directory format
@@ -49,7 +48,7 @@ def tensor_name(index: int, key: str, start: int | None = None, stop: int | None
     return f"state.{index}.{key}" if start is None else f"state.{index}.{key}[{start}:{stop}]"
 
 
-PAD_PREFIX = "pad."  # entries that only fill bytes between state (a reflink snapshot's layout, see ``snapshot``)
+PAD_PREFIX = "pad."  # entries that only fill bytes between state (a reflink snapshot's layout, see ``copy.reflink``)
 
 
 def is_padding(name: str) -> bool:
@@ -107,26 +106,6 @@ class OptimizerParts:
     problem: str | None = None  # why the state cannot be read (missing, another save's, remote)
     source: str = ""  # the checkpoint as the user named it (its file, or the old format's directory)
     records: dict[str, torch.Tensor] | None = None  # one-file checkpoint: state file name -> its record
-
-
-class _FileSink:
-    def __init__(self, writer: SafetensorsWriter) -> None:
-        self.writer = writer
-
-    def put(self, piece: Piece, key: str, values: torch.Tensor, per: int = 1) -> None:
-        self.writer.write(tensor_name(piece.index, key), piece.start // per, values)
-
-
-def write_optimizer(off: OffloadedOptimizer, directory: str, i: int, save_id: str) -> dict[str, Any]:
-    """Stream optimizer ``i``'s state into ``directory`` (fsynced); returns its marker (file and state format)."""
-    entries = [(tensor_name(index, c.name), c.dtype, shape if c.per == 1 else (c.count(math.prod(shape)),))
-               for index, shape, comps in off.stored_state() for c in comps]
-    writer = SafetensorsWriter(os.path.join(directory, optimizer_file(i)), entries, file_metadata(save_id))
-    try:
-        off.export_state(_FileSink(writer))
-    finally:
-        writer.close()
-    return {"file": optimizer_file(i), **format_entry(off)}
 
 
 class _FileSource:

@@ -132,10 +132,10 @@ def full_finetune(args: argparse.Namespace, params: int, out: dict[str, Any], lo
         "empty_process_MiB": round(empty / MiB, 1),
         "store_bytes": full["store_bytes"], "store_GiB": round(full["store_bytes"] / GiB, 3),
         "losses": [round(x, 4) for x in full["losses"]],
-        "step_s": round(full["step_s"], 3), "steps_s": [round(s, 2) for s in full["steps_s"]],
-        "io_bound_s": round(io_bound, 3),
-        "compute_s": round(compute_s, 3),  # the model's forward + recompute + backward, and the update
-        "compute_model_s": round(compute["compute_s"], 3), "optimizer_s": round(compute["optimizer_s"], 3),
+        "step_s": round(full["step_s"], 6), "steps_s": [round(s, 2) for s in full["steps_s"]],
+        "io_bound_s": round(io_bound, 6),
+        "compute_s": round(compute_s, 6),  # the model's forward + recompute + backward, and the update
+        "compute_model_s": round(compute["compute_s"], 6), "optimizer_s": round(compute["optimizer_s"], 6),
         "step_vs_bound": round(full["step_s"] / max(io_bound, compute_s), 3),
         "bytes_read_per_step": full["bytes_read_per_step"], "bytes_written_per_step": full["bytes_written_per_step"],
         "store_wait_s_per_step": round(full["store_wait_s_per_step"], 2),

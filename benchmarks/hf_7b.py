@@ -119,6 +119,8 @@ def train_child(args: argparse.Namespace) -> dict:
     data = EmbeddedTextDataModule(source="stdlib", max_bytes=2_000_000, block_size=args.seq, batch_size=args.batch,
                                   steps_per_epoch=n, tokenizer="byte")
     extra = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
+    if args.frozen_weights is not None:  # hf_15b's LoRA start
+        extra["frozen_weights"] = args.frozen_weights
     strategy = NVMeOffloadStrategy(args.dir, offload_params=True, state_format="int8", master_format="bf16_sr",
                                    overlap="backward", restore_params=False, **extra)
     starts: list[float] = []
@@ -172,7 +174,9 @@ def train_child(args: argparse.Namespace) -> dict:
     t0 = time.perf_counter()
     with trainer.init_module(empty_init=True):
         model = build_module(args.ckpt, block_size=args.seq, lora_rank=args.lora_rank if lora else 0,
-                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr, fused=True))
+                             optimizer=lambda ps: torch.optim.AdamW(ps, lr=args.lr, fused=True),
+                             init_seed=args.init_seed)
+    t_fit = time.perf_counter()
     if args.data == "fixed":
         from torch.utils.data import DataLoader
 
@@ -188,6 +192,7 @@ def train_child(args: argparse.Namespace) -> dict:
         "params": sum(p.numel() for p in model.parameters()),
         "trainable": sum(p.numel() for p in model.parameters() if p.requires_grad),
         "peak_rss_bytes": _peak_rss_bytes(), "losses": losses, "setup_s": starts[0] - t0,
+        "fit_to_first_step_s": starts[0] - t_fit,
         "step_s": statistics.median(steps), "steps_s": steps,
         "bytes_read_per_step": statistics.median(m.bytes_read for m in moved),
         "bytes_written_per_step": statistics.median(m.bytes_written for m in moved),
@@ -347,7 +352,7 @@ def _run_child(args: argparse.Namespace, kind: str) -> dict:
     """``kind`` in a fresh process with its own store directory, deleted afterwards."""
     with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"{kind}-") as store_dir:
         keep = ("seq", "batch", "data", "steps", "warmup", "lr", "lora_rank", "lora_steps", "compute_reps", "ckpt",
-                "prefetch_depth")
+                "prefetch_depth", "init_seed", "frozen_weights")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, f"--dir={store_dir}",
                *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep if getattr(args, k) is not None]]
         env = dict(os.environ, **EMULATE_NO_BF16) if args.emulate_no_bf16 else None
@@ -405,6 +410,8 @@ def main() -> None:
                    "AVX512-BF16 (AVX2 only): " + " ".join(f"{k}={v}" for k, v in EMULATE_NO_BF16.items()))
     p.add_argument("--child", choices=["empty", "full", "lora", "compute"], help=argparse.SUPPRESS)
     p.add_argument("--ckpt", help=argparse.SUPPRESS)
+    p.add_argument("--init-seed", type=int, default=None, help=argparse.SUPPRESS)  # hf_15b: --ckpt has config.json only
+    p.add_argument("--frozen-weights", default=None, help=argparse.SUPPRESS)  # hf_15b: in_place | store
     args = p.parse_args()
     if args.child:
         print(json.dumps(child(args)))

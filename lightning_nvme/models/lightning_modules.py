@@ -23,9 +23,9 @@ from typing_extensions import override
 
 from lightning_nvme.models.gpt import GPT, GPTConfig, PretrainedWeights
 from lightning_nvme.models.gpt_lora import add_gpt_lora
-from lightning_nvme.models.hf import HubWeights, block_classes, build_causal_lm
+from lightning_nvme.models.hf import HFInit, HubWeights, block_classes, build_causal_lm
 from lightning_nvme.models.peft_lora import AdapterNames, add_peft_lora
-from lightning_nvme.params.materialize import InitialWeights
+from lightning_nvme.params.materialize import InitialWeights, empty_meta
 
 OptimizerFactory = Callable[[Iterable[nn.Parameter]], torch.optim.Optimizer]
 
@@ -179,6 +179,10 @@ class HFCausalLM(CausalLMModule):
             architecture (Llama, Qwen2, Mistral: ``q_proj``, ``v_proj``; GPT-NeoX: ``query_key_value``).
         lora_dropout: dropout on the adapters' input (peft's ``lora_dropout``).
         optimizer: a factory ``params -> Optimizer`` (a Hydra partial).
+        init_seed: ``None``: the weights come from the checkpoint. An int: a fresh random init instead (transformers'
+            ``_init_weights``, seeded per module: ``HFInit``), and ``path`` needs only ``config.json``; built on the
+            meta device it is initialized block by block straight into the store (a model bigger than memory from
+            scratch, with no checkpoint beside the store), in memory it gets the same values.
 
     Built inside ``trainer.init_module(empty_init=True)`` with ``offload_params=True`` (what the ``train``
     command does), the model is created on the meta device (``build_causal_lm`` under transformers) and its
@@ -192,7 +196,8 @@ class HFCausalLM(CausalLMModule):
 
     def __init__(self, path: str, block_size: int = 128, backend: str = "auto", activation_checkpointing: bool = False,
                  lora_rank: int = 0, lora_alpha: float | None = None, lora_targets: list[str] | None = None,
-                 lora_dropout: float = 0.0, optimizer: OptimizerFactory | None = None) -> None:
+                 lora_dropout: float = 0.0, optimizer: OptimizerFactory | None = None,
+                 init_seed: int | None = None) -> None:
         super().__init__(optimizer)
         self.save_hyperparameters(ignore=["optimizer"])
         if not os.path.isfile(os.path.join(path, "config.json")):
@@ -202,7 +207,10 @@ class HFCausalLM(CausalLMModule):
             raise ValueError(f"model.backend must be 'auto', 'native' or 'transformers', got {backend!r}")
         on_meta = torch.empty(()).is_meta  # inside init_module(empty_init=True) of a parameter-offload strategy
         if backend == "auto":
-            backend = _auto_backend(path, on_meta)
+            backend = "transformers" if init_seed is not None else _auto_backend(path, on_meta)
+        if init_seed is not None and backend != "transformers":
+            raise ValueError("model.init_seed (a fresh init through transformers' _init_weights) needs "
+                             f"model.backend='transformers', got {backend!r}")
         self.backend = backend
         self._initial: InitialWeights | None = None
         if backend == "native":
@@ -215,7 +223,16 @@ class HFCausalLM(CausalLMModule):
                 weights.load_into(self.model)  # one tensor at a time
             self._vocab = self.model.config.vocab_size
         else:
-            if on_meta:  # built on the meta device, streamed from the checkpoint into the store at setup
+            if init_seed is not None:  # a fresh init, no weights read
+                hf = build_causal_lm(path, gradient_checkpointing=activation_checkpointing)
+                fresh = HFInit(hf, init_seed)
+                if on_meta:
+                    self._initial = fresh  # initialized module by module into the store at setup (initial_weights)
+                else:
+                    for m in hf.modules():  # the meta weights allocated (the recomputed buffers kept), then initialized
+                        empty_meta(m, torch.device("cpu"))
+                    fresh.apply(hf)
+            elif on_meta:  # built on the meta device, streamed from the checkpoint into the store at setup
                 hf = build_causal_lm(path, gradient_checkpointing=activation_checkpointing)
                 self._initial = HubWeights(path, prefix="model.").checked(hf)
             else:
@@ -231,7 +248,7 @@ class HFCausalLM(CausalLMModule):
                 self.model = add_peft_lora(hf, lora_rank, lora_alpha, lora_targets and list(lora_targets), lora_dropout)
                 if activation_checkpointing:
                     hf.enable_input_require_grads()  # a frozen base: checkpointed layers need an input with grad
-                if self._initial is not None:
+                if self._initial is not None and init_seed is None:  # (HFInit knows modules, not names)
                     self._initial = AdapterNames(self._initial, "model.")
         if lora_rank and backend == "native":
             if lora_targets or lora_dropout:

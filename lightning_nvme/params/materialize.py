@@ -12,6 +12,12 @@ A pretrained model's values come from its checkpoint instead: a LightningModule 
 safetensors directory read tensor by tensor); every tensor it names is copied from there, one at a time,
 so the checkpoint is never loaded whole. Modules it does not cover (adapters added for finetuning) are
 initialized by ``reset_parameters()`` as above.
+
+A fresh model whose own init is not ``reset_parameters()`` (Hugging Face models initialize through the model's
+``_init_weights``, and their RMSNorms have no ``reset_parameters``) gives an initial-weights object that also
+initializes whole modules: ``init_module(module)`` (``ModuleInit``; e.g. ``lightning_nvme.models.hf.HFInit``),
+called after the module's tensors are allocated, returning False for a module it does not know (then
+``reset_parameters()`` as above).
 """
 
 from __future__ import annotations
@@ -32,6 +38,13 @@ class InitialWeights(Protocol):
     def __contains__(self, name: object) -> bool: ...
 
     def get(self, name: str) -> torch.Tensor: ...
+
+
+class ModuleInit(InitialWeights, Protocol):
+    """Initial values made in place, one module at a time (a random init seeded per module, so that the values do
+    not depend on the order modules are initialized in, nor on whether the model is built on the meta device)."""
+
+    def init_module(self, module: nn.Module) -> bool: ...
 
 
 def initial_weights(model: nn.Module) -> InitialWeights | None:
@@ -107,7 +120,9 @@ def _initialize(module: nn.Module, prefix: str, device: torch.device, source: In
     own = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
     given = [n for n in own if source is not None and prefix + n in source]
     empty_meta(module, device)
-    if len(given) < len(own):  # reset_parameters() for what the source does not cover (Lightning's _materialize)
+    init_module = getattr(source, "init_module", None)
+    if len(given) < len(own) and not (callable(init_module) and init_module(module)):
+        # reset_parameters() for what the source does not cover (Lightning's _materialize)
         reset = getattr(module, "reset_parameters", None)
         if not callable(reset):
             raise TypeError(f"Materialization requires that the `{type(module).__name__}.reset_parameters` method is "

@@ -118,7 +118,7 @@ def train_child(args: argparse.Namespace) -> dict:
     n = args.warmup + (args.lora_steps if lora and args.lora_steps is not None else args.steps)
     data = EmbeddedTextDataModule(source="stdlib", max_bytes=2_000_000, block_size=args.seq, batch_size=args.batch,
                                   steps_per_epoch=n, tokenizer="byte")
-    extra = {} if args.prefetch_depth is None else {"prefetch_depth": args.prefetch_depth}
+    extra = {} if getattr(args, "prefetch_depth", None) is None else {"prefetch_depth": args.prefetch_depth}
     if args.frozen_weights is not None:  # hf_15b's LoRA start
         extra["frozen_weights"] = args.frozen_weights
     strategy = NVMeOffloadStrategy(args.dir, offload_params=True, state_format="int8", master_format="bf16_sr",
@@ -354,8 +354,8 @@ def _run_child(args: argparse.Namespace, kind: str) -> dict:
         keep = ("seq", "batch", "data", "steps", "warmup", "lr", "lora_rank", "lora_steps", "compute_reps", "ckpt",
                 "prefetch_depth", "init_seed", "frozen_weights")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, f"--dir={store_dir}",
-               *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep if getattr(args, k) is not None]]
-        env = dict(os.environ, **EMULATE_NO_BF16) if args.emulate_no_bf16 else None
+               *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep if getattr(args, k, None) is not None]]
+        env = dict(os.environ, **EMULATE_NO_BF16) if getattr(args, "emulate_no_bf16", False) else None
         res = subprocess.run(cmd, stdout=subprocess.PIPE, stderr=None, text=True, env=env)
     if res.returncode != 0:
         raise SystemExit(f"child {kind} failed with exit code {res.returncode}")

@@ -23,7 +23,10 @@ def test_lora_start_benchmark_tiny(tmp_path):
              "--lora-rank", "2")
     for key in ("lora_store_bytes", "copy_store_bytes", "lora_start_s", "copy_start_s", "bytes_written_per_step"):
         assert r[key] > 0, key
-    assert r["lora_start_vs_copy"]["median"] == round(r["lora_starts_s"][0] / r["copy_starts_s"][0], 3)
+    # one pair: the median is that pair's ratio (of unrounded times; the listed times are rounded to 1 ms)
+    lora, copy = r["lora_starts_s"][0], r["copy_starts_s"][0]
+    slack = lora / copy * 0.0005 * (1 / lora + 1 / copy) + 0.0005
+    assert abs(r["lora_start_vs_copy"]["median"] - lora / copy) <= slack
     assert r["in_place_blocks"] == 2 and r["in_place_bytes"] > 0  # TINY: 2 layers, their base read in place
     assert r["lora_store_bytes"] < r["copy_store_bytes"]  # the base is not in the store
     assert r["losses_equal"]  # the same numbers either way

@@ -30,8 +30,8 @@ class ChunkBuffer:
 
 class CudaOps:
     """The CUDA calls the optimizer's device copies make, one object so a test substitutes one that records
-    them (``tests/fake_cuda.FakeOps``) and ``gpu_check`` one that delays them. The same protocol as
-    ``params.transfer.CudaOps`` (a layer above, so not imported from here)."""
+    them (``tests/fake_cuda.FakeOps``) and ``gpu_check`` one that delays them. ``params.transfer``'s block
+    copies use it too (``CudaTransfer``), so one fake sees every device copy."""
 
     def stream(self, device: torch.device) -> Any:
         return torch.cuda.Stream(device)

@@ -29,12 +29,12 @@ alignment. Needs beyond the pool get pageable buffers (correct, copies synchrono
 
 from __future__ import annotations
 
-from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any, Protocol
 
 import torch
 
+from lightning_nvme.optim.buffers import CudaOps  # one home for the CUDA calls both device paths make
 from lightning_nvme.store import aligned_empty
 from lightning_nvme.store.pinned import pinned_empty, unpin
 
@@ -169,29 +169,6 @@ def _uses(t: torch.Tensor) -> int:
     """How many tensors share ``t``'s storage (views, autograd's saved tensors; plus the query's own)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     return 0 if use_count is None else int(use_count(t.untyped_storage()._cdata))
-
-
-class CudaOps:
-    """The CUDA calls ``CudaTransfer`` makes (a test substitutes an object that records them)."""
-
-    def stream(self, device: torch.device) -> Any:
-        return torch.cuda.Stream(device)
-
-    def current_stream(self, device: torch.device) -> Any:
-        return torch.cuda.current_stream(device)
-
-    def on(self, stream: Any) -> AbstractContextManager[Any]:
-        return torch.cuda.stream(stream)
-
-    def event(self, timing: bool = False) -> Any:
-        return torch.cuda.Event(enable_timing=timing)
-
-    def record_stream(self, t: torch.Tensor, stream: Any) -> None:
-        t.record_stream(stream)
-
-    def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
-        """One host <-> device copy on the current stream (``gpu_check`` delays it to expose missing waits)."""
-        dst.copy_(src, non_blocking=True)
 
 
 class CudaTransfer:

@@ -48,7 +48,10 @@ from lightning_nvme.optim.plan import placeholder
 from lightning_nvme.params.layout import BlockLayout, ParamSlot, plan_layout
 from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
 from lightning_nvme.params.residency import BlockResidency
-from lightning_nvme.params.schedule import in_backward
+from lightning_nvme.params.schedule import (
+    _PostBackward,  # the same post-backward trigger as one device's
+    in_backward,
+)
 from lightning_nvme.params.shards import FlatShards
 from lightning_nvme.params.transfer import HostTransfer
 
@@ -89,20 +92,6 @@ class _Call:
     unit: Unit
     pre: bool = False
     post: bool = False
-
-
-class _PostBackward(torch.autograd.Function):
-    """Identity on the block's inputs; its backward runs once the inputs' gradients are complete."""
-
-    @staticmethod
-    def forward(ctx: Any, done: Callable[[], None], *inputs: torch.Tensor) -> tuple[torch.Tensor, ...]:
-        ctx.done = done
-        return inputs
-
-    @staticmethod
-    def backward(ctx: Any, *grads: torch.Tensor) -> tuple[Any, ...]:
-        ctx.done()
-        return (None, *grads)
 
 
 class ShardIO:

@@ -43,9 +43,7 @@ from lightning_nvme.optim.plan import Plan
 from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
 from lightning_nvme.params.offload import chunks_per_block
-from lightning_nvme.params.stream import (
-    StreamStats,
-)
+from lightning_nvme.params.stream import StreamStats
 from lightning_nvme.params.window import LayerMajorWindow
 from lightning_nvme.settings import OffloadSettings, from_arguments, with_settings
 from lightning_nvme.store import FlatStore
@@ -169,10 +167,6 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
     def eval_stats(self) -> StreamStats | None:
         """The last streamed evaluation's reads."""
         return self.evaluation.stats
-
-    @property
-    def eval_window(self) -> LayerMajorWindow | None:
-        return self.evaluation.window
 
     @property
     def last_eval_window(self) -> LayerMajorWindow | None:

@@ -7,7 +7,10 @@ override reaches the Lightning strategy next in the method resolution order thro
 ``OffloadedOptimizer``, reads started on entry to the step, the store drained on teardown and
 reopened for checkpoints saved after ``fit``, checkpoints loaded and routed between the strategy and the
 user's ``CheckpointIO``. A subclass says which parameter ranges its process owns (``_owned_ranges``), what
-follows an update (``_after_update``) and how its optimizer state is saved (``_save_streamed``).
+follows an update (``_after_update``) and what its saves take besides the checkpoint (``_save_arguments``).
+
+The hooks stay here and delegate: opening the store and offloading the optimizers to ``store_open``, the setup
+refusals to ``setup_checks``, saving and loading to ``checkpoint.Saver`` and ``checkpoint.Resume``.
 """
 
 from __future__ import annotations

@@ -188,9 +188,13 @@ class OffloadStrategy(Strategy):
         """The store file reopened and checked (after teardown), the offloaded optimizers and parameters pointed at it;
         the caller closes it."""
         store = self.offloaded[0].store_ref.open()
-        for off in self.offloaded:
-            off.attach(store)
-        self._attach_store(store)
+        try:
+            for off in self.offloaded:
+                off.attach(store)
+            self._attach_store(store)
+        except BaseException:
+            store.close()
+            raise
         return store
 
     def _attach_store(self, store: FlatStore) -> None:

@@ -1,7 +1,7 @@
 """The optimizer state files of a checkpoint (safetensors), and reading them back chunk by chunk into the store.
 
 One file per optimizer (``optimizer-<i>.safetensors``; a data-parallel rank writes
-``optimizer-<i>-rank<r>.safetensors``, see ``sharded``), one tensor per parameter:
+``optimizer-<i>-rank<r>.safetensors``, see ``rank_shards``), one tensor per parameter:
 ``state.<param index>.<key>`` shaped like the parameter (``master_param`` = fp32 master weights), or
 ``state.<param index>.<key>[<start>:<stop>]`` for an element range a rank owned. The tensors are what the
 store holds: with a compressed ``state_format`` bf16 values, or int8/uint8 codes plus

@@ -143,7 +143,7 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
             s = self.config
             planned = [p for off in self.offloaded for r in off.regions() for p in r.params]
             in_blocks = self.param_offload.layout.block_of()
-            stateless = [piece.index for off in self.offloaded for piece in off.resident if id(piece.param) in in_blocks]
+            stateless = [piece.index for off in self.offloaded for piece in off.unchunked if id(piece.param) in in_blocks]
             if stateless:
                 raise ValueError(f"{self.strategy_name}: offload_params=True needs per-parameter optimizer state for "
                                  f"every trainable parameter in a block, but parameters {stateless} have none (e.g. "

@@ -12,7 +12,7 @@ One step on every rank::
     hold the same parameters again when the step ends
 
 Ownership is a ``Partition`` balanced by state bytes (``partition_by_bytes``). A checkpoint is rank 0's file
-plus one optimizer shard per rank beside it (``lightning_nvme.checkpoint.sharded``); it resumes at any
+plus one optimizer shard per rank beside it (``lightning_nvme.checkpoint.rank_shards``); it resumes at any
 world size.
 
 ``overlap="backward"``: a gradient is final only once its all-reduce has completed, not when autograd

@@ -170,7 +170,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
     def _start_offload(self) -> None:
         assert self.sharded is not None and self.nvme_store is not None
         trained = [p for off in self.offloaded for p in off.params]
-        stateless = [piece.index for off in self.offloaded for piece in off.resident]
+        stateless = [piece.index for off in self.offloaded for piece in off.unchunked]
         if stateless:
             raise ValueError(f"{self.strategy_name}: parameters {stateless} have no per-element optimizer state (e.g. "
                              "SGD with momentum=0); each rank updates only its shard of a parameter, which needs "

@@ -101,7 +101,7 @@ def refuse_stateless(strategy_name: str, offloaded: Sequence[OffloadedOptimizer]
     """Trainable block parameters without per-parameter optimizer state would be updated in memory while their
     values live in the store."""
     in_blocks = params.layout.block_of()
-    stateless = [piece.index for off in offloaded for piece in off.resident if id(piece.param) in in_blocks]
+    stateless = [piece.index for off in offloaded for piece in off.unchunked if id(piece.param) in in_blocks]
     if stateless:
         raise ValueError(f"{strategy_name}: offload_params=True needs per-parameter optimizer state for "
                          f"every trainable parameter in a block, but parameters {stateless} have none (e.g. "

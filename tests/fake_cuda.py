@@ -148,6 +148,11 @@ class FakeStream:
         self.log.append(("wait", self.name, event.n))
 
 
+def _allocation(t: torch.Tensor) -> torch.Tensor:
+    """The tensor owning ``t``'s memory (``t`` itself, or the base it is a view of)."""
+    return t if t._base is None else t._base
+
+
 def _is_of(t: torch.Tensor | None, buf: torch.Tensor) -> bool:
     """``t`` is ``buf`` or a view of it."""
     return t is not None and (t is buf or t._base is buf)
@@ -204,7 +209,8 @@ class FakeOps:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
-        self.copies.append((self.current().name, weakref.ref(dst), weakref.ref(src)))
+        # the allocations, not the views: a view made for the call (``device[lo:]``) is gone right after it
+        self.copies.append((self.current().name, weakref.ref(_allocation(dst)), weakref.ref(_allocation(src))))
         if self.runtime is not None:
             self.host_ends.append((self.current().name, any(self._pinned(t) for t in (dst, src))))
         dst.copy_(src, non_blocking=True)
@@ -229,10 +235,15 @@ class FakeOps:
         still be reading or writing it."""
         found = []
         for i, buf in enumerate(self.device_buffers):
-            uses = [s for s, *ends in self.copies for end in ends if _is_of(end(), buf)]
+            uses = self.streams_using(i)
             known = set(uses[:1]) | self.recorded.get(id(buf), set())
             found += [(i, s) for s in uses if s not in known]
         return found
+
+    def streams_using(self, i: int) -> list[str]:
+        """The stream of each copy that read or wrote device buffer ``i`` (or a view of it), in order."""
+        buf = self.device_buffers[i]
+        return [s for s, *ends in self.copies for end in ends if _is_of(end(), buf)]
 
     def live_device_buffers(self) -> int:
         """Device buffers something besides this list still references (autograd's saved tensors count). A

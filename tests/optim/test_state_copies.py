@@ -167,8 +167,9 @@ def test_no_synchronous_copy_to_the_host_during_a_backward_update(tmp_path, monk
     between the device and the host (``.cpu()``, ``copy_`` without ``non_blocking``, ``.item()``). With
     ``overlap="backward"`` the update runs inside autograd hooks: none may happen there, in any state format or
     master policy (``bf16_sr`` rounds the parameter where it lives, not through the host). On c86d0a7 this fails
-    with ``copy_to_host`` at ``formats/exact.py:26`` (exact), ``to_host`` at ``formats/int8.py:43`` (int8) and
-    ``to_host`` at ``formats/masters.py:65`` (``bf16_sr``'s round trip, still there before this test).
+    with ``copy_to_host`` at ``chunk_update.py:219`` (exact: the encode's ``copy_`` into the ring), ``to_host`` at
+    ``formats/int8.py:43`` (int8), and ``to_host`` + ``copy_to_device`` at ``formats/masters.py:62,69`` (``bf16_sr``'s
+    round trip through the host, still there until 84f0e68).
     The result stays bitwise the in-memory reference's."""
     fmt = StateFormat(state_format, master_format)
     fake_cuda_optimizer(monkeypatch)

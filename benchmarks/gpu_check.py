@@ -509,7 +509,8 @@ def run_unchecked(name: str, args: argparse.Namespace, base: pl.LightningModule,
         gc.collect()
         after, live = allocated(), pinned.live_registrations()
         return {"ok": bool(raised and live == registered == 0 and after <= before + workspace_bytes()),
-                "raised": raised, "live_host_registrations_after": live, "allocated_before_MiB": round(before / MiB, 1),
+                "raised": raised, "live_host_registrations_before": registered,  # nonzero: a run before leaked
+                "live_host_registrations_after": live, "allocated_before_MiB": round(before / MiB, 1),
                 "allocated_after_MiB": round(after / MiB, 1), "allowed_MiB": round(workspace_bytes() / MiB, 1)}
     if name == "params_memory":
         return memory_case(args, store_dir)

@@ -53,6 +53,10 @@ Cases (``--only NAME,...`` runs a subset):
   written at that bandwidth) <= ``--time-threshold``; prints the store's I/O mode (``direct`` / buffered).
 - ``params_compile``: ``torch.compile`` with ``offload_params`` is refused by name.
 - ``ddp_smoke``: ``nvme_offload_ddp`` on NCCL with ``devices=1``, bitwise against Lightning's DDP (one process).
+- ``fsdp_smoke``: ``nvme_offload_fsdp`` (its public constructor, through the Trainer) on NCCL with ``devices=1``:
+  the blocks gathered on the device per use from the one rank's shard in its store, reduced and updated during
+  backward; bitwise (weights and every loss) against Lightning's DDP (one process), the baseline ``ddp_smoke``
+  shares. One device only: a 2-rank run needs a launcher per rank (``tests/strategies/test_fsdp.py``'s, on CPU).
 - ``params_desk`` / ``params_desk_half``: ``params_backward`` with ``device_memory_budget`` holding every block
   (half the free device memory) / half the blocks' bytes: the kept blocks are copied up once at setup and
   never read, copied or written back during training. Reports the plan (``desk_plan``), the blocks
@@ -109,7 +113,9 @@ from lightning_nvme.store import pinned  # noqa: E402
 
 CASES = ("activation_offload", "params_backward", "params_step", "params_bf16", "params_resume", "params_keep",
          "params_delayed", "sanitizer", "params_desk", "params_desk_half", "params_prefetch2", "params_int8",
-         "params_stress", "params_exception", "params_compile", "ddp_smoke", "params_memory", "params_time")
+         "params_stress", "params_exception", "params_compile", "ddp_smoke", "fsdp_smoke", "params_memory",
+         "params_time")
+DATA_PARALLEL = ("ddp_smoke", "fsdp_smoke")  # cases against Lightning's own DDP (one process)
 # cases whose offloaded run must equal an in-memory reference with its own precision and optimizer format
 REFERENCE = {"params_bf16": ("bf16-true", ("exact", "fp32")), "params_int8": ("bf16-true", ("int8", "bf16_sr"))}
 # cases that train without a baseline (a refusal, an injected failure, a child process)
@@ -503,7 +509,8 @@ def run_unchecked(name: str, args: argparse.Namespace, base: pl.LightningModule,
         gc.collect()
         after, live = allocated(), pinned.live_registrations()
         return {"ok": bool(raised and live == registered == 0 and after <= before + workspace_bytes()),
-                "raised": raised, "live_host_registrations_after": live, "allocated_before_MiB": round(before / MiB, 1),
+                "raised": raised, "live_host_registrations_before": registered,  # nonzero: a run before leaked
+                "live_host_registrations_after": live, "allocated_before_MiB": round(before / MiB, 1),
                 "allocated_after_MiB": round(after / MiB, 1), "allowed_MiB": round(workspace_bytes() / MiB, 1)}
     if name == "params_memory":
         return memory_case(args, store_dir)
@@ -602,7 +609,7 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
         ref_peak = ref_step = None
     else:
         # ddp_smoke against Lightning's own DDP: its sampler and the gradient all-reduce are the same
-        ref, again, ref_peak, ref_step = baselines.get(precision, fmt, ddp=name == "ddp_smoke")
+        ref, again, ref_peak, ref_step = baselines.get(precision, fmt, ddp=name in DATA_PARALLEL)
     timer = StepTimer()
     extra: dict[str, Any] = {}
     losses = True  # one continuous fit: its per-step losses are compared too
@@ -669,11 +676,16 @@ def run_case(name: str, args: argparse.Namespace, baselines: Baselines, store_di
                                   and (plan["blocks_streamed"] == 0 and still if every
                                        else 0 < plan["blocks_on_desk"] < blocks and not still))
         got = params_of(model)
-    elif name == "ddp_smoke":
-        from lightning_nvme import NVMeOffloadDDPStrategy
+    elif name in DATA_PARALLEL:
+        from lightning_nvme import NVMeOffloadDDPStrategy, NVMeOffloadFSDPStrategy
 
-        strategy = NVMeOffloadDDPStrategy(store_dir=store_dir, chunk_bytes=args.chunk_mib * MiB,
-                                          process_group_backend=backend(args))
+        if name == "ddp_smoke":
+            strategy = NVMeOffloadDDPStrategy(store_dir=store_dir, chunk_bytes=args.chunk_mib * MiB,
+                                              process_group_backend=backend(args))
+        else:  # parameters sharded (1 rank: its shard is every block), gathered per use; overlap="backward"
+            strategy = NVMeOffloadFSDPStrategy(store_dir=store_dir, chunk_bytes=args.chunk_mib * MiB,
+                                               param_prefetch=args.param_prefetch, process_group_backend=backend(args))
+            extra = {"devices": 1, "backend": backend(args)}
         model = copy.deepcopy(base)
         try:
             train(model, args, data, store_dir, [timer], strategy=strategy)

@@ -17,16 +17,26 @@
   knows of each device buffer (the stream it was made on, the streams it was ``record_stream``-ed on)
   and which stream each copy ran on: ``unprotected_uses`` lists the copies that read or wrote a device
   buffer on a stream the allocator does not wait for before handing its memory to the next allocation.
+- ``FakeDevice`` (``fake_device()``): a device whose tensors (``DeviceTensor``) report a non-CPU device and keep
+  their data in a CPU tensor inside, so code that branches on ``t.device.type != "cpu"`` runs its device path,
+  autograd included; it records every *synchronous* device -> host transfer (``syncs``): ``.cpu()`` /
+  ``.to("cpu")`` without ``non_blocking``, ``copy_`` between the device and the host without ``non_blocking``
+  (either way: a copy from pageable host memory blocks the host too), ``.item()`` / ``.tolist()``. On a GPU
+  each of those stops the host until the device has run everything queued before it.
 """
 
 from __future__ import annotations
 
 import time
+import traceback
 import weakref
 from collections.abc import Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import torch
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten, tree_map
 
 SUCCESS = 0
 ERROR_MEMORY_ALLOCATION = 2  # cudaErrorMemoryAllocation (e.g. RLIMIT_MEMLOCK)
@@ -138,6 +148,11 @@ class FakeStream:
         self.log.append(("wait", self.name, event.n))
 
 
+def _allocation(t: torch.Tensor) -> torch.Tensor:
+    """The tensor owning ``t``'s memory (``t`` itself, or the base it is a view of)."""
+    return t if t._base is None else t._base
+
+
 def _is_of(t: torch.Tensor | None, buf: torch.Tensor) -> bool:
     """``t`` is ``buf`` or a view of it."""
     return t is not None and (t is buf or t._base is buf)
@@ -194,7 +209,8 @@ class FakeOps:
     def copy(self, dst: torch.Tensor, src: torch.Tensor) -> None:
         if self.delay_s:
             time.sleep(self.delay_s)
-        self.copies.append((self.current().name, weakref.ref(dst), weakref.ref(src)))
+        # the allocations, not the views: a view made for the call (``device[lo:]``) is gone right after it
+        self.copies.append((self.current().name, weakref.ref(_allocation(dst)), weakref.ref(_allocation(src))))
         if self.runtime is not None:
             self.host_ends.append((self.current().name, any(self._pinned(t) for t in (dst, src))))
         dst.copy_(src, non_blocking=True)
@@ -219,10 +235,15 @@ class FakeOps:
         still be reading or writing it."""
         found = []
         for i, buf in enumerate(self.device_buffers):
-            uses = [s for s, *ends in self.copies for end in ends if _is_of(end(), buf)]
+            uses = self.streams_using(i)
             known = set(uses[:1]) | self.recorded.get(id(buf), set())
             found += [(i, s) for s in uses if s not in known]
         return found
+
+    def streams_using(self, i: int) -> list[str]:
+        """The stream of each copy that read or wrote device buffer ``i`` (or a view of it), in order."""
+        buf = self.device_buffers[i]
+        return [s for s, *ends in self.copies for end in ends if _is_of(end(), buf)]
 
     def live_device_buffers(self) -> int:
         """Device buffers something besides this list still references (autograd's saved tensors count). A
@@ -261,3 +282,119 @@ def fake_cuda_optimizer(monkeypatch, delay_s: float = 0.0) -> list[FakeOps]:
 
     monkeypatch.setattr(buffers, "copy_ops_for", fake, raising=False)
     return made
+
+
+# ---- a fake device whose synchronous copies are recorded ------------------------------------------------------
+# The device type the fake device's tensors report. "meta" is the one non-CPU device type a CPU build of torch has a
+# device guard for, so autograd runs on it; the data itself lives in a CPU tensor inside each ``DeviceTensor``.
+FAKE_DEVICE = torch.device("meta")
+aten = torch.ops.aten
+
+
+class DeviceTensor(torch.Tensor):
+    """A tensor on the fake device: its metadata says ``FAKE_DEVICE``, its values are ``inner`` (a CPU tensor)."""
+
+    inner: torch.Tensor
+
+    @staticmethod
+    def __new__(cls, inner: torch.Tensor) -> DeviceTensor:
+        r = torch.Tensor._make_wrapper_subclass(cls, inner.size(), strides=inner.stride(),  # type: ignore[attr-defined]
+                                                storage_offset=inner.storage_offset(), dtype=inner.dtype,
+                                                device=FAKE_DEVICE, requires_grad=inner.requires_grad)
+        r.inner = inner
+        return r
+
+    def __repr__(self) -> str:  # type: ignore[override]
+        return f"DeviceTensor({self.inner!r})"
+
+    @classmethod
+    def __torch_dispatch__(cls, func, types, args=(), kwargs=None):  # outside ``FakeDevice`` (e.g. a test's check)
+        return _dispatch(None, func, args, kwargs or {})
+
+
+def _unwrap(t: Any) -> Any:
+    return t.inner if isinstance(t, DeviceTensor) else t
+
+
+def _is_fake(device: Any) -> bool:
+    return device is not None and torch.device(device).type == FAKE_DEVICE.type
+
+
+def _dispatch(rec: FakeDevice | None, func, args, kwargs) -> Any:
+    flat, _ = tree_flatten((args, kwargs))
+    on_device = any(isinstance(t, DeviceTensor) for t in flat)
+    target = kwargs.get("device")
+    kwargs = {**kwargs, "device": torch.device("cpu")} if _is_fake(target) else kwargs
+    if rec is not None:
+        rec.classify(func, args, kwargs, on_device, target)
+    originals = {id(_unwrap(t)): t for t in flat if isinstance(t, torch.Tensor)}
+    out = func(*tree_map(_unwrap, args), **tree_map(_unwrap, kwargs))
+    wrap = _is_fake(target) or (on_device and target is None)
+
+    def back(t: Any) -> Any:
+        if not isinstance(t, torch.Tensor):
+            return t
+        if id(t) in originals:  # in place / out=: the argument itself
+            return originals[id(t)]
+        return DeviceTensor(t) if wrap else t
+
+    return tree_map(back, out)
+
+
+class FakeDevice(TorchDispatchMode):
+    """While entered, tensors made with ``device=FAKE_DEVICE`` (or moved there) are ``DeviceTensor``s, and every
+    synchronous transfer between them and the host is appended to ``syncs`` as ``(kind, where)``: ``kind`` one of
+    ``"to_host"`` (``.cpu()``, ``.to("cpu")``), ``"copy_to_host"`` / ``"copy_to_device"`` (``copy_`` without
+    ``non_blocking``), ``"item"`` (``.item()``, ``.tolist()``, ``bool()``); ``where`` the innermost frames of
+    ``lightning_nvme`` that made it. ``recording``: set to False to ignore what a test itself does."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.syncs: list[tuple[str, str]] = []
+        self.recording = True
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        return _dispatch(self, func, args, kwargs or {})
+
+    def classify(self, func, args, kwargs, on_device: bool, target: Any) -> None:
+        if not self.recording:
+            return
+        if func is aten._to_copy.default and isinstance(args[0], DeviceTensor) and target is not None \
+                and torch.device(target).type == "cpu" and not kwargs.get("non_blocking", False):
+            self._record("to_host")
+        elif func is aten.copy_.default:
+            dst, src = args[0], args[1]
+            blocking = not (args[2] if len(args) > 2 else kwargs.get("non_blocking", False))
+            if blocking and isinstance(src, DeviceTensor) and not isinstance(dst, DeviceTensor):
+                self._record("copy_to_host")
+            elif blocking and isinstance(dst, DeviceTensor) and isinstance(src, torch.Tensor) \
+                    and not isinstance(src, DeviceTensor) and src.dim() > 0:  # a 0-dim CPU tensor is a scalar
+                self._record("copy_to_device")
+        elif func is aten._local_scalar_dense.default and on_device:
+            self._record("item")
+
+    def _record(self, kind: str) -> None:
+        frames = [f for f in traceback.extract_stack() if "lightning_nvme" in f.filename and "tests" not in f.filename]
+        where = " < ".join(f"{f.filename.rsplit('lightning_nvme/', 1)[-1]}:{f.lineno}" for f in reversed(frames[-3:]))
+        self.syncs.append((kind, where))
+
+
+@contextmanager
+def fake_device() -> Iterator[FakeDevice]:
+    """A ``FakeDevice`` entered for the block."""
+    mode = FakeDevice()
+    with mode:
+        yield mode
+
+
+def to_fake_device(module: torch.nn.Module) -> torch.nn.Module:
+    """``module``'s parameters moved to the fake device (as ``module.to("cuda")`` would), in place."""
+    for m in module.modules():
+        for name, p in list(m.named_parameters(recurse=False)):
+            setattr(m, name, torch.nn.Parameter(DeviceTensor(p.detach().clone()), requires_grad=p.requires_grad))
+    return module
+
+
+def on_host(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with ``t``'s values (a test's own check: not recorded)."""
+    return t.inner.clone() if isinstance(t, DeviceTensor) else t.detach().clone()

@@ -93,7 +93,8 @@ def small_check(tmp_path_factory):
 
 CASES_ON_CPU = ("activation_offload", "params_backward", "params_step", "params_bf16", "params_resume", "params_keep",
                 "params_delayed", "sanitizer", "params_desk", "params_desk_half", "params_prefetch2", "params_int8",
-                "params_stress", "params_exception", "params_compile", "ddp_smoke", "params_memory", "params_time")
+                "params_stress", "params_exception", "params_compile", "ddp_smoke", "fsdp_smoke", "params_memory",
+                "params_time")
 
 
 def test_every_case_is_run_on_cpu_below(small_check):

@@ -9,8 +9,10 @@ import numba
 import numpy as np
 import pytest
 import torch
+from fake_cuda import FAKE_DEVICE, fake_device, on_host
 
 from lightning_nvme.optim.formats import kernels as k
+from lightning_nvme.optim.formats import masters
 
 F32 = np.float32
 
@@ -91,6 +93,31 @@ def test_stochastic_rounding_follows_the_spec(start: int) -> None:
     out = np.empty(len(x), np.int16)
     k.stochastic_round_bf16(x, out, 0xDEADBEEF, start)
     np.testing.assert_array_equal(out, spec_stochastic_round(x, 0xDEADBEEF, start))
+
+
+@pytest.mark.parametrize("start", [0, 3, 2 ** 31 - 5, 2 ** 32 - 1500, 2 ** 40 + 7])
+def test_rounding_on_the_device_is_bitwise_the_kernel(monkeypatch: pytest.MonkeyPatch, start: int) -> None:
+    """``masters.round_on_device`` (torch integer ops, run where a parameter lives) against the numba kernel, bit
+    for bit: NaN, infinities, zeros, denormals, huge values, element indexes wrapping past 2**32, and slices
+    (``DEVICE_SLICE`` made small) that cut the tensor anywhere. Then through ``fake_cuda.FakeDevice``: an fp32
+    tensor on a device is rounded there, with no synchronous transfer to the host."""
+    monkeypatch.setattr(masters, "DEVICE_SLICE", 1000)
+    x = sample(5_000, start % 97)
+    x[[10, 20, 30, 40]] = [np.nan, np.inf, -np.inf, -np.nan]
+    want = np.empty(len(x), np.int16)
+    k.stochastic_round_bf16(x, want, 0xDEADBEEF, start)
+    got = masters.round_on_device(torch.from_numpy(x), 0xDEADBEEF, start)
+    assert got.dtype == torch.bfloat16
+    np.testing.assert_array_equal(got.view(torch.int16).numpy(), want)
+    out = torch.empty(len(x), 2, dtype=torch.bfloat16)[:, 0]  # a strided destination
+    masters.round_on_device(torch.from_numpy(x), 0xDEADBEEF, start, out=out)
+    np.testing.assert_array_equal(out.contiguous().view(torch.int16).numpy(), want)
+    with fake_device() as device:
+        on_device = torch.from_numpy(x).to(FAKE_DEVICE)
+        dst = torch.empty(len(x), dtype=torch.bfloat16, device=FAKE_DEVICE)
+        masters.stochastic_round_bf16(on_device, 0xDEADBEEF, start, out=dst)
+        assert dst.device == FAKE_DEVICE and device.syncs == []
+    np.testing.assert_array_equal(on_host(dst).view(torch.int16).numpy(), want)
 
 
 def test_the_threaded_split_is_bitwise_the_single_thread_run(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from fake_cuda import fake_cuda_optimizer
+from fake_cuda import FAKE_DEVICE, fake_cuda_optimizer, fake_device, on_host, to_fake_device
 
 from lightning_nvme.optim import OffloadedOptimizer
 from lightning_nvme.optim.formats.state_format import RoundTripOptimizer, StateFormat
@@ -22,16 +22,19 @@ from lightning_nvme.store import FlatStore
 STEPS = 3
 
 
-def _model() -> torch.nn.Module:
+def _model(dtype: torch.dtype = torch.float32) -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(torch.nn.Linear(32, 64), torch.nn.Tanh(), torch.nn.Linear(64, 48), torch.nn.Tanh(),
-                               torch.nn.Linear(48, 4))
+                               torch.nn.Linear(48, 4)).to(dtype)
 
 
-def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = STEPS) -> None:
+def _train(model: torch.nn.Module, opt: torch.optim.Optimizer, steps: int = STEPS,
+           device: torch.device | None = None) -> None:
     torch.manual_seed(1)
+    dtype = next(model.parameters()).dtype
     for _ in range(steps):
-        x = torch.randn(8, 32)
+        x = torch.randn(8, 32).to(dtype)
+        x = x if device is None else x.to(device)
 
         def closure() -> torch.Tensor:
             opt.zero_grad()
@@ -77,8 +80,8 @@ def _run(tmp_path, monkeypatch, fmt: StateFormat, overlap: str, delay_s: float =
     return model, off, ops
 
 
-def _reference(fmt: StateFormat) -> torch.nn.Module:
-    model = _model()
+def _reference(fmt: StateFormat, dtype: torch.dtype = torch.float32) -> torch.nn.Module:
+    model = _model(dtype)
     opt = torch.optim.AdamW(model.parameters(), lr=1e-2)
     if not fmt.exact:
         RoundTripOptimizer(opt, fmt)
@@ -151,3 +154,38 @@ def test_a_step_raising_after_backward_leaves_the_ring_whole(tmp_path, monkeypat
     off.close()
     assert not off.writeback.pending and len(off.ring._free) == off.ring.count
     store.close()
+
+
+@pytest.mark.parametrize("state_format, master_format, dtype", [("exact", "fp32", torch.float32),
+                                                                 ("int8", "fp32", torch.float32),
+                                                                 ("exact", "bf16_sr", torch.bfloat16),
+                                                                 ("int8", "bf16_sr", torch.bfloat16)])
+def test_no_synchronous_copy_to_the_host_during_a_backward_update(tmp_path, monkeypatch, state_format, master_format,
+                                                                  dtype):
+    """The blocking copy itself (finding 3), observed: the parameters live on ``fake_cuda.FakeDevice`` (a device type
+    other than CPU, so the update takes its device path; autograd runs), which records every synchronous transfer
+    between the device and the host (``.cpu()``, ``copy_`` without ``non_blocking``, ``.item()``). With
+    ``overlap="backward"`` the update runs inside autograd hooks: none may happen there, in any state format or
+    master policy (``bf16_sr`` rounds the parameter where it lives, not through the host). On c86d0a7 this fails
+    with ``copy_to_host`` at ``chunk_update.py:219`` (exact: the encode's ``copy_`` into the ring), ``to_host`` at
+    ``formats/int8.py:43`` (int8), and ``to_host`` + ``copy_to_device`` at ``formats/masters.py:62,69`` (``bf16_sr``'s
+    round trip through the host, still there until 84f0e68).
+    The result stays bitwise the in-memory reference's."""
+    fmt = StateFormat(state_format, master_format)
+    fake_cuda_optimizer(monkeypatch)
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
+    with fake_device() as device:
+        device.recording = False  # building the model and the optimizer is not the update
+        model = to_fake_device(_model(dtype))
+        off = OffloadedOptimizer(torch.optim.AdamW(model.parameters(), lr=1e-2), store, chunk_bytes=8 << 10,
+                                 overlap="backward", fmt=fmt)
+        assert next(model.parameters()).device == FAKE_DEVICE
+        device.recording = True
+        _train(model, off.optimizer, device=FAKE_DEVICE)
+        device.recording = False
+        off.close()
+    store.close()
+    assert device.syncs == [], f"synchronous device <-> host transfers in the update: {device.syncs[:4]}"
+    reference = _reference(fmt, dtype)
+    for p, q in zip(reference.parameters(), model.parameters()):
+        assert torch.equal(p, on_host(q))

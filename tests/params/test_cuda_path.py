@@ -271,6 +271,7 @@ def test_cuda_forward_without_checkpointing_refuses(tmp_path, monkeypatch):
         forward(x)
     with torch.no_grad():  # nothing saved: fine
         forward(x)
+    offload.stop(restore=True)  # the pool unregistered: no registration outlives the test (gpu_check counts them)
     store.close()
 
 
@@ -351,4 +352,5 @@ def test_step_end_does_not_wait_for_the_device(tmp_path, monkeypatch):
                            expected)
     finally:
         offload.residency.drain()
+        offload.stop(restore=True)  # the pool unregistered: no registration outlives the test
         store.close()

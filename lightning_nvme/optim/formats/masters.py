@@ -4,7 +4,9 @@
 - ``"bf16_sr"``: no fp32 master is stored; the update runs on ``param.float()`` and is rounded back to
   bf16 stochastically. The noise is a hash of (optimizer step, parameter index, element index):
   deterministic, independent of how the state is cut into chunks or ranks, and reproducible on resume
-  (the step count is saved in the checkpoint). The rounding kernel is in ``kernels.py``.
+  (the step count is saved in the checkpoint). The rounding kernel is in ``kernels.py`` (numba, CPU); a parameter
+  on an accelerator is rounded where it lives by ``_round_in_place`` (the same integer arithmetic in torch ops,
+  bitwise equal, ``tests/optim/test_codec_kernels.py``), so its update never goes through the host.
 """
 
 from __future__ import annotations
@@ -58,7 +60,13 @@ def sr_key(step: int, index: int) -> int:
 def stochastic_round_bf16(x: torch.Tensor, key: int, start: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
     """fp32 -> bf16, rounding away from zero with probability (dropped bits) / 2**16, with noise that
     is a pure function of the element index (``kernels.stochastic_round_bf16``), so any cut of a
-    tensor into pieces rounds identically. Into ``out`` (bf16, ``x``'s shape) when given."""
+    tensor into pieces rounds identically. Into ``out`` (bf16, ``x``'s shape) when given.
+
+    ``x`` on an accelerator (and ``out``, if given, on the same one) is rounded there (``round_on_device``):
+    copying it to the host for the numba kernel would stop the host until the device has run everything
+    queued, inside the update (with ``overlap="backward"``, inside backward's hooks)."""
+    if x.device.type != "cpu" and (out is None or out.device == x.device):
+        return round_on_device(x, key, start, out)
     flat = on_cpu(x)
     direct = out is not None and out.device.type == "cpu" and out.is_contiguous()
     dst = out.view(-1) if out is not None and direct else torch.empty(flat.numel(), dtype=torch.bfloat16)
@@ -68,3 +76,43 @@ def stochastic_round_bf16(x: torch.Tensor, key: int, start: int = 0, out: torch.
     if not direct:
         out.copy_(dst.view(out.shape))
     return out
+
+
+_GOLDEN = 0x9E3779B1
+_LOW32 = 0xFFFFFFFF
+_LOW16 = 0xFFFF
+_CANONICAL_NAN_BF16 = 0x7FC0
+DEVICE_SLICE = 1 << 22  # elements rounded at once on a device: bounds its int64 temporaries (4 x 32 MiB)
+
+
+def round_on_device(x: torch.Tensor, key: int, start: int = 0, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``kernels._stochastic_round_bf16``'s arithmetic in torch integer ops, run where ``x`` lives (any device;
+    bitwise equal to the kernel, asserted on CPU), ``DEVICE_SLICE`` elements at a time. Into ``out`` when given."""
+    if x.dtype != torch.float32:
+        raise TypeError(f"stochastic rounding to bf16 takes fp32, got {x.dtype}")
+    src = x.detach().reshape(-1)
+    direct = out is not None and out.is_contiguous()
+    dst = out.view(-1) if out is not None and direct else torch.empty(src.numel(), dtype=torch.bfloat16, device=x.device)
+    bits16 = dst.view(torch.int16)
+    for lo in range(0, src.numel(), DEVICE_SLICE):
+        part = src[lo:lo + DEVICE_SLICE]
+        _round_slice(part, bits16[lo:lo + part.numel()], key, start + lo)
+    if out is None:
+        return dst.view(x.shape)
+    if not direct:
+        out.copy_(dst.view(out.shape))
+    return out
+
+
+def _round_slice(x: torch.Tensor, out16: torch.Tensor, key: int, start: int) -> None:
+    """One slice: noise of element ``start + i`` = top 16 bits of ``((start + i) * 0x9E3779B1 + key) mod 2**32``,
+    added to ``x``'s bits, the top 16 bits kept. The product mod 2**32 is formed from 16-bit halves of the index
+    so that no int64 product overflows (``idx * golden`` would past 2**32 elements)."""
+    idx = torch.arange(start, start + x.numel(), dtype=torch.int64, device=x.device)
+    hi = ((idx >> 16) & _LOW16).mul_(_GOLDEN).bitwise_and_(_LOW16).bitwise_left_shift_(16)
+    noise = idx.bitwise_and_(_LOW16).mul_(_GOLDEN).add_(hi).add_(key).bitwise_and_(_LOW32).bitwise_right_shift_(16)
+    del hi
+    r = x.view(torch.int32).to(torch.int64).bitwise_and_(_LOW32).add_(noise).bitwise_and_(_LOW32)
+    r = r.bitwise_right_shift_(16)
+    r = r.sub_(r.bitwise_right_shift(15).bitwise_left_shift_(16))  # the top half as a signed int16
+    out16.copy_(torch.where(x != x, torch.full_like(r, _CANONICAL_NAN_BF16), r))

@@ -27,12 +27,20 @@ replicated); ``block_classes`` (as ``offload_params``' ``param_block_classes``);
 process group of the gathers and reductions: its own, so they never interleave with others'); ``prefetch`` (blocks
 whose shard is read ahead); ``device`` (where gathered blocks and gradients live); ``reduced`` (called with the
 parameters whose averaged, owned gradient is final: the strategy hands them to the offloaded optimizer's
-``grad_ready``, which may update them at once).
+``grad_ready``, which may update them at once); ``reduce_order`` (``"rank"``: every gradient element summed in
+rank order, ``lightning_nvme.params.ordered_sum``, so the result equals DDP with ``ordered_allreduce_hook``
+bitwise at any N; ``"backend"``: the backend's reduce-scatter and all-reduce, whose order is its own);
+``inflight`` (reductions started and not yet waited for, at most: each keeps its block gathered and its flat
+gradient alive until its update).
+
+Overlap: in both passes the next block's all-gather is started (asynchronously) before this block computes, and
+in backward a block's reduction is started as its last gradient arrives and waited for ``inflight`` reductions
+later (or at the end of backward), so the collectives of one block run while the next computes. Every wait is in
+the same order on every rank.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_nvme.optim.plan import placeholder
 from lightning_nvme.params.layout import BlockLayout, ParamSlot, plan_layout
+from lightning_nvme.params.ordered_sum import ScatterSum
 from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
 from lightning_nvme.params.residency import BlockResidency
 from lightning_nvme.params.schedule import (
@@ -55,7 +64,9 @@ from lightning_nvme.params.schedule import (
 from lightning_nvme.params.shards import FlatShards
 from lightning_nvme.params.transfer import HostTransfer
 
-FWD, BWD, UPDATE, USER, RECOMPUTE, GATHER = "forward", "backward", "update", "user", "recompute", "gather"
+FWD, BWD, UPDATE, USER, RECOMPUTE, GATHER, REDUCE = ("forward", "backward", "update", "user", "recompute", "gather",
+                                                   "reduce")
+REDUCE_ORDERS = ("rank", "backend")  # ``reduce_order``: the sum in rank order (ScatterSum), or the backend's own
 
 
 def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
@@ -63,9 +74,32 @@ def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
     gather(out, shard, group=group)
 
 
-def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, flat, group=group)
+class _BackendSum:
+    """The backend's own reduction, started asynchronously: ``reduce_scatter`` of ``flat`` (``wait()``: this rank's
+    piece of the sum) or, with ``whole``, ``all_reduce`` in place (``wait()``: all of ``flat``)."""
+
+    def __init__(self, flat: torch.Tensor, shard: int, group: Any, whole: bool = False) -> None:
+        if whole:
+            self._out = flat
+            self._work = dist.all_reduce(flat, group=group, async_op=True)
+        else:
+            self._out = torch.empty(shard, dtype=flat.dtype, device=flat.device)
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            self._work = scatter(self._out, flat, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._out
+
+
+@dataclass
+class _Reduction:
+    """A gradient reduction in flight: a block's flat gradient (``unit``) or a replicated parameter's (``param``)."""
+
+    sum: ScatterSum | _BackendSum
+    flat: torch.Tensor
+    unit: Unit | None = None
+    param: torch.Tensor | None = None
 
 
 @dataclass
@@ -155,12 +189,17 @@ class ShardedParams:
 
     def __init__(self, model: nn.Module, block_classes: BlockClasses, rank: int, world: int, group: Any,
                  prefetch: int = 1, device: torch.device | None = None,
-                 reduced: Callable[[Sequence[torch.Tensor]], None] | None = None) -> None:
+                 reduced: Callable[[Sequence[torch.Tensor]], None] | None = None, reduce_order: str = "rank",
+                 inflight: int = 1) -> None:
+        if reduce_order not in REDUCE_ORDERS:
+            raise ValueError(f"reduce_order={reduce_order!r}: one of {REDUCE_ORDERS}")
         self.model = model
         self.rank, self.world, self.group = rank, world, group
         self.prefetch = prefetch
         self.device = device or torch.device("cpu")
         self.reduced = reduced or (lambda params: None)
+        self.reduce_order, self.inflight = reduce_order, max(0, inflight)
+        self._reductions: list[_Reduction] = []
         classes = block_classes if block_classes is not None else model_block_classes(model)
         blocks = find_blocks(model, classes)
         if not blocks:
@@ -188,6 +227,15 @@ class ShardedParams:
         for n, p in self.outside:
             by_dtype.setdefault(p.dtype, []).append((n, p))
         self.replicated = [FlatShards(named, world) for named in by_dtype.values()]  # owned 1/N, gathered after a step
+        # a replicated parameter's elements owned by each rank: consecutive, in rank order (the ScatterSum pieces)
+        self._counts: dict[int, list[int]] = {}
+        self._mine: dict[int, tuple[int, int]] = {}
+        for flat in self.replicated:
+            for r in range(world):
+                for slot, lo, hi in flat.owned(r):
+                    self._counts.setdefault(id(slot.param), [0] * world)[r] = hi - lo
+                    if r == rank:
+                        self._mine[id(slot.param)] = (lo, hi)
         self._unit_of = {id(p): u for u in self.units for p in u.trainable}
         self._outside_ids = {id(p) for _, p in self.outside}
         self.io = ShardIO(rank, group, self.device)
@@ -253,7 +301,7 @@ class ShardedParams:
             for p in u.trainable:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(u)))
         for _, p in self.outside:
-            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_all_reduce_hook, self)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self._reduce_replicated))
 
     def stop(self, restore: bool = True) -> None:
         """End of fit: with ``restore`` every block is gathered back into its module (a collective: every rank
@@ -263,6 +311,7 @@ class ShardedParams:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self._reductions = []  # after a failure mid-backward: never waited for (another rank may be gone)
         for u in self.units:
             u.refs.clear()
             u.pending.clear()
@@ -339,6 +388,8 @@ class ShardedParams:
                 self._open.append(call)
                 register_multi_grad_hook(outputs, lambda _grad: self._pre_backward(call), mode="any")
             self._let_go(u, FWD)
+            if outputs and torch.is_grad_enabled() and u.index == len(self.units) - 1:
+                self.io.gather_ahead(u)  # the first block of backward: gathered while the head and the loss compute
         return hook
 
     # ---- backward --------------------------------------------------------------------------------------------
@@ -348,7 +399,11 @@ class ShardedParams:
         call.pre = True
         u = call.unit
         self._hold(u, BWD)
-        self.io.prefetch(reversed(self.units[max(0, u.index - self.prefetch):u.index]))
+        # as in forward: reads run one block further ahead than the gathers; the previous block's gather is started
+        # now and runs while this block's backward computes
+        self.io.prefetch(reversed(self.units[max(0, u.index - 1 - self.prefetch):u.index]))
+        if u.index > 0:
+            self.io.gather_ahead(self.units[u.index - 1])
         task = torch._C._current_graph_task_id()
         if task != self._callback_queued_for:
             self._callback_queued_for = task
@@ -367,17 +422,57 @@ class ShardedParams:
         return hook
 
     def _reduce(self, u: Unit) -> None:
-        """The block's gradients are all accumulated: average them across ranks, keep the owned shard."""
+        """The block's gradients are all accumulated: start averaging them across ranks (this rank keeps its shard
+        of the average); the block stays gathered until the reduction is waited for and its update done."""
         u.arrived.clear()
         grads = [p.grad for p in u.trainable]
         assert all(g is not None for g in grads)  # every one arrived (``_grad_hook``)
         flat = u.flat.pack(grads,  # type: ignore[arg-type]
                            torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
-        flat.mul_(1.0 / self.world)  # averages as DDP does: multiply by 1/N, then sum
+        for p in u.trainable:
+            p.grad = None  # packed: freed now, the owned views are set when the reduction is waited for
+        flat.mul_(1.0 / self.world)  # averages as DDP's reducer does: multiply by 1/N, then sum
+        self._hold(u, REDUCE)
+        if self.reduce_order == "rank":
+            total: ScatterSum | _BackendSum = ScatterSum(flat, [u.flat.shard] * self.world, self.rank, self.group)
+        else:
+            total = _BackendSum(flat, u.flat.shard, self.group)
+        self._started(_Reduction(total, flat, unit=u))
+
+    def _reduce_replicated(self, p: torch.Tensor) -> None:
+        """A replicated parameter's gradient is final: start averaging it across ranks (1/N, then the sum); in rank
+        order only this rank's elements are summed (the others are never read: this rank updates its own)."""
+        assert p.grad is not None
+        p.grad.mul_(1.0 / self.world)
+        flat = p.grad.view(-1)
+        if self.reduce_order == "rank":
+            total: ScatterSum | _BackendSum = ScatterSum(flat, self._counts[id(p)], self.rank, self.group)
+        else:
+            total = _BackendSum(flat, 0, self.group, whole=True)
+        self._started(_Reduction(total, flat, param=p))
+
+    def _started(self, r: _Reduction) -> None:
+        self._reductions.append(r)
+        while len(self._reductions) > self.inflight:
+            self._finish(self._reductions.pop(0))
+
+    def _finish_reductions(self) -> None:
+        while self._reductions:
+            self._finish(self._reductions.pop(0))
+
+    def _finish(self, r: _Reduction) -> None:
+        """Wait for a reduction (in the order they were started: the same on every rank) and hand on what it gives."""
+        mine = r.sum.wait()
+        if r.param is not None:
+            if self.reduce_order == "rank":
+                lo, hi = self._mine.get(id(r.param), (0, 0))
+                r.flat[lo:hi].copy_(mine)
+            self.reduced([r.param])
+            return
+        u, flat = r.unit, r.flat
+        assert u is not None
         lo, hi = u.flat.bounds(self.rank)
-        mine = torch.empty(hi - lo, dtype=flat.dtype, device=self.device)
-        _reduce_scatter(mine, flat, self.group)
-        flat[lo:hi].copy_(mine)  # only the owned slice is read from here on (the others are this rank's own sums)
+        flat[lo:hi].copy_(mine)  # only the owned slice is read from here on (the others are this rank's own terms)
         owned = {id(p) for p in u.owned_params}
         for s in u.flat.slots:
             s.param.grad = u.flat.view(flat, s) if id(s.param) in owned else None
@@ -385,9 +480,12 @@ class ShardedParams:
             u.grad = flat
             u.pending = set(owned)
             self._hold(u, UPDATE)  # the update writes into the gathered block; its owned slice is then written back
+        self._let_go(u, REDUCE)
+        if owned:
             self.reduced(u.owned_params)
 
     def _end_backward(self) -> None:
+        self._finish_reductions()
         for call in self._open:
             self._post_backward(call)
         self._open = [c for c in self._open if not c.pre]
@@ -427,6 +525,9 @@ class ShardedParams:
     def finish_step(self) -> None:
         """After the optimizer step: every block updated and written back, nothing gathered; then the replicated
         parameters gathered from their owners (a collective, in the same order on every rank)."""
+        if self._reductions:
+            raise RuntimeError(f"nvme_offload_fsdp: {len(self._reductions)} gradient reductions were not waited for "
+                               "by the end of backward (a bug)")
         for u in self.units:
             if u.pending:
                 raise RuntimeError(f"nvme_offload_fsdp: block {u.name} was not updated in this step (a bug)")
@@ -462,11 +563,3 @@ def _gather_hook(engine: ShardedParams, u: Unit) -> Any:
             if prefix + name in state_dict:
                 state_dict[prefix + name] = u.flat.view(full, slot).clone()
     return hook
-
-
-def _all_reduce_hook(engine: ShardedParams, p: torch.Tensor) -> None:
-    """A replicated parameter's gradient is final: average it across ranks (as DDP: 1/N, then sum), hand it on."""
-    assert p.grad is not None
-    p.grad.mul_(1.0 / engine.world)
-    dist.all_reduce(p.grad, group=engine.group)
-    engine.reduced([p])

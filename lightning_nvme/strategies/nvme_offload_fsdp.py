@@ -145,7 +145,8 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         s = self.config
         classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
         self.sharded = ShardedParams(trainer.lightning_module, classes, self.global_rank, self.world_size,
-                                     self._shard_group, s.param_prefetch, self.root_device, reduced=self._reduced)
+                                     self._shard_group, s.param_prefetch, self.root_device, reduced=self._reduced,
+                                     reduce_order=s.reduce_order, inflight=max(1, s.param_prefetch))
         super(NVMeOffloadDDPStrategy, self)._offload_optimizers(trainer)
         self._grad_owner = {}
         for off in self.offloaded:

@@ -54,6 +54,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_nvme.optim.plan import placeholder
 from lightning_nvme.params.layout import BlockLayout, ParamSlot, plan_layout
+from lightning_nvme.params.materialize import has_meta_tensors, materialize
 from lightning_nvme.params.ordered_sum import ScatterSum
 from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
 from lightning_nvme.params.residency import BlockResidency
@@ -223,6 +224,7 @@ class ShardedParams:
             self.units.append(Unit(block.index, block.name, block.module, flat, shard, [s.param for s in block.slots],
                                    owned))
         self.outside = [(n, p) for n, p in layout.outside_blocks if p.requires_grad]
+        self._outside_all = [p for _, p in layout.outside_blocks]
         by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         for n, p in self.outside:
             by_dtype.setdefault(p.dtype, []).append((n, p))
@@ -287,12 +289,11 @@ class ShardedParams:
         store.add_regions(self.regions())
         self.residency = BlockResidency(store, [u.shard for u in self.units], max_pending_writes=self.prefetch + 1,
                                         transfer=HostTransfer())
-        for u in self.units:
-            with torch.no_grad():
-                full = u.flat.pack([p.detach() for p in u.trainable],
-                                   torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
-            self.io.write_shard(u, full)
-            self._unbind(u)
+        if has_meta_tensors(self.model):
+            self._build_from_meta()
+        else:
+            for u in self.units:
+                self._write_initial(u, broadcast=False)  # every rank holds rank 0's values (the strategy's sync)
         self.residency.drain()
         for u in self.units:
             self._handles.append(u.module.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
@@ -302,6 +303,37 @@ class ShardedParams:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(u)))
         for _, p in self.outside:
             self._handles.append(p.register_post_accumulate_grad_hook(self._reduce_replicated))
+
+    def _write_initial(self, u: Unit, broadcast: bool) -> None:
+        """The block's values (in its module) become this rank's shard in the store; placeholders are left behind.
+        ``broadcast``: rank 0's values are taken (as DDP's start), e.g. after each rank initialized its own."""
+        with torch.no_grad():
+            full = u.flat.pack([p.detach() for p in u.trainable],
+                               torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
+            if broadcast and self.world > 1:
+                dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
+        self.io.write_shard(u, full)
+        self._unbind(u)
+
+    def _build_from_meta(self) -> None:
+        """A model built on the meta device is initialized module by module (``params.materialize``), each block
+        sharded into the store as soon as its last module is initialized: at most about one block is ever whole in
+        memory. Every rank then holds rank 0's values (blocks, parameters outside blocks and buffers broadcast), as
+        an in-memory model gets from the strategy's start."""
+        written: set[int] = set()
+
+        def shard_complete_blocks() -> None:
+            for u in self.units:
+                if u.index not in written and not any(p.is_meta for p in u.trainable):
+                    written.add(u.index)
+                    self._write_initial(u, broadcast=True)
+
+        materialize(self.model, self.device, shard_complete_blocks)
+        if self.world > 1:
+            src = dist.get_global_rank(self.group, 0)
+            with torch.no_grad():
+                for t in [*self._outside_all, *self.model.buffers()]:
+                    dist.broadcast(t.data, src=src, group=self.group)
 
     def stop(self, restore: bool = True) -> None:
         """End of fit: with ``restore`` every block is gathered back into its module (a collective: every rank

@@ -15,7 +15,8 @@ resumes at any number of ranks (and under ``nvme_offload_ddp``, ``nvme_offload``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -123,11 +124,6 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
                               f"{trainer.accumulate_grad_batches} is not supported yet: each block's gradient is "
                               "reduce-scattered and consumed in the backward that produced it. Fix: "
                               "accumulate_grad_batches=1 with a larger batch, or strategy='nvme_offload_ddp'.")
-        if has_meta_tensors(module):
-            raise ConfigError("offload_params", f"{self.strategy_name}: the model has tensors on the meta device "
-                              "(trainer.init_module(empty_init=True) or configure_model): building it block by block "
-                              "into the shards is not supported yet. Fix: build the model in memory, or "
-                              "strategy='nvme_offload' with offload_params=True.")
 
     @override
     def configure_ddp(self) -> None:
@@ -135,7 +131,29 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         all-reduced by ``ShardedParams``. As DDP does when it wraps the model, every rank starts from rank 0's
         parameters and buffers."""
         assert self.model is not None
-        _sync_module_states(self.model)
+        if not has_meta_tensors(self.model):  # built on the meta device: ShardedParams.start broadcasts as it builds
+            _sync_module_states(self.model)
+
+    @override
+    def model_to_device(self) -> None:
+        """A model built on the meta device stays there until ``ShardedParams.start`` initializes it module by
+        module, sharding each block into the store as it completes (the whole model is never in memory)."""
+        assert self.model is not None
+        if not has_meta_tensors(self.model):
+            super().model_to_device()
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module()`` and ``configure_model`` create parameters on the meta device (no memory), as
+        ``nvme_offload`` does with ``offload_params``; setup initializes them block by block into the shards.
+        ``empty_init=False`` asks for a model in memory."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:

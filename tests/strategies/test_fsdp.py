@@ -193,6 +193,27 @@ def test_flat_shards_cover_every_element_once():
 
 
 @pytest.fixture(scope="module")
+def meta(tmp_path_factory):
+    tmp = tmp_path_factory.mktemp("fsdp_meta")
+    runs = [spec(tmp, "ddp", "ddp", meta="reference", steps=8), spec(tmp, "fsdp", "fsdp", meta="init_module", steps=8)]
+    launch(tmp, runs, world=2)
+    return {r["name"]: results(r, 2) for r in runs}
+
+
+def test_model_built_on_meta_is_sharded_block_by_block_and_trains_as_ddp(meta):
+    """``trainer.init_module()``: the model is created on the meta device, and setup initializes it module by module
+    (Lightning's order and ``reset_parameters``), each block sharded into the store as soon as it is complete (the
+    whole model is never in memory), rank 0's values broadcast; 8 AdamW steps then equal plain DDP on the same
+    model initialized in memory, bitwise, and the wte / lm_head tie holds."""
+    ref, fsdp = meta["ddp"], meta["fsdp"]
+    for rank in range(2):
+        assert fsdp[rank]["global_step"] == 8
+        assert_bitwise(ref[rank], fsdp[rank], f"rank {rank}")
+        assert fsdp[rank]["losses"] == ref[rank]["losses"]
+        assert fsdp[rank]["tied"]
+
+
+@pytest.fixture(scope="module")
 def four(tmp_path_factory):
     """4 processes: the tied GPT and the tiny Llama, 24 AdamW steps, against plain DDP whose all-reduce adds in rank
     order (``ordered_allreduce_hook``); and one SGD step with ``reduce_order="backend"`` against plain DDP."""
@@ -311,7 +332,16 @@ def _train(run: dict, world: int) -> None:
 
     OrderedDDP = _ordered_ddp()
     batch = 8 // world
-    if run.get("model") == "llama":
+    if run.get("meta") == "reference":  # built on meta, initialized in memory as Lightning materializes
+        from lightning.fabric.utilities.init import _materialize_meta_tensors
+
+        with torch.device("meta"):
+            model = TinyGPT(batch_size=batch)
+        torch.manual_seed(3)
+        torch.__future__.set_swap_module_params_on_conversion(True)  # the wte / lm_head tie holds
+        _materialize_meta_tensors(model, "cpu")
+        torch.__future__.set_swap_module_params_on_conversion(False)
+    elif run.get("model") == "llama":
         model = _Llama.build()(batch_size=batch)
     else:
         model = TinyGPT(run.get("optimizer", "adamw"), batch_size=batch)
@@ -347,6 +377,10 @@ def _train(run: dict, world: int) -> None:
                       max_steps=run.get("steps", STEPS), accumulate_grad_batches=run.get("accumulate", 1),
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, callbacks=[Record()])
+    if run.get("meta") == "init_module":  # on the meta device, initialized (seed 3) block by block into the shards
+        with trainer.init_module(empty_init=True):
+            model = TinyGPT(batch_size=batch, init_seed=3)
+        assert all(p.is_meta for p in model.parameters())
     updated_in_backward = 0
     original = ChunkUpdater.update_chunk
 
@@ -366,7 +400,9 @@ def _train(run: dict, world: int) -> None:
         return
     finally:
         ChunkUpdater.update_chunk = original
+    tied = hasattr(model.model, "transformer") and model.model.lm_head.weight is model.model.transformer.wte.weight
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "global_step": trainer.global_step,
+           "tied": tied,
            "losses": losses, "batches": batches, "updated_in_backward": updated_in_backward}
     if run["strategy"] == "fsdp":
         s = trainer.strategy

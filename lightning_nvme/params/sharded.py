@@ -283,6 +283,9 @@ class ShardedParams:
     def start(self, store: Any, optimized: Iterable[torch.Tensor]) -> None:
         """Write this rank's shard of every block to the store, leave placeholders in the module, install hooks.
         ``optimized``: the parameters offloaded optimizers update (a block waits for their update only)."""
+        for h in self._handles:  # a previous fit's refusals (``_released_hook``)
+            h.remove()
+        self._handles = []
         ids = {id(p) for p in optimized}
         for u in self.units:
             u.owned_params = [p for p in u.owned_params if id(p) in ids]
@@ -355,6 +358,7 @@ class ShardedParams:
                     s.param.data = u.flat.view(full, s)
             else:
                 self._unbind(u)  # a gather started ahead is not waited for: another rank may be gone
+                self._handles.append(u.module._register_state_dict_hook(_released_hook(u)))
             u.full, u.ahead = None, None
         self.residency.release_all()
         self.residency.drain()
@@ -580,6 +584,16 @@ class ShardedParams:
                 _all_gather(out, full[lo:hi].clone(), self.group)
                 for s in flat.slots:
                     s.param.copy_(flat.view(out, s))
+
+
+def _released_hook(u: Unit) -> Any:
+    """``state_dict()`` of a block whose weights were not gathered back at the end of fit: refused (its parameters
+    are placeholders), never NaNs handed on as weights."""
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+        raise RuntimeError(f"nvme_offload_fsdp: block {u.name}'s weights were not gathered back into the module at the "
+                           "end of fit (restore_params=False, or the fit failed); its parameters are placeholders. "
+                           "Fix: restore_params=True, or save a checkpoint during fit (ModelCheckpoint) and load it.")
+    return hook
 
 
 def _gather_hook(engine: ShardedParams, u: Unit) -> Any:

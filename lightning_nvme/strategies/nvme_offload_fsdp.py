@@ -51,7 +51,6 @@ _NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
                                                           "the background copy is single-device only"),
     "host_memory_budget": ((0,), "the shelf does not hold block shards yet"),
     "device_memory_budget": ((0,), "blocks are gathered per use; none is kept on the device"),
-    "restore_params": ((True,), "the weights are gathered back into the module at the end of fit"),
     "eval_window": ((1,), "evaluation gathers each block per batch"),
     "state_format": (("exact",), "other state formats are not verified against DDP under sharding yet"),
     "master_format": (("fp32",), "other master formats are not verified against DDP under sharding yet"),
@@ -247,7 +246,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
                 # module keeps placeholders (the last checkpoint is the way back, as after a kill)
                 trainer = getattr(self.lightning_module, "_trainer", None)
                 failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-                self.sharded.stop(restore=not failed)
+                self.sharded.stop(restore=not failed and self.config.restore_params)
         finally:
             group, self._shard_group = self._shard_group, None
             super().teardown()

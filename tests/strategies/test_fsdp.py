@@ -85,7 +85,8 @@ def two(tmp_path_factory):
             spec(tmp, "ddp_2_to_1", "ddp", resume=ck["ddp2"]),
             spec(tmp, "fsdp_2_to_1", "fsdp", resume=ck["fsdp2"]),
             spec(tmp, "refuse_accumulate", "fsdp", accumulate=2, expect_error=True),
-            spec(tmp, "refuse_frozen", "fsdp", frozen_block_param=True, expect_error=True)]
+            spec(tmp, "refuse_frozen", "fsdp", frozen_block_param=True, expect_error=True),
+            spec(tmp, "not_restored", "fsdp", steps=1, restore_params=False)]
     launch(tmp, ones, world=1)
     killed = spec(tmp, "fsdp_killed", "fsdp", save=ck["killed"], kill_step=20, timeout_s=120)
     launch(tmp, [killed], world=2, expect_failure=True)
@@ -150,13 +151,19 @@ def test_resume_in_new_processes_is_bitwise_at_the_same_and_at_another_world_siz
         assert len(two[fsdp][rank]["losses"]) >= STEPS - 16
 
 
+def test_restore_params_false_keeps_the_weights_sharded_and_refuses_state_dict(two):
+    r = two["not_restored"][0]
+    assert r["placeholders"] > 0  # the blocks' matrices are placeholders after fit, not gathered back
+    assert "restore_params=False" in r["error"]
+
+
 def test_what_is_not_supported_yet_is_refused_by_name(two):
     assert "accumulate_grad_batches" in two["refuse_accumulate"][0]["error"]
     assert "frozen parameters" in two["refuse_frozen"][0]["error"]
 
 
 @pytest.mark.parametrize(("key", "value"), [("overlap", "step"), ("checkpoint_copy", "background"),
-                                            ("host_memory_budget", 1 << 30), ("restore_params", False),
+                                            ("host_memory_budget", 1 << 30),
                                             ("eval_window", 4), ("state_format", "int8"), ("master_format", "bf16_sr")])
 def test_single_device_options_not_carried_yet_are_refused_by_name(key, value):
     from lightning_nvme import NVMeOffloadFSDPStrategy
@@ -354,7 +361,8 @@ def _train(run: dict, world: int) -> None:
 
         strategy = NVMeOffloadFSDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
                                            timeout=timedelta(seconds=run.get("timeout_s", 1800)),
-                                           reduce_order=run.get("reduce_order", "rank"))
+                                           reduce_order=run.get("reduce_order", "rank"),
+                                           restore_params=run.get("restore_params", True))
     losses: list[float] = []
     batches: list[tuple[int, int, int]] = []
 
@@ -400,6 +408,16 @@ def _train(run: dict, world: int) -> None:
         return
     finally:
         ChunkUpdater.update_chunk = original
+    if not run.get("restore_params", True):
+        try:
+            model.state_dict()
+            out_error = ""
+        except RuntimeError as e:
+            out_error = str(e)
+        os.makedirs(os.path.dirname(run["out"]), exist_ok=True)
+        torch.save({"error": out_error, "placeholders": sum(p.stride() == (0, 0) for p in model.parameters() if p.dim() == 2)},
+                   f"{run['out']}.rank{trainer.global_rank}.pt")
+        return
     tied = hasattr(model.model, "transformer") and model.model.lm_head.weight is model.model.transformer.wte.weight
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "global_step": trainer.global_step,
            "tied": tied,

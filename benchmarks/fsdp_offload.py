@@ -309,8 +309,7 @@ def main() -> None:
             key = (rec["pair"], rec["kind"])
             step[key] = max(step.get(key, 0.0), rec["step_s"])
     last = [next(r for r in reversed(recs) if r["kind"] == "fsdp") for recs in ranks]
-    ddp_last = [next((r for r in reversed(recs) if r["kind"] == "ddp"), {"peak_rss_MiB": float("nan")})
-                for recs in ranks]
+    ddp_last = [next((r for r in reversed(recs) if r["kind"] == "ddp"), None) for recs in ranks]
     gloo = statistics.median(r["gloo_GBps"] for r in ranks[0] if r["gloo_GBps"])
     share = (world - 1) / world
     collective = share * (3 * last[0]["block_bytes"] + 3 * last[0]["replicated_bytes"])
@@ -335,7 +334,7 @@ def main() -> None:
     print(json.dumps({
         "world_size": world, "params": params,
         "peak_rss_MiB_per_rank": [round(r["peak_rss_MiB"], 1) for r in last],
-        "peak_rss_MiB_per_rank_ddp": [round(r["peak_rss_MiB"], 1) for r in ddp_last],
+        "peak_rss_MiB_per_rank_ddp": [None if r is None else round(r["peak_rss_MiB"], 1) for r in ddp_last],
         "resident_bytes_per_param_per_rank": [round(r["peak_rss_MiB"] * MiB / params, 3) for r in last],
         "store_bytes_per_rank": [r["store_file_bytes"] for r in last],
         "store_bytes_single_process": single["store_file_bytes"],

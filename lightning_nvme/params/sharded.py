@@ -234,10 +234,10 @@ class ShardedParams:
         self._mine: dict[int, tuple[int, int]] = {}
         for flat in self.replicated:
             for r in range(world):
-                for slot, lo, hi in flat.owned(r):
-                    self._counts.setdefault(id(slot.param), [0] * world)[r] = hi - lo
+                for piece, lo, hi in flat.owned(r):
+                    self._counts.setdefault(id(piece.param), [0] * world)[r] = hi - lo
                     if r == rank:
-                        self._mine[id(slot.param)] = (lo, hi)
+                        self._mine[id(piece.param)] = (lo, hi)
         self._unit_of = {id(p): u for u in self.units for p in u.trainable}
         self._outside_ids = {id(p) for _, p in self.outside}
         self.io = ShardIO(rank, group, self.device)

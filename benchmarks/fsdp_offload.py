@@ -20,7 +20,7 @@ block gathered twice and reduce-scattered once, the replicated parameters all-re
 
     python benchmarks/fsdp_offload.py                         # ~55M params, 2 pairs of 4 timed steps
     python benchmarks/fsdp_offload.py --layers 12 --embd 1024 # bigger (store: ~12 bytes/param over both ranks)
-    python benchmarks/fsdp_offload.py --no-ddp --meta --layers 32 --embd 2560 --pairs 1 --steps 1  # 2.5 B
+    python benchmarks/fsdp_offload.py --no-ddp --meta --checkpointing --layers 32 --embd 2560 --pairs 1 --steps 1  # 2.5 B
 
 Bigger than memory (``--no-ddp --meta``): plain DDP cannot run (16 bytes/param on each rank), so there is no DDP
 step; the model is built on the meta device and initialized block by block into the shards (never whole in
@@ -103,7 +103,10 @@ def _compute_estimate(args, world: int) -> dict:
 
     def block_pass() -> None:
         block.zero_grad(set_to_none=True)
-        block(x).sum().backward()
+        if args.checkpointing:  # forward, then forward again and backward, as in the fit
+            torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()
+        else:
+            block(x).sum().backward()
 
     t_block = timed(block_pass)
     wte = torch.nn.Embedding(args.vocab, args.embd)
@@ -169,7 +172,8 @@ def worker(args) -> None:
             super().__init__()
             torch.manual_seed(0)
             self.model = GPT(GPTConfig(vocab_size=args.vocab, n_positions=args.tokens, n_embd=args.embd,
-                                       n_layer=args.layers, n_head=max(1, args.embd // 64)))
+                                       n_layer=args.layers, n_head=max(1, args.embd // 64)),
+                             activation_checkpointing=args.checkpointing)
 
         def training_step(self, batch, _):
             x, y = batch
@@ -283,6 +287,9 @@ def main() -> None:
     parser.add_argument("--no-ddp", action="store_true", help="no plain DDP pairs (a model DDP cannot hold): the "
                         "compute term is the in-job estimate")
     parser.add_argument("--meta", action="store_true", help="build the fsdp model on the meta device")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block (a "
+                        "bigger-than-memory model needs it: without it autograd keeps each block's gathered weights "
+                        "from its forward to its backward, F.linear saving a view of the weight)")
     parser.add_argument("--disk-mib", type=int, default=512, help="bytes each rank writes and reads at once")
     parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--kind", default="fsdp", help=argparse.SUPPRESS)
@@ -349,7 +356,8 @@ def main() -> None:
         "raw_write_GBps": round(raw_w, 3), "raw_read_GBps": round(raw_r, 3),
         "concurrent_GBps_per_rank": [[round(r["concurrent_write_GBps"], 3), round(r["concurrent_read_GBps"], 3)]
                                      for r in last],
-        "meta_init": args.meta, "layers": args.layers, "embd": args.embd, "tokens": args.tokens, "batch": args.batch,
+        "meta_init": args.meta, "checkpointing": args.checkpointing, "layers": args.layers, "embd": args.embd,
+        "tokens": args.tokens, "batch": args.batch,
         "load_avg_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
         "pairs": args.pairs, "timed_steps": args.steps, "wall_s": round(wall, 1),
     }))

@@ -129,6 +129,83 @@ class _Call:
     post: bool = False
 
 
+class GradReductions:
+    """The gradient reductions in flight, waited for in the order they were started (the same on every rank), at
+    most ``inflight`` at once: ``block`` (a block's packed, pre-scaled flat gradient; ``on_block(unit, flat, mine)``
+    gets this rank's summed shard) and ``param`` (a replicated parameter's gradient, as autograd's hook hands it;
+    ``on_param(p)`` once this rank's elements of it are summed). ``order``: ``REDUCE_ORDERS``."""
+
+    def __init__(self, rank: int, world: int, group: Any, order: str, inflight: int, replicated: list[FlatShards],
+                 on_block: Callable[[Unit, torch.Tensor, torch.Tensor], None],
+                 on_param: Callable[[torch.Tensor], None]) -> None:
+        if order not in REDUCE_ORDERS:
+            raise ValueError(f"reduce_order={order!r}: one of {REDUCE_ORDERS}")
+        self.rank, self.world, self.group, self.order, self.inflight = rank, world, group, order, max(0, inflight)
+        self.on_block, self.on_param, self.replicated = on_block, on_param, replicated
+        self.queue: list[_Reduction] = []
+        # a replicated parameter's elements owned by each rank: consecutive, in rank order (the ScatterSum pieces)
+        self._counts: dict[int, list[int]] = {}
+        self._mine: dict[int, tuple[int, int]] = {}
+        for flat in replicated:
+            for r in range(world):
+                for piece, lo, hi in flat.owned(r):
+                    self._counts.setdefault(id(piece.param), [0] * world)[r] = hi - lo
+                    if r == rank:
+                        self._mine[id(piece.param)] = (lo, hi)
+
+    def regather(self, device: torch.device) -> None:
+        """After the step: each replicated parameter's elements gathered from the ranks that updated them (a
+        collective, in the same order on every rank), so the replicas are equal again."""
+        for flat in self.replicated:
+            lo, hi = flat.bounds(self.rank)
+            with torch.no_grad():
+                full = flat.pack([p.detach() for p in (s.param for s in flat.slots)],
+                                 torch.empty(flat.total, dtype=flat.dtype, device=device))
+                out = torch.empty_like(full)
+                _all_gather(out, full[lo:hi].clone(), self.group)
+                for s in flat.slots:
+                    s.param.copy_(flat.view(out, s))
+
+    def block(self, u: Unit, flat: torch.Tensor) -> None:
+        if self.order == "rank":
+            total: ScatterSum | _BackendSum = ScatterSum(flat, [u.flat.shard] * self.world, self.rank, self.group)
+        else:
+            total = _BackendSum(flat, u.flat.shard, self.group)
+        self._started(_Reduction(total, flat, unit=u))
+
+    def param(self, p: torch.Tensor) -> None:
+        """A replicated parameter's gradient is final: average it across ranks (1/N, then the sum); in rank order
+        only this rank's elements are summed (the others are never read: this rank updates its own)."""
+        assert p.grad is not None
+        p.grad.mul_(1.0 / self.world)
+        flat = p.grad.view(-1)
+        if self.order == "rank":
+            total: ScatterSum | _BackendSum = ScatterSum(flat, self._counts[id(p)], self.rank, self.group)
+        else:
+            total = _BackendSum(flat, 0, self.group, whole=True)
+        self._started(_Reduction(total, flat, param=p))
+
+    def _started(self, r: _Reduction) -> None:
+        self.queue.append(r)
+        while len(self.queue) > self.inflight:
+            self._finish(self.queue.pop(0))
+
+    def finish_all(self) -> None:
+        while self.queue:
+            self._finish(self.queue.pop(0))
+
+    def _finish(self, r: _Reduction) -> None:
+        mine = r.sum.wait()
+        if r.param is not None:
+            if self.order == "rank":
+                lo, hi = self._mine.get(id(r.param), (0, 0))
+                r.flat[lo:hi].copy_(mine)
+            self.on_param(r.param)
+        else:
+            assert r.unit is not None
+            self.on_block(r.unit, r.flat, mine)
+
+
 class ShardIO:
     """A rank's block shards in its store, and the gathers that make whole blocks of them (the collectives that read
     a shard). Its ``residency`` exists from ``ShardedParams.start`` on."""
@@ -192,15 +269,11 @@ class ShardedParams:
                  prefetch: int = 1, device: torch.device | None = None,
                  reduced: Callable[[Sequence[torch.Tensor]], None] | None = None, reduce_order: str = "rank",
                  inflight: int = 1) -> None:
-        if reduce_order not in REDUCE_ORDERS:
-            raise ValueError(f"reduce_order={reduce_order!r}: one of {REDUCE_ORDERS}")
         self.model = model
         self.rank, self.world, self.group = rank, world, group
         self.prefetch = prefetch
         self.device = device or torch.device("cpu")
         self.reduced = reduced or (lambda params: None)
-        self.reduce_order, self.inflight = reduce_order, max(0, inflight)
-        self._reductions: list[_Reduction] = []
         classes = block_classes if block_classes is not None else model_block_classes(model)
         blocks = find_blocks(model, classes)
         if not blocks:
@@ -229,15 +302,8 @@ class ShardedParams:
         for n, p in self.outside:
             by_dtype.setdefault(p.dtype, []).append((n, p))
         self.replicated = [FlatShards(named, world) for named in by_dtype.values()]  # owned 1/N, gathered after a step
-        # a replicated parameter's elements owned by each rank: consecutive, in rank order (the ScatterSum pieces)
-        self._counts: dict[int, list[int]] = {}
-        self._mine: dict[int, tuple[int, int]] = {}
-        for flat in self.replicated:
-            for r in range(world):
-                for piece, lo, hi in flat.owned(r):
-                    self._counts.setdefault(id(piece.param), [0] * world)[r] = hi - lo
-                    if r == rank:
-                        self._mine[id(piece.param)] = (lo, hi)
+        self.reductions = GradReductions(rank, world, group, reduce_order, inflight, self.replicated,
+                                         on_block=self._reduced_block, on_param=lambda p: self.reduced([p]))
         self._unit_of = {id(p): u for u in self.units for p in u.trainable}
         self._outside_ids = {id(p) for _, p in self.outside}
         self.io = ShardIO(rank, group, self.device)
@@ -248,17 +314,6 @@ class ShardedParams:
         self._callback_queued_for = -1
 
     # ---- geometry --------------------------------------------------------------------------------------
-    def owned_ranges(self, params: Sequence[torch.Tensor], rank: int) -> dict[int, list[tuple[int, int]]]:
-        """Param index (in ``params``, an optimizer's flat order) -> the element ranges ``rank`` owns."""
-        index = {id(p): i for i, p in enumerate(params)}
-        out: dict[int, list[tuple[int, int]]] = {}
-        for flat in [u.flat for u in self.units] + self.replicated:
-            for slot, lo, hi in flat.owned(rank):
-                i = index.get(id(slot.param))
-                if i is not None and slot.param.requires_grad:
-                    out.setdefault(i, []).append((lo, hi))
-        return out
-
     def regions(self) -> list[tuple[str, int]]:
         return [(u.shard.region, u.shard.nbytes) for u in self.units]
 
@@ -270,10 +325,6 @@ class ShardedParams:
     @property
     def residency(self) -> BlockResidency | None:
         return self.io.residency
-
-    @residency.setter
-    def residency(self, value: BlockResidency | None) -> None:
-        self.io.residency = value
 
     @property
     def active(self) -> bool:
@@ -290,13 +341,13 @@ class ShardedParams:
         for u in self.units:
             u.owned_params = [p for p in u.owned_params if id(p) in ids]
         store.add_regions(self.regions())
-        self.residency = BlockResidency(store, [u.shard for u in self.units], max_pending_writes=self.prefetch + 1,
+        self.io.residency = BlockResidency(store, [u.shard for u in self.units], max_pending_writes=self.prefetch + 1,
                                         transfer=HostTransfer())
         if has_meta_tensors(self.model):
-            self._build_from_meta()
+            _build_from_meta(self)
         else:
             for u in self.units:
-                self._write_initial(u, broadcast=False)  # every rank holds rank 0's values (the strategy's sync)
+                _write_initial(self, u, broadcast=False)  # every rank holds rank 0's values (the strategy's sync)
         self.residency.drain()
         for u in self.units:
             self._handles.append(u.module.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
@@ -305,38 +356,7 @@ class ShardedParams:
             for p in u.trainable:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(u)))
         for _, p in self.outside:
-            self._handles.append(p.register_post_accumulate_grad_hook(self._reduce_replicated))
-
-    def _write_initial(self, u: Unit, broadcast: bool) -> None:
-        """The block's values (in its module) become this rank's shard in the store; placeholders are left behind.
-        ``broadcast``: rank 0's values are taken (as DDP's start), e.g. after each rank initialized its own."""
-        with torch.no_grad():
-            full = u.flat.pack([p.detach() for p in u.trainable],
-                               torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
-            if broadcast and self.world > 1:
-                dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
-        self.io.write_shard(u, full)
-        self._unbind(u)
-
-    def _build_from_meta(self) -> None:
-        """A model built on the meta device is initialized module by module (``params.materialize``), each block
-        sharded into the store as soon as its last module is initialized: at most about one block is ever whole in
-        memory. Every rank then holds rank 0's values (blocks, parameters outside blocks and buffers broadcast), as
-        an in-memory model gets from the strategy's start."""
-        written: set[int] = set()
-
-        def shard_complete_blocks() -> None:
-            for u in self.units:
-                if u.index not in written and not any(p.is_meta for p in u.trainable):
-                    written.add(u.index)
-                    self._write_initial(u, broadcast=True)
-
-        materialize(self.model, self.device, shard_complete_blocks)
-        if self.world > 1:
-            src = dist.get_global_rank(self.group, 0)
-            with torch.no_grad():
-                for t in [*self._outside_all, *self.model.buffers()]:
-                    dist.broadcast(t.data, src=src, group=self.group)
+            self._handles.append(p.register_post_accumulate_grad_hook(self.reductions.param))
 
     def stop(self, restore: bool = True) -> None:
         """End of fit: with ``restore`` every block is gathered back into its module (a collective: every rank
@@ -346,7 +366,7 @@ class ShardedParams:
         for h in self._handles:
             h.remove()
         self._handles = []
-        self._reductions = []  # after a failure mid-backward: never waited for (another rank may be gone)
+        self.reductions.queue = []  # after a failure mid-backward: never waited for (another rank may be gone)
         for u in self.units:
             u.refs.clear()
             u.pending.clear()
@@ -362,7 +382,7 @@ class ShardedParams:
             u.full, u.ahead = None, None
         self.residency.release_all()
         self.residency.drain()
-        self.residency = None
+        self.io.residency = None
 
     # ---- gather, bind, release ---------------------------------------------------------------------------
     def _hold(self, u: Unit, why: str) -> None:
@@ -469,44 +489,10 @@ class ShardedParams:
             p.grad = None  # packed: freed now, the owned views are set when the reduction is waited for
         flat.mul_(1.0 / self.world)  # averages as DDP's reducer does: multiply by 1/N, then sum
         self._hold(u, REDUCE)
-        if self.reduce_order == "rank":
-            total: ScatterSum | _BackendSum = ScatterSum(flat, [u.flat.shard] * self.world, self.rank, self.group)
-        else:
-            total = _BackendSum(flat, u.flat.shard, self.group)
-        self._started(_Reduction(total, flat, unit=u))
+        self.reductions.block(u, flat)
 
-    def _reduce_replicated(self, p: torch.Tensor) -> None:
-        """A replicated parameter's gradient is final: start averaging it across ranks (1/N, then the sum); in rank
-        order only this rank's elements are summed (the others are never read: this rank updates its own)."""
-        assert p.grad is not None
-        p.grad.mul_(1.0 / self.world)
-        flat = p.grad.view(-1)
-        if self.reduce_order == "rank":
-            total: ScatterSum | _BackendSum = ScatterSum(flat, self._counts[id(p)], self.rank, self.group)
-        else:
-            total = _BackendSum(flat, 0, self.group, whole=True)
-        self._started(_Reduction(total, flat, param=p))
-
-    def _started(self, r: _Reduction) -> None:
-        self._reductions.append(r)
-        while len(self._reductions) > self.inflight:
-            self._finish(self._reductions.pop(0))
-
-    def _finish_reductions(self) -> None:
-        while self._reductions:
-            self._finish(self._reductions.pop(0))
-
-    def _finish(self, r: _Reduction) -> None:
-        """Wait for a reduction (in the order they were started: the same on every rank) and hand on what it gives."""
-        mine = r.sum.wait()
-        if r.param is not None:
-            if self.reduce_order == "rank":
-                lo, hi = self._mine.get(id(r.param), (0, 0))
-                r.flat[lo:hi].copy_(mine)
-            self.reduced([r.param])
-            return
-        u, flat = r.unit, r.flat
-        assert u is not None
+    def _reduced_block(self, u: Unit, flat: torch.Tensor, mine: torch.Tensor) -> None:
+        """A block's reduction is waited for: its owned gradient is final, the optimizer may update it."""
         lo, hi = u.flat.bounds(self.rank)
         flat[lo:hi].copy_(mine)  # only the owned slice is read from here on (the others are this rank's own terms)
         owned = {id(p) for p in u.owned_params}
@@ -521,7 +507,7 @@ class ShardedParams:
             self.reduced(u.owned_params)
 
     def _end_backward(self) -> None:
-        self._finish_reductions()
+        self.reductions.finish_all()
         for call in self._open:
             self._post_backward(call)
         self._open = [c for c in self._open if not c.pre]
@@ -561,8 +547,8 @@ class ShardedParams:
     def finish_step(self) -> None:
         """After the optimizer step: every block updated and written back, nothing gathered; then the replicated
         parameters gathered from their owners (a collective, in the same order on every rank)."""
-        if self._reductions:
-            raise RuntimeError(f"nvme_offload_fsdp: {len(self._reductions)} gradient reductions were not waited for "
+        if self.reductions.queue:
+            raise RuntimeError(f"nvme_offload_fsdp: {len(self.reductions.queue)} gradient reductions were not waited for "
                                "by the end of backward (a bug)")
         for u in self.units:
             if u.pending:
@@ -575,15 +561,52 @@ class ShardedParams:
         if self.residency is not None:
             self.residency.evict_unheld()
             self.residency.poll_writes()
-        for flat in self.replicated:
-            lo, hi = flat.bounds(self.rank)
-            with torch.no_grad():
-                full = flat.pack([p.detach() for p in (s.param for s in flat.slots)],
-                                 torch.empty(flat.total, dtype=flat.dtype, device=self.device))
-                out = torch.empty_like(full)
-                _all_gather(out, full[lo:hi].clone(), self.group)
-                for s in flat.slots:
-                    s.param.copy_(flat.view(out, s))
+        self.reductions.regather(self.device)
+
+
+def owned_ranges(engine: ShardedParams, params: Sequence[torch.Tensor], rank: int) -> dict[int, list[tuple[int, int]]]:
+    """Param index (in ``params``, an optimizer's flat order) -> the element ranges ``rank`` owns: its shard of
+    every block and its 1/N of every replicated parameter."""
+    index = {id(p): i for i, p in enumerate(params)}
+    out: dict[int, list[tuple[int, int]]] = {}
+    for flat in [u.flat for u in engine.units] + engine.replicated:
+        for slot, lo, hi in flat.owned(rank):
+            i = index.get(id(slot.param))
+            if i is not None and slot.param.requires_grad:
+                out.setdefault(i, []).append((lo, hi))
+    return out
+
+
+def _write_initial(self: ShardedParams, u: Unit, broadcast: bool) -> None:
+    """The block's values (in its module) become this rank's shard in the store; placeholders are left behind.
+    ``broadcast``: rank 0's values are taken (as DDP's start), e.g. after each rank initialized its own."""
+    with torch.no_grad():
+        full = u.flat.pack([p.detach() for p in u.trainable],
+                           torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
+        if broadcast and self.world > 1:
+            dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
+    self.io.write_shard(u, full)
+    self._unbind(u)
+
+def _build_from_meta(self: ShardedParams) -> None:
+    """A model built on the meta device is initialized module by module (``params.materialize``), each block
+    sharded into the store as soon as its last module is initialized: at most about one block is ever whole in
+    memory. Every rank then holds rank 0's values (blocks, parameters outside blocks and buffers broadcast), as
+    an in-memory model gets from the strategy's start."""
+    written: set[int] = set()
+
+    def shard_complete_blocks() -> None:
+        for u in self.units:
+            if u.index not in written and not any(p.is_meta for p in u.trainable):
+                written.add(u.index)
+                _write_initial(self, u, broadcast=True)
+
+    materialize(self.model, self.device, shard_complete_blocks)
+    if self.world > 1:
+        src = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for t in [*self._outside_all, *self.model.buffers()]:
+                dist.broadcast(t.data, src=src, group=self.group)
 
 
 def _released_hook(u: Unit) -> Any:

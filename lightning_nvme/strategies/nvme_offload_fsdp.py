@@ -38,7 +38,7 @@ from lightning_nvme.constants import MiB
 from lightning_nvme.optim import OffloadedOptimizer, Partition, UpdateListener
 from lightning_nvme.optim.plan import bytes_per_element, describe_params
 from lightning_nvme.params.materialize import has_meta_tensors
-from lightning_nvme.params.sharded import ShardedParams
+from lightning_nvme.params.sharded import ShardedParams, owned_ranges
 from lightning_nvme.settings import FSDPOffloadSettings, from_arguments, with_settings
 from lightning_nvme.strategies.nvme_offload_ddp import _DDP_ARGUMENTS, NVMeOffloadDDPStrategy
 
@@ -177,7 +177,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         fmt = self.config.state_format_spec
         infos, _ = describe_params(optimizer, fmt=fmt)
         per_elem = {i.index: bytes_per_element(i.keys, fmt) for i in infos}
-        ranges = [self.sharded.owned_ranges(params, r) for r in range(self.world_size)]
+        ranges = [owned_ranges(self.sharded, params, r) for r in range(self.world_size)]
         state = [int(sum((hi - lo) * per_elem.get(i, 0) for i, rs in r.items() for lo, hi in rs)) for r in ranges]
         partition = Partition(self.world_size, ranges, state)
         agreed = self.broadcast(partition.to_dict())

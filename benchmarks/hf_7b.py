@@ -118,7 +118,11 @@ def train_child(args: argparse.Namespace) -> dict:
     n = args.warmup + (args.lora_steps if lora and args.lora_steps is not None else args.steps)
     data = EmbeddedTextDataModule(source="stdlib", max_bytes=2_000_000, block_size=args.seq, batch_size=args.batch,
                                   steps_per_epoch=n, tokenizer="byte")
-    extra = {} if getattr(args, "prefetch_depth", None) is None else {"prefetch_depth": args.prefetch_depth}
+    extra: dict[str, Any] = {} if getattr(args, "prefetch_depth", None) is None else {"prefetch_depth": args.prefetch_depth}
+    if getattr(args, "param_prefetch", None) is not None:
+        extra["param_prefetch"] = args.param_prefetch
+    if getattr(args, "host_memory_budget", None) is not None:
+        extra["host_memory_budget"] = args.host_memory_budget
     if args.frozen_weights is not None:  # hf_15b's LoRA start
         extra["frozen_weights"] = args.frozen_weights
     strategy = NVMeOffloadStrategy(args.dir, offload_params=True, state_format="int8", master_format="bf16_sr",
@@ -352,7 +356,7 @@ def _run_child(args: argparse.Namespace, kind: str) -> dict:
     """``kind`` in a fresh process with its own store directory, deleted afterwards."""
     with tempfile.TemporaryDirectory(dir=args.dir, prefix=f"{kind}-") as store_dir:
         keep = ("seq", "batch", "data", "steps", "warmup", "lr", "lora_rank", "lora_steps", "compute_reps", "ckpt",
-                "prefetch_depth", "init_seed", "frozen_weights")
+                "prefetch_depth", "param_prefetch", "host_memory_budget", "init_seed", "frozen_weights")
         cmd = [sys.executable, os.path.abspath(__file__), "--child", kind, f"--dir={store_dir}",
                *[f"--{k.replace('_', '-')}={getattr(args, k)}" for k in keep if getattr(args, k, None) is not None]]
         env = dict(os.environ, **EMULATE_NO_BF16) if getattr(args, "emulate_no_bf16", False) else None
@@ -402,6 +406,10 @@ def main() -> None:
     p.add_argument("--raw-mib", type=int, default=2048, help="bytes per raw-disk measurement")
     p.add_argument("--no-lora", action="store_true", help="skip the LoRA run")
     p.add_argument("--prefetch-depth", type=int, default=None, help="the strategy's prefetch_depth (default: its own)")
+    p.add_argument("--param-prefetch", type=int, default=None, help="the strategy's param_prefetch (blocks read "
+                   "ahead; default: its own)")
+    p.add_argument("--host-memory-budget", type=int, default=None, help="the strategy's host_memory_budget in bytes "
+                   "(blocks and chunks kept on the shelf in RAM; default: its own, 0)")
     p.add_argument("--layers", type=int, default=None, help="decoder layers (default: the 7 B's 32): the 7 B's "
                    "block shape with fewer blocks, for a store of a few GB")
     p.add_argument("--vocab", type=int, default=None, help="vocabulary (default: the 7 B's 32000; the byte "

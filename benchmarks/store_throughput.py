@@ -153,7 +153,7 @@ def main() -> None:
 
         same = dict(threads=args.raw_threads, direct=raw_direct, offset=base)
         print(f"# {nbytes / GiB:.2f} GiB x {args.pairs} pairs in {workdir}; mode={store.mode} "
-              f"chunk={store.io_chunk_bytes // MiB} MiB workers={store._engine.alive_threads} "
+              f"chunk={store.io_chunk_bytes // MiB} MiB workers={store.dispatch.engine.alive_threads} "
               f"staging={store.staging_bytes // MiB} MiB raw_threads={args.raw_threads}", flush=True)
 
         def check(got: list[torch.Tensor], want: list[torch.Tensor]) -> None:
@@ -223,7 +223,7 @@ def main() -> None:
             "buffers_MiB": 2 * BUFFERS * (REQUEST + 4096) // MiB,
             "data_MiB": nbytes // MiB,
             "chunk_MiB": store.io_chunk_bytes // MiB,
-            "workers": store._engine.alive_threads,
+            "workers": store.dispatch.engine.alive_threads,
             "raw_threads": args.raw_threads,
             "fsyncs": stats.fsyncs,
             "seconds": round(elapsed, 1),

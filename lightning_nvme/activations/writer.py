@@ -35,7 +35,7 @@ class WriteBehind:
         self.arena = arena
         self.max_inflight_bytes = max_inflight_bytes
         self.handles = handles
-        self._staging: CudaCopies | None = None
+        self._device_copies: CudaCopies | None = None
         self.pending: list[Record] = []  # copying or writing, oldest first
         self.inflight_bytes = 0
 
@@ -57,9 +57,9 @@ class WriteBehind:
         s.region, s.offset = self.arena.alloc(s.nbytes)
         assert s.data is not None
         if s.device.type == "cuda":
-            if self._staging is None:
-                self._staging = CudaCopies()
-            s.host, s.copy_event = self._staging.to_host(s.data)
+            if self._device_copies is None:
+                self._device_copies = CudaCopies()
+            s.host, s.copy_event = self._device_copies.to_host(s.data)
             s.state = "copying"
         else:
             self._submit(s, s.data)

@@ -1,7 +1,7 @@
 """Convert between lightning_nvme checkpoints and plain single-file Lightning checkpoints.
 
 ``to_lightning``: a checkpoint written by ``NVMeOffloadStrategy`` or (sharded, one file per rank) by
-``NVMeOffloadDDPStrategy`` — the file and its ``.optim`` directory, or the old directory format — -> one
+``NVMeOffloadDDPStrategy`` — the file and its state (inside it, or a version-2 ``.optim`` directory) — -> one
 ``.ckpt`` file with the optimizer state and every weight inside (weights streamed beside the file by
 ``offload_params`` are read back in), that a Trainer without this plugin resumes from (the per-element
 state and the model are materialized: this is the way out).

@@ -1,8 +1,7 @@
-"""Open a lightning_nvme checkpoint of either format: the paired file (``paired``) or the old directory
-(``legacy``).
+"""Open a lightning_nvme checkpoint: the file and the optimizer state tied to it (``paired``).
 
 Why one module: the converter, ``load_checkpoint`` and the strategies' resume all start the same way — tell
-the formats apart, read Lightning's dict, and find where the streamed optimizer state is — and differ only
+the file's format version apart, read Lightning's dict, and find where the streamed optimizer state is — and differ only
 in how the file itself is read (``torch.load``, or the user's ``CheckpointIO``) and in what they do with the
 weights streamed beside it (read them into memory, or stream them into the store).
 """
@@ -18,7 +17,7 @@ from typing import Any
 from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 
-from lightning_nvme.checkpoint import legacy, onefile, paired, plugin_io, weights
+from lightning_nvme.checkpoint import onefile, paired, plugin_io, weights
 from lightning_nvme.checkpoint.state_files import OptimizerParts, restore_optimizer
 from lightning_nvme.optim import OffloadedOptimizer
 
@@ -30,12 +29,10 @@ def _torch_load(path: str) -> dict[str, Any]:
 
 def open_checkpoint(path: str | os.PathLike,
                     load_file: Callable[[str], dict[str, Any]] = _torch_load) -> tuple[dict[str, Any], OptimizerParts | None]:
-    """Lightning's dict of a checkpoint of either format, and where its optimizer state is (``None``: in the dict,
+    """Lightning's dict of a checkpoint, and where its optimizer state is (``None``: in the dict,
     or none). Weights streamed beside the file stay ``weights.BesideWeight`` references, found relative to it.
     ``load_file`` reads a checkpoint file (default ``torch.load``; the strategies pass their ``CheckpointIO``)."""
     path = os.fspath(path)
-    if legacy.is_legacy_dir(path):
-        return legacy.load_legacy(path)
     with weights.deferred():
         checkpoint = load_file(path)
     return paired.read(checkpoint, path)

@@ -28,8 +28,8 @@ Commit protocol (a kill -9 at any point leaves the old checkpoint or the new one
 3. ``publish``: fsync that directory (nothing is renamed: the state goes into the file);
 4. ``write_main``: the file goes to ``.last.ckpt.tmp-<pid>`` (``stage_main``: the state records reserved; then
    ``switch_main``: filled from the state files, by clones where the filesystem shares extents), fsync, then
-   ``os.replace`` over ``last.ckpt`` (over an old-format directory: ``RENAME_EXCHANGE``, see ``atomic.commit``):
-   the one switching step;
+   ``os.replace`` over ``last.ckpt`` (over a directory, e.g. another strategy's sharded checkpoint:
+   ``RENAME_EXCHANGE``, see ``atomic.commit``): the one switching step;
 5. ``finish``: delete ``last.ckpt.optim/`` (the temp state files, and the state of a version-2 save replaced).
 """
 
@@ -265,8 +265,7 @@ def read(checkpoint: dict[str, Any], path: str) -> tuple[dict[str, Any], Optimiz
         return checkpoint, None
     if ref.get("format_version") not in (PAIRED_FORMAT_VERSION, BESIDE_FORMAT_VERSION):
         raise ValueError(f"{path}: lightning_nvme checkpoint format version {ref.get('format_version')}; this "
-                         f"lightning_nvme reads versions {BESIDE_FORMAT_VERSION} and {PAIRED_FORMAT_VERSION} (and the "
-                         "old directory format)")
+                         f"lightning_nvme reads versions {BESIDE_FORMAT_VERSION} and {PAIRED_FORMAT_VERSION}")
     if ref["optimizer_states"] is not None:
         checkpoint["optimizer_states"] = ref["optimizer_states"]
     save_id = ref["save_id"]

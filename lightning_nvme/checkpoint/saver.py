@@ -31,7 +31,7 @@ from lightning.fabric.plugins import CheckpointIO
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 
-from lightning_nvme.checkpoint import paired, plugin_io, sharded, weights
+from lightning_nvme.checkpoint import paired, plugin_io, rank_shards, weights
 from lightning_nvme.checkpoint.copy import background, streamed
 from lightning_nvme.checkpoint.copy import reflink as reflink_copy
 from lightning_nvme.checkpoint.record import SaveRecord, check_space, timed, weight_bytes
@@ -311,7 +311,7 @@ class Saver:
         if not failed and ranks.is_global_zero:
             try:
                 states = _merged_optimizer_states(checkpoint, [s for _, s in gathered])
-                markers = [{**sharded.shard_marker(i, partitions[i], [tuple(p.shape) for p in off.params]),
+                markers = [{**rank_shards.shard_marker(i, partitions[i], [tuple(p.shape) for p in off.params]),
                             **format_entry(off)} for i, off in enumerate(optimizers)]
                 main = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
                 paired.publish(pending)
@@ -341,10 +341,10 @@ class Saver:
         block = reflink.probe(os.path.dirname(os.path.abspath(path))).block_size if clone else 0
         for i, off in enumerate(optimizers):
             if clone:
-                name, cloned = sharded.clone_shard(off, directory, i, rank, save_id, block)
+                name, cloned = rank_shards.clone_shard(off, directory, i, rank, save_id, block)
                 record.bytes_cloned += cloned
             else:
-                name = sharded.write_shard(off, directory, i, rank, save_id)
+                name = rank_shards.write_shard(off, directory, i, rank, save_id)
             record.files.append(name)
             scalars.append(off.scalar_state())
         record.bytes_written = sum(os.path.getsize(os.path.join(directory, f)) for f in record.files) - record.bytes_cloned

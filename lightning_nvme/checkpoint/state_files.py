@@ -1,7 +1,7 @@
 """The optimizer state files of a checkpoint (safetensors), and reading them back chunk by chunk into the store.
 
 One file per optimizer (``optimizer-<i>.safetensors``; a data-parallel rank writes
-``optimizer-<i>-rank<r>.safetensors``, see ``sharded``), one tensor per parameter:
+``optimizer-<i>-rank<r>.safetensors``, see ``rank_shards``), one tensor per parameter:
 ``state.<param index>.<key>`` shaped like the parameter (``master_param`` = fp32 master weights), or
 ``state.<param index>.<key>[<start>:<stop>]`` for an element range a rank owned. The tensors are what the
 store holds: with a compressed ``state_format`` bf16 values, or int8/uint8 codes plus
@@ -9,8 +9,7 @@ store holds: with a compressed ``state_format`` bf16 values, or int8/uint8 codes
 the marker records the format (``format_entry``) and a resume in another format is refused
 (``check_format``). How a save writes them is its copy mode (``copy/``: streamed, reflink, background);
 loading streams back chunk by chunk, restoring moments, step counts and master weights exactly. Where the
-files live and how they are tied to the checkpoint file is ``paired`` (and ``legacy`` for the old
-directory format).
+files live and how they are tied to the checkpoint file is ``paired``.
 """
 
 from __future__ import annotations
@@ -98,13 +97,13 @@ def check_format(off: OffloadedOptimizer, marker: Mapping[str, Any], path: str) 
 @dataclass
 class OptimizerParts:
     """Where the streamed state of a loaded checkpoint is: its directory, the id of the save that wrote it
-    (``None`` for the old directory format) and, per optimizer, the marker naming its file(s)."""
+    (``None``: none recorded) and, per optimizer, the marker naming its file(s)."""
 
     directory: str
     save_id: str | None
     markers: list[dict[str, Any] | None]
     problem: str | None = None  # why the state cannot be read (missing, another save's, remote)
-    source: str = ""  # the checkpoint as the user named it (its file, or the old format's directory)
+    source: str = ""  # the checkpoint file as the user named it
     records: dict[str, torch.Tensor] | None = None  # one-file checkpoint: state file name -> its record
 
 

@@ -6,10 +6,11 @@ library only), so the store, below the checkpoints, uses it too.
 
 A file or directory is written under a hidden temporary name beside its target (``.NAME.tmp-PID``),
 fsynced, then moved into place in one step: ``os.replace`` when the target is a file or absent,
-``renameat2(RENAME_EXCHANGE)`` when it is a directory (an old-format checkpoint: a rename cannot put a
-file over a directory). Where the exchange is unsupported, the old directory is first renamed aside
-(``.NAME.old``); ``recover`` puts it back if a crash fell between the two renames. Deleting renames to a
-hidden temp name first, so no half-deleted entry is ever visible under its name.
+``renameat2(RENAME_EXCHANGE)`` when it is a directory (e.g. a sharded checkpoint that Lightning's FSDP or
+DeepSpeed strategy saved to the same path: a rename cannot put a file over a directory). Where the exchange is
+unsupported, the old directory is first renamed aside (``.NAME.old``); ``recover`` puts it back if a crash fell
+between the two renames. Deleting renames to a hidden temp name first, so no half-deleted entry is ever visible
+under its name.
 """
 
 from __future__ import annotations
@@ -107,7 +108,7 @@ def write_json(path: str, obj: Any, *, durable: bool = True, indent: int | None 
 
 def commit(tmp: str, path: str) -> None:
     """Move the fully written, fsynced file or directory ``tmp`` to ``path`` atomically, whatever ``path``
-    is now (absent, a file, a link, or a directory of the old checkpoint format)."""
+    is now (absent, a file, a link, or a directory)."""
     fsync_path(tmp)
     parent = os.path.dirname(os.path.abspath(path))
     if not (os.path.isdir(path) and not os.path.islink(path)):

@@ -35,7 +35,7 @@ Scalars = dict[tuple[int, int], dict[str, Any]]  # (param index, piece start) ->
 
 
 class ChunkUpdater:
-    """Updates chunks (``update_chunk``) and the resident params, one step at a time (``begin`` ... ``end``).
+    """Updates chunks (``update_chunk``) and the unchunked params, one step at a time (``begin`` ... ``end``).
 
     Args:
         optimizer: the user's optimizer, whose own step runs on each chunk.
@@ -89,12 +89,12 @@ class ChunkUpdater:
         self._fused_plan = fused_update.plan(self.optimizer, self.fmt, kwargs)
 
     def end(self) -> None:
-        """Update every chunk not updated during backward, in order, then the resident params."""
+        """Update every chunk not updated during backward, in order, then the unchunked params."""
         with keep_freed_heap():  # one chunk's update temporaries serve the next (returned at the end)
             for c in self.plan.order:
                 if c not in self.done:
                     self.update_chunk(c)
-            self._update_resident()
+            self._update_unchunked()
         self.writeback.settle(block=True)  # every write of the step issued: a checkpoint may fence them
         self._step_kwargs = {}
         self._fused_plan = None
@@ -110,9 +110,9 @@ class ChunkUpdater:
         first, self._first_inner_run = self._first_inner_run, False
         return nullcontext() if first else hooks_silenced(opt)
 
-    def _update_resident(self) -> None:
-        """Run the optimizer's own step on the resident params (no per-element state) with their state in memory."""
-        work = [piece for piece in self.plan.resident if piece.param.grad is not None]
+    def _update_unchunked(self) -> None:
+        """Run the optimizer's own step on the unchunked params (no per-element state) with their state in memory."""
+        work = [piece for piece in self.plan.unchunked if piece.param.grad is not None]
         if not work:
             return
         params: list[list[torch.Tensor]] = [[] for _ in self.optimizer.param_groups]

@@ -58,8 +58,16 @@ class StateRegion:
 
     name: str  # the store region
     nbytes: int  # its capacity in the store
-    has_state: bool  # some piece in it has optimizer state (a fresh optimizer creates it at the first step)
     params: tuple[torch.Tensor, ...]  # the parameters whose state (or part of it) it holds
+    # The pieces in it that have optimizer state, in region order: each names its parameter range
+    # (``index``, ``start``, ``stop``), its stored components (``stored()``) and their byte offsets in the region
+    # (``slots``). For whoever addresses the stored bytes directly (a checkpoint's reflink clones, a shard's entries).
+    stored: tuple[Piece, ...]
+
+    @property
+    def has_state(self) -> bool:
+        """Some piece in it has optimizer state (a fresh optimizer creates it at the first step)."""
+        return bool(self.stored)
 
 
 class OffloadedOptimizer:
@@ -133,9 +141,9 @@ class OffloadedOptimizer:
         return self.chunk_plan.chunks
 
     @property
-    def resident(self) -> list[Piece]:
+    def unchunked(self) -> list[Piece]:
         """Pieces without per-element state (whole parameters), updated with their state in memory."""
-        return self.chunk_plan.resident
+        return self.chunk_plan.unchunked
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -184,8 +192,8 @@ class OffloadedOptimizer:
 
     def regions(self) -> list[StateRegion]:
         """The store regions of the state, in chunk order: what a strategy places, shelves or checkpoints."""
-        return [StateRegion(c.region, self.capacity[c.index], self._chunk_has_state(c),
-                            tuple({id(p.param): p.param for p in c.pieces}.values())) for c in self.chunks]
+        return [StateRegion(c.region, self.capacity[c.index], tuple({id(p.param): p.param for p in c.pieces}.values()),
+                            tuple(p for p in c.pieces if self.transfer.initialized(p))) for c in self.chunks]
 
     def _chunk_has_state(self, chunk: Chunk) -> bool:
         return any(self.transfer.initialized(p) for p in chunk.pieces)
@@ -198,7 +206,7 @@ class OffloadedOptimizer:
     def step(self, closure: Callable[[], Any] | None = None, **kwargs: Any) -> Any:
         """Pipelined step: reads start now, the closure runs forward/backward, then every chunk is
         updated in order (in backward mode, those not already updated during backward), then the
-        resident params. ``kwargs`` go to the optimizer's own step. Step hooks are not fired here
+        unchunked params. ``kwargs`` go to the optimizer's own step. Step hooks are not fired here
         (``optimizer.step()`` fires them once around this)."""
         if self.store is None:
             raise RuntimeError(f"this {type(self.optimizer).__name__} is a copy (deepcopy/pickle) of an offloaded "

@@ -2,7 +2,7 @@
 into pieces and grouped into chunks, each chunk one store region of bounded size.
 
 What state a parameter has comes from probing the optimizer's own step (see ``probe``). Only
-per-element state goes to the store; parameters without any (plain SGD) are "resident": updated whole
+per-element state goes to the store; parameters without any (plain SGD) are "unchunked": updated whole
 with their (scalar or factored) state in memory, so they still step.
 
 Why pieces: memory must not scale with the largest parameter, so a parameter whose state exceeds
@@ -86,13 +86,13 @@ class Chunk:
 class Plan:
     """Where each trainable parameter's optimizer state lives.
 
-    ``chunks`` hold the per-element state in the store; ``resident`` are whole parameters without
+    ``chunks`` hold the per-element state in the store; ``unchunked`` are whole parameters without
     per-element state (plain SGD, or only factored/scalar state), updated with their state in memory;
     ``planned`` are the param indices decided on (including those another rank owns), so a parameter
     that later becomes trainable (``add_param_group``, ``requires_grad_(True)``) is seen as new."""
 
     chunks: list[Chunk]
-    resident: list[Piece]
+    unchunked: list[Piece]
     specs: dict[tuple[int, int], StateSpec]  # (group, shape class) -> spec
     planned: set[int]
 
@@ -161,14 +161,14 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
     ``chunk_bytes`` of state each (a chunk holds whole small params, big element-wise params are split).
 
     ``owned`` (param index -> element ranges) restricts the stored state to those ranges: a data-parallel
-    rank plans, stores and updates only its partition (see ``partition.partition_by_bytes``); resident
+    rank plans, stores and updates only its partition (see ``partition.partition_by_bytes``); unchunked
     (stateless) params are updated by every rank. ``only``/``first_chunk``/``specs`` extend an existing
     plan with newly trainable params (chunk numbering continues, probes are reused; pass the plan's
     ``fmt`` again). ``fmt`` says how each key is stored; cuts fall on multiples of ``fmt.align`` elements
     (int8 blocks)."""
     check_supported(optimizer)
     chunks: list[Chunk] = []
-    resident: list[Piece] = []
+    unchunked: list[Piece] = []
     planned: set[int] = set()
     current: list[Piece] = []
     used = 0
@@ -187,7 +187,7 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
             continue
         planned.add(index)
         if not keys:
-            resident.append(Piece(info.group, index, p, 0, p.numel(), (), rounds_master=fmt.rounds_master(p.dtype)))
+            unchunked.append(Piece(info.group, index, p, 0, p.numel(), (), rounds_master=fmt.rounds_master(p.dtype)))
             continue
         ranges = [(0, p.numel())] if owned is None else [tuple(r) for r in owned.get(index, ())]
         components = {k: fmt.components(k, d) for k, d in keys}
@@ -227,7 +227,7 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
                 if lo == hi:
                     break
     close()
-    return Plan(chunks, resident, specs, planned)
+    return Plan(chunks, unchunked, specs, planned)
 
 
 class ChunkPlan:
@@ -236,7 +236,7 @@ class ChunkPlan:
 
     Why an object of its own: the update, the backward trigger and the state transfer all ask "which pieces
     does parameter i have" and "in which order are chunks updated"; only this object changes the answer.
-    ``backward``: chunks are updated last first (backward's order). The ``chunks`` and ``resident`` lists are
+    ``backward``: chunks are updated last first (backward's order). The ``chunks`` and ``unchunked`` lists are
     the plan's own, extended in place (the read-ahead holds the same list)."""
 
     def __init__(self, optimizer: Optimizer, plan: Plan, *, name: str, chunk_bytes: int, fmt: StateFormat,
@@ -247,7 +247,7 @@ class ChunkPlan:
         self.chunk_bytes = chunk_bytes
         self.fmt = fmt
         self.backward = backward
-        self.pieces_of: defaultdict[int, list[tuple[Chunk | None, Piece]]] = defaultdict(list)  # None: resident
+        self.pieces_of: defaultdict[int, list[tuple[Chunk | None, Piece]]] = defaultdict(list)  # None: unchunked
         self.order: list[int] = []  # chunk indices in update order
         self._known = [id(p) for p in self.params]  # id of each param, in the order the indices refer to
         self._signature: list[tuple[int, int]] = []  # (id, length) of each group's param list when last checked
@@ -259,8 +259,8 @@ class ChunkPlan:
         return self.plan.chunks
 
     @property
-    def resident(self) -> list[Piece]:
-        return self.plan.resident
+    def unchunked(self) -> list[Piece]:
+        return self.plan.unchunked
 
     @property
     def params(self) -> list[torch.Tensor]:
@@ -270,7 +270,7 @@ class ChunkPlan:
         for c in plan.chunks:
             for piece in c.pieces:
                 self.pieces_of[piece.index].append((c, piece))
-        for piece in plan.resident:
+        for piece in plan.unchunked:
             self.pieces_of[piece.index].append((None, piece))
         self.order = list(range(len(self.chunks)))
         if self.backward:
@@ -299,10 +299,10 @@ class ChunkPlan:
 
     def merge(self, extra: Plan) -> None:
         self.chunks.extend(extra.chunks)
-        self.resident.extend(extra.resident)
+        self.unchunked.extend(extra.unchunked)
         self.plan.planned |= extra.planned
         self._unplanned = [(i, p) for i, p in self._unplanned if i not in extra.planned]
-        self._index(Plan(extra.chunks, extra.resident, {}, set()))
+        self._index(Plan(extra.chunks, extra.unchunked, {}, set()))
 
     def finished(self, chunk: Chunk, param: torch.Tensor, done: Collection[int]) -> bool:
         """Whether every piece of ``param`` (one of ``chunk``'s) is in a chunk in ``done``."""

@@ -96,7 +96,7 @@ class StateTransfer:
                 wrote = True
             handle = self.reads.live_store().write(chunk.region, buf.data[:self.reads.capacity[c]]) if wrote else None
             ring.release(buf, handle)
-        for piece in self.plan.resident:
+        for piece in self.plan.unchunked:
             self.scalars.pop((piece.index, 0), None)
             state = source.scalars(piece.index, set())
             if state:
@@ -127,7 +127,7 @@ class StateTransfer:
             for index, tensors in sink.full(params).items():
                 first = self.plan.pieces_of[index][0][1]
                 opt.state[params[index]] = {**tensors, **self.scalars[(index, first.start)]}
-            for piece in self.plan.resident:
+            for piece in self.plan.unchunked:
                 if (piece.index, 0) in self.scalars:
                     opt.state[params[piece.index]] = dict(self.scalars[(piece.index, 0)])
             out = type(opt).state_dict(opt)

@@ -65,7 +65,7 @@ class BackwardTrigger:
             return
         for chunk, _piece in self.plan.pieces_of.get(index, []):
             if chunk is None:
-                continue  # resident: updated after the chunks
+                continue  # unchunked: updated after the chunks
             waiting = self.waiting.get(chunk.index)
             if waiting is None:
                 continue

@@ -90,7 +90,7 @@ class ParamOffload:
     def block_bytes(self, block: BlockLayout) -> int:
         """Bytes of the block's buffer in memory (its region's capacity, plus a head read in place)."""
         assert self.residency is not None
-        return self.residency._capacity(block)
+        return self.residency.buffers.capacity(block)
 
     @property
     def frozen(self) -> FrozenFiles | None:

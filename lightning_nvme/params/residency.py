@@ -8,10 +8,14 @@ buffers whose write-back is still in flight. What the parameters point at while 
 ``BlockTransfer``'s business (``lightning_nvme.params.transfer``): the host buffer itself on CPU, a device copy
 on CUDA, written back through the host buffer once its copy has completed.
 
-A block *kept* on the device (``keep``, ``device_memory_budget``) is loaded like any other the first time;
-at its first eviction its device copy stays, its parameters stay bound to it and its host buffer is
+A block *kept* on the desk (the device tier: ``keep``, ``device_memory_budget``) is loaded like any other the
+first time; at its first eviction its device copy stays, its parameters stay bound to it and its host buffer is
 recycled: from then on it is neither read, copied nor written back until ``unkeep`` (the end of fit).
 Its device copy is then the truth (``read_values`` and ``in_store`` say so).
+
+Composed of parts with explicit arguments (FSDP2-style state objects, not mixins): the per-block records, counters
+and buffer sizes (``params/block_state.py``), the bounded write-backs (``WriteBacks``, ``params/writeback.py``) and
+the desk copies (``DeskCopies``, ``params/desk.py``); this class decides when a block is read, bound and let go.
 
 An optimizer update needs only a block's trainable tail (``BlockLayout.writable_offset`` on): acquired
 with ``tail=True``, a block not in memory reads just that tail, its frozen parameters stay placeholders.
@@ -25,60 +29,19 @@ still equals the file's bytes: a base file is never written).
 
 from __future__ import annotations
 
-from collections import Counter, deque
-from dataclasses import dataclass, field
-from typing import Any
+from collections import Counter
 
 import torch
 
-from lightning_nvme.optim.plan import placeholder
-from lightning_nvme.params.frozen_files import FrozenFiles, FrozenHead, SplitRead, split_read, split_write, wait_io
+from lightning_nvme.params.block_state import BlockBuffers, BlockState, ResidencyStats, placeholders, view
+from lightning_nvme.params.desk import DeskCopies
+from lightning_nvme.params.frozen_files import FrozenFiles, split_read, wait_io
 from lightning_nvme.params.layout import BlockLayout
-from lightning_nvme.params.transfer import DONE, BlockTransfer, HostTransfer, Ready, TransferStats
-from lightning_nvme.store import FlatStore, IOHandle
+from lightning_nvme.params.transfer import DONE, BlockTransfer, HostTransfer
+from lightning_nvme.params.writeback import WriteBacks
+from lightning_nvme.store import FlatStore
 
-
-@dataclass
-class ResidencyStats:
-    loads: int = 0  # block reads issued
-    sync_loads: int = 0  # reads a forward/backward/update had to wait for from the start (not prefetched)
-    tail_loads: int = 0  # reads of a block's trainable tail only, for an update (frozen head not read)
-    writebacks: int = 0
-    bytes_read: int = 0
-    bytes_written: int = 0
-    resident_blocks: int = 0
-    peak_resident_blocks: int = 0
-    peak_resident_bytes: int = 0
-    bound_blocks: int = 0  # blocks whose parameters point at their values (on an accelerator: device copies)
-    peak_bound_blocks: int = 0
-    early_uploads: int = 0  # device copies started once a read ahead completed, before the block was needed
-    kept_blocks: int = 0  # blocks whose device copy stays bound between uses (``keep``)
-    kept_bytes: int = 0
-    transfer: TransferStats = field(default_factory=TransferStats)
-
-
-@dataclass
-class _State:
-    buffer: torch.Tensor | None = None  # uint8, page-aligned host buffer
-    device: torch.Tensor | None = None  # what the parameters are views of while bound (CPU: ``buffer``)
-    read: IOHandle | SplitRead | None = None
-    bound: bool = False  # parameters point into ``device``
-    dirty: bool = False
-    dirty_whole: bool = False  # frozen parameters changed too (a state dict was loaded): write the whole block
-    placed: bool = False  # its values are in the store
-    shelved: bool = False  # ``buffer`` is the store's in-memory copy of the region (``FlatStore.shelved``)
-    retained: bool = False  # at its last eviction, something (autograd) still held its device copy
-    uploaded: Any = None  # a device copy started before the block is bound (``upload_ready``)
-    desk: bool = False  # keep its device copy after use (``keep``)
-    kept: torch.Tensor | None = None  # that copy once made: the parameters stay bound to it, ``buffer`` is None
-    base: int = 0  # region offset of ``buffer[0]``: ``writable_offset`` when only the trainable tail is in memory
-    refs: Counter = field(default_factory=Counter)
-
-
-def _view(buf: torch.Tensor, slot: Any, base: int = 0) -> torch.Tensor:
-    """``slot``'s bytes in ``buf``, which holds the region from byte ``base`` on."""
-    start = slot.offset - base
-    return buf[start:start + slot.nbytes].view(slot.dtype).view(slot.shape)
+__all__ = ["BlockResidency", "ResidencyStats"]
 
 
 class BlockResidency:
@@ -87,26 +50,24 @@ class BlockResidency:
         self.store = store
         self.frozen = frozen
         self.blocks = blocks
-        self.max_pending_writes = max_pending_writes
         self.transfer = transfer if transfer is not None else HostTransfer()
         self.stats = ResidencyStats(transfer=self.transfer.stats)
-        self._state = [_State() for _ in blocks]
-        # write-backs waiting for their device -> host copy, then in flight to the store (together bounded)
-        self._copies: deque[tuple[BlockLayout, torch.Tensor, int, Ready, int]] = deque()
-        self._writes: deque[tuple[IOHandle | None, torch.Tensor]] = deque()
-        self._resident_bytes = 0
+        self.writebacks = WriteBacks(store, frozen, self.transfer, max_pending_writes, self.stats.count_written)
+        self.buffers = BlockBuffers(store, frozen, self.transfer)
+        self.desk = DeskCopies(self.buffers, self.writebacks, self.stats)
+        self._state = [BlockState() for _ in blocks]
 
     # ---- first placement -----------------------------------------------------------------------------
     def place(self, block: BlockLayout, device: torch.device | None = None) -> None:
         """Copy the block's current values into the store and leave placeholders (setup), on ``device``
         (default: the parameters' own)."""
-        buf = self._new_buffer(block)
-        head = self._head(block)
+        buf = self.buffers.new(block)
+        head = self.buffers.head(block)
         for slot in block.slots:
             if head is None or slot.offset >= head.nbytes:  # a head read in place: its values are the file's
-                _view(buf, slot).copy_(slot.param.detach())
-        self._write(block, buf, head.nbytes if head is not None else 0)
-        self._unbind(block, device)
+                view(buf, slot).copy_(slot.param.detach())
+        self.writebacks.add(block, buf, head.nbytes if head is not None else 0)
+        placeholders(block, device)
         self._state[block.index].placed = True
 
     def placed(self, block: BlockLayout) -> bool:
@@ -117,35 +78,35 @@ class BlockResidency:
         ``copy=False`` views of one buffer (the block's, or a fresh one read for the caller; one block of memory)."""
         st = self._state[block.index]
         if st.base and st.kept is None:  # only the trainable tail in memory: the frozen head from the store, the tail over it
-            buf = self.transfer.caller_buffer(self._capacity(block))
-            self._issue_writes(of=block)
+            buf = self.transfer.caller_buffer(self.buffers.capacity(block))
+            self.writebacks.issue(of=block)
             wait_io(self.store, split_read(self.store, self.frozen, block, buf[:st.base]))
             self._wait_read(block)
-            if st.device is not None and st.device is not st.buffer:
+            if st.device is not None and st.copied:
                 self.transfer.to_host(st.device, buf[st.base:]).synchronize()
             else:
                 assert st.buffer is not None
                 buf[st.base:].copy_(st.buffer)
-            return {s.name: _view(buf, s) for s in block.slots}
+            return {s.name: view(buf, s) for s in block.slots}
         if st.kept is not None:  # its device copy is the truth
-            buf = self.transfer.caller_buffer(self._capacity(block))
+            buf = self.transfer.caller_buffer(self.buffers.capacity(block))
             self.transfer.to_host(st.kept, buf).synchronize()
             copy = False
         elif st.buffer is not None:
             self._wait_read(block)
             buf = st.buffer
-            if st.device is not None and st.device is not st.buffer:  # a device copy is the truth: fetch it
-                buf = self.transfer.caller_buffer(self._capacity(block))
+            if st.device is not None and st.copied:  # a device copy is the truth: fetch it
+                buf = self.transfer.caller_buffer(self.buffers.capacity(block))
                 self.transfer.to_host(st.device, buf).synchronize()
                 copy = False  # the fresh buffer is the caller's already
             elif self.transfer.reuses_buffers:
                 copy = True  # the resident buffer goes back to a pool when evicted: the caller gets copies
         else:
-            self._issue_writes(of=block)
-            buf = self.transfer.caller_buffer(self._capacity(block))
+            self.writebacks.issue(of=block)
+            buf = self.transfer.caller_buffer(self.buffers.capacity(block))
             wait_io(self.store, split_read(self.store, self.frozen, block, buf))
             copy = False  # the fresh buffer is the caller's already
-        return {s.name: _view(buf, s).clone() if copy else _view(buf, s) for s in block.slots}
+        return {s.name: view(buf, s).clone() if copy else view(buf, s) for s in block.slots}
 
     # ---- residency ---------------------------------------------------------------------------------
     def is_resident(self, block: BlockLayout) -> bool:
@@ -162,18 +123,18 @@ class BlockResidency:
         st = self._state[block.index]
         if st.kept is not None:
             return
-        self._issue_writes()
+        self.writebacks.issue()
         if st.buffer is None:
-            self._issue_writes(of=block)  # the read must see this block's last write-back
-            shelved = self.store.shelved(block.region) if self._head(block) is None else None
+            self.writebacks.issue(of=block)  # the read must see this block's last write-back
+            shelved = self.store.shelved(block.region) if self.buffers.head(block) is None else None
             if shelved is not None:  # host_memory_budget: the block lives in memory, bound in place, never read
                 st.buffer, st.shelved = shelved, True
             else:
-                st.buffer = self._new_buffer(block)
+                st.buffer = self.buffers.new(block)
                 st.read = split_read(self.store, self.frozen, block, st.buffer)
                 self.stats.loads += 1
                 self.stats.bytes_read += block.nbytes
-            self._count(block, +1)
+            self.stats.count_in_memory(block, st.base, +1)
 
     def acquire(self, block: BlockLayout, why: str, tail: bool = False) -> None:
         """Hold ``block`` in memory for ``why``; with ``tail``, only its trainable parameters are needed (an
@@ -199,20 +160,20 @@ class BlockResidency:
             st.device, st.uploaded = self.transfer.to_device(st.buffer, st.uploaded), None
             for slot in block.slots:
                 if slot.offset >= st.base:
-                    slot.param.data = _view(st.device, slot, st.base)
+                    slot.param.data = view(st.device, slot, st.base)
             st.bound = True
-            self._count_bound(+1)
+            self.stats.count_bound(+1)
         st.refs[why] += 1
 
     def _load_tail(self, block: BlockLayout) -> None:
         st = self._state[block.index]
-        self._issue_writes(of=block)  # the read must see this block's last write-back
+        self.writebacks.issue(of=block)  # the read must see this block's last write-back
         st.base = block.writable_offset
-        st.buffer = self.transfer.host_buffer(self._capacity(block) - st.base)
+        st.buffer = self.transfer.host_buffer(self.buffers.capacity(block) - st.base)
         st.read = split_read(self.store, self.frozen, block, st.buffer, st.base)
         self.stats.tail_loads += 1
         self.stats.bytes_read += st.buffer.numel()
-        self._count(block, +1)
+        self.stats.count_in_memory(block, st.base, +1)
 
     def upload_ready(self, but: BlockLayout | None = None) -> None:
         """Start the device copy of every block read ahead whose read has completed (none on CPU): it then
@@ -256,10 +217,9 @@ class BlockResidency:
             return
         self._wait_read(block)
         if st.desk and st.bound:
-            self._keep_bound(block)
+            self.desk.keep_bound(block, st)
             return
-        copied = st.device is not None and st.device is not st.buffer  # the parameters point at a device copy
-        if st.shelved and not (st.dirty and copied):
+        if st.shelved and not (st.dirty and st.copied):
             pass  # the shelf is the block's storage: unchanged, or changed in place (CPU): nothing moves
         elif st.dirty:
             assert not (st.base and st.dirty_whole), "a whole-block write of a tail-only block (a bug)"
@@ -270,23 +230,20 @@ class BlockResidency:
                 # into the shelf: a copy into pageable memory is synchronous, the host would wait for the GPU at
                 # every eviction. The shelf gets the bytes as any write-back (``FlatStore.write``: a memory copy)
                 # once the copy completed; the block's next ``prefetch`` issues it first.
-                buf = self._new_buffer(block)
+                buf = self.buffers.new(block)
             ready = DONE
             if st.device is not None:  # only what is written back comes back (a LoRA block: its adapters, not its head)
                 lo = max(start - st.base, 0)
                 ready = self.transfer.to_host(st.device[lo:], buf[lo:])
-            self._write(block, buf, start, ready, st.base)
+            self.writebacks.add(block, buf, start, ready, st.base)
         else:
             self.transfer.recycle(st.buffer)
-        self._unbind(block)
-        st.retained = st.device is not None and st.device is not st.buffer and self.transfer.retained(st.device)
+        placeholders(block)
+        st.retained = st.device is not None and st.copied and self.transfer.retained(st.device)
         if st.bound:
-            self._count_bound(-1)
-        self._count(block, -1)
-        st.buffer, st.device, st.read, st.bound, st.dirty, st.dirty_whole = None, None, None, False, False, False
-        st.shelved, st.base = False, 0
-        st.uploaded = None  # an early copy never used: the allocator frees it after its stream's copy
-        st.refs.clear()
+            self.stats.count_bound(-1)
+        self.stats.count_in_memory(block, st.base, -1)
+        st.evicted()
 
     def release_all(self) -> list[str]:
         """Drop every hold and evict every block in memory (kept blocks stay kept, for ``unkeep``). For the end of
@@ -311,12 +268,12 @@ class BlockResidency:
     def poll_writes(self) -> None:
         """Hand the write-backs whose device -> host copy has completed to the store (waits for nothing beyond
         the ``max_pending_writes`` bound)."""
-        self._issue_writes()
+        self.writebacks.issue()
 
     def issue_writes(self) -> None:
         """Issue every write-back still waiting for its device -> host copy (end of a step: a fence or a
         checkpoint after it must see them)."""
-        self._issue_writes(force=True)
+        self.writebacks.issue(force=True)
 
     def in_store(self, block: BlockLayout) -> bool:
         """Whether the store holds the block's current values once the writes issued so far complete: not resident
@@ -338,113 +295,25 @@ class BlockResidency:
 
     def unkeep(self, block: BlockLayout, write: bool = True) -> None:
         """Let go of the block's device copy (the end of fit), written back to the store first if it changed and
-        ``write``; the parameters get placeholders."""
-        st = self._state[block.index]
-        st.desk = False
-        if st.kept is None:
-            return
-        if +st.refs:
-            raise RuntimeError(f"block {block.name} is held ({dict(st.refs)}); its device copy cannot go (a bug)")
-        if write and st.dirty:
-            buf = self._new_buffer(block)
-            self._write(block, buf, 0 if st.dirty_whole else block.writable_offset, self.transfer.to_host(st.kept, buf))
-        self.stats.kept_blocks -= 1
-        self.stats.kept_bytes -= block.nbytes
-        self._count_bound(-1)
-        st.kept, st.device, st.bound, st.dirty, st.dirty_whole = None, None, False, False, False
-        self._unbind(block)
-
-    def _keep_bound(self, block: BlockLayout) -> None:
-        """The block's last holder let go: its device copy stays (parameters bound), its host buffer goes."""
-        st = self._state[block.index]
-        assert st.buffer is not None  # evicting a block in memory
-        if not st.shelved and st.device is not st.buffer:
-            self.transfer.recycle(st.buffer)
-        st.kept, st.buffer, st.read, st.uploaded, st.shelved = st.device, None, None, None, False
-        st.refs.clear()
-        self._count(block, -1)
-        self.stats.kept_blocks += 1
-        self.stats.kept_bytes += block.nbytes
-
+        ``write``; the parameters get placeholders (``DeskCopies.unkeep``)."""
+        self.desk.unkeep(block, self._state[block.index], write)
     def drain(self) -> None:
         """Wait for every write-back in flight (their buffers are then freed)."""
-        self._issue_writes(force=True)
-        while self._writes:
-            self._wait_oldest_write()
+        self.writebacks.drain()
 
     @property
     def resident_blocks(self) -> list[BlockLayout]:
         return [b for b in self.blocks if self._state[b.index].buffer is not None]
 
     # ---- helpers -------------------------------------------------------------------------------------
-    def _capacity(self, block: BlockLayout) -> int:
-        """Bytes of a block buffer: its region's capacity, plus the head read in place (not in the region)."""
-        head = self._head(block)
-        return self.store.region(block.region).capacity + (head.nbytes if head is not None else 0)
-
-    def _head(self, block: BlockLayout) -> FrozenHead | None:
-        return self.frozen.heads.get(block.index) if self.frozen is not None else None
-
-    def _new_buffer(self, block: BlockLayout) -> torch.Tensor:
-        """Page-aligned and as long as the region: the store moves it with O_DIRECT, no staging copy."""
-        return self.transfer.host_buffer(self._capacity(block))
-
     def _wait_read(self, block: BlockLayout) -> None:
         st = self._state[block.index]
         if st.read is not None:
             wait_io(self.store, st.read)
             st.read = None
 
-    def _write(self, block: BlockLayout, buf: torch.Tensor, start: int = 0, ready: Ready = DONE, base: int = 0) -> None:
-        """Write the region's bytes from ``start`` on (page-aligned), held in ``buf`` from region byte ``base``,
-        once ``ready`` (the copy filling ``buf``) has completed."""
-        start -= base
-        if start >= buf.numel():  # nothing to write (unreachable today: a trainable tail is never empty)
-            ready.synchronize()  # the device -> host copy may still write into the buffer
-            self.transfer.recycle(buf)
-            return
-        self._copies.append((block, buf, start, ready, base))
-        self._issue_writes()
-
-    def _issue_writes(self, force: bool = False, of: BlockLayout | None = None) -> None:
-        """Hand write-backs whose copy has completed to the store, in order; with ``force`` (or ``of`` a
-        block that has one waiting), all of them, waiting for their copies. Copies waiting plus writes in
-        flight stay within ``max_pending_writes`` (the oldest is waited for)."""
-        force = force or any(b is of for b, *_ in self._copies)
-        while self._copies and (force or self._copies[0][3].query()
-                                or len(self._copies) + len(self._writes) > self.max_pending_writes):
-            block, buf, start, ready, base = self._copies.popleft()
-            ready.synchronize()
-            self._writes.append((split_write(self.store, self.frozen, block, buf[start:], base + start), buf))
-            self.stats.writebacks += 1
-            self.stats.bytes_written += buf.numel() - start
-            while self._writes and len(self._writes) + len(self._copies) > self.max_pending_writes:
-                self._wait_oldest_write()
-
-    def _wait_oldest_write(self) -> None:
-        handle, buf = self._writes.popleft()
-        wait_io(self.store, handle)
-        self.transfer.recycle(buf)
-
     def unbind(self, block: BlockLayout, device: torch.device) -> None:
         """Give a block that is not resident placeholders on ``device`` (the end of fit: on the CPU)."""
         if self.is_resident(block):
             raise RuntimeError(f"block {block.name} is resident; it cannot be given placeholders (a bug)")
-        self._unbind(block, device)
-
-    def _unbind(self, block: BlockLayout, device: torch.device | None = None) -> None:
-        for slot in block.slots:
-            slot.param.data = placeholder(slot.shape, slot.dtype, device or slot.param.device)
-
-    def _count_bound(self, sign: int) -> None:
-        self.stats.bound_blocks += sign
-        self.stats.peak_bound_blocks = max(self.stats.peak_bound_blocks, self.stats.bound_blocks)
-
-    def _count(self, block: BlockLayout, sign: int) -> None:
-        """Whole blocks in memory, and bytes in memory (whole blocks and trainable tails)."""
-        st = self._state[block.index]
-        if not st.base:
-            self.stats.resident_blocks += sign
-        self._resident_bytes += sign * (block.nbytes - st.base)
-        self.stats.peak_resident_blocks = max(self.stats.peak_resident_blocks, self.stats.resident_blocks)
-        self.stats.peak_resident_bytes = max(self.stats.peak_resident_bytes, self._resident_bytes)
+        placeholders(block, device)

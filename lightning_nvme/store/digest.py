@@ -19,7 +19,9 @@ from lightning_nvme.store.layout import Layout
 
 class _Readable(Protocol):
     layout: Layout
-    io_chunk_bytes: int
+
+    @property
+    def io_chunk_bytes(self) -> int: ...
 
     def fence(self) -> None: ...
     def aligned_empty(self, shape: tuple[int, ...] | int) -> torch.Tensor: ...

@@ -14,25 +14,22 @@ from __future__ import annotations
 
 import logging
 import os
-import threading
-import time
 from collections.abc import Callable, Sequence
 
 import torch
 
 from lightning_nvme.constants import MiB
-from lightning_nvme.store.aligned import StagingPool, aligned_empty, is_direct_capable
+from lightning_nvme.store.aligned import aligned_empty
 from lightning_nvme.store.digest import region_digests
-from lightning_nvme.store.engine import IOEngine
+from lightning_nvme.store.dispatch import IODispatch
 from lightning_nvme.store.errors import StoreError, StoreIOError, StoreTimeoutError
-from lightning_nvme.store.file_io import StoreFile, chunk_job
-from lightning_nvme.store.handle import IOHandle, wait_all
-from lightning_nvme.store.layout import ALIGN, Region, align_up
+from lightning_nvme.store.handle import IOHandle
+from lightning_nvme.store.layout import ALIGN, Region
 from lightning_nvme.store.lock import StoreLock
 from lightning_nvme.store.opening import open_files
 from lightning_nvme.store.regions import RegionTable
 from lightning_nvme.store.shelf import Shelf
-from lightning_nvme.store.stats import IOStats, StatsRecorder
+from lightning_nvme.store.stats import IOStats
 from lightning_nvme.store.stripes import STRIPE_BYTES
 
 log = logging.getLogger(__name__)
@@ -87,13 +84,8 @@ class FlatStore:
         base = name or f"store-rank{rank}"
         self.paths = [os.path.join(d, base + ".bin") for d in self.directories]
         self.path = self.paths[0]
-        self.io_chunk_bytes = io_chunk_bytes
-        self.io_timeout_s = io_timeout_s
         self._closing = False  # set by close(): no new requests while it drains
         self._closed = False
-        self._first_error: BaseException | None = None
-        self._submit_lock = threading.Lock()
-        self._stats = StatsRecorder()
         self.shelf = Shelf()  # regions kept in memory (host_memory_budget); see shelve()
         # Called with a region's name before any write to it and before it is shelved (after which it changes in
         # place): a background checkpoint copies the region's saved bytes out first (checkpoint/copy/background.py).
@@ -105,17 +97,14 @@ class FlatStore:
             self._regions = RegionTable(self._files, self.stripe_map, self.manifest_path, opened.stripes,
                                         opened.recorded, min_free_bytes)
             self.layout = self._regions.layout  # the regions, for lookups; changed only through add_regions
-            self._pool = StagingPool(max(1, staging_bytes // io_chunk_bytes), io_chunk_bytes)
-            multi = len(self._files) > 1
-            # one queue and worker pool per file (disk); the first also orders all requests (logical byte ranges)
-            self._engines = [IOEngine(io_workers, name=f"lightning-nvme-io-s{i}" if multi else "lightning-nvme-io")
-                             for i in range(len(self._files))]
+            # chunk jobs on one worker pool per file, ordered, counted (store/dispatch.py)
+            self.dispatch = IODispatch(self.path, self._files, self.stripe_map, io_chunk_bytes=io_chunk_bytes,
+                                       io_workers=io_workers, staging_bytes=staging_bytes, io_timeout_s=io_timeout_s)
         except BaseException:
             opened.release()
             raise
-        self._engine = self._engines[0]
         log.info("FlatStore %s: mode=%s chunk=%d KiB workers=%d x %d file(s) pool=%d MiB", self.path, self.mode,
-                 io_chunk_bytes // 1024, io_workers, len(self._files), self._pool.total_bytes // MiB)
+                 io_chunk_bytes // 1024, io_workers, len(self._files), self.staging_bytes // MiB)
 
     # ---- files (store/file_io.py) ------------------------------------------------------------------
     @property
@@ -135,6 +124,14 @@ class FlatStore:
     @property
     def _lock(self) -> StoreLock:
         return self._locks[0]
+
+    @property
+    def io_chunk_bytes(self) -> int:
+        return self.dispatch.io_chunk_bytes
+
+    @property
+    def io_timeout_s(self) -> float:
+        return self.dispatch.io_timeout_s
 
     # ---- regions (store/regions.py) ----------------------------------------------------------------
     def add_regions(self, specs: list[tuple[str, int]]) -> list[Region]:
@@ -162,26 +159,12 @@ class FlatStore:
         (a reflink snapshot clones them)."""
         return self._regions.extents(name)
 
-    # ---- chunk jobs ---------------------------------------------------------------------------
-    def _chunk_job(self, tensor: torch.Tensor, a: int, n: int, file: StoreFile, file_off: int, region: str,
-                   zero_copy: bool, write: bool) -> Callable[[], None]:
-        return chunk_job(self._pool, tensor, a, n, file, file_off, region, zero_copy=zero_copy, write=write)
-
     # ---- public async API ---------------------------------------------------------------------
     def _check_usable(self) -> None:
         if self._closed or self._closing:
             raise StoreIOError(f"store {self.path} is closed", path=self.path)
-        if self._first_error is not None:
-            raise self._first_error
-
-    def _on_done(self, h: IOHandle) -> None:
-        if h.error is not None and self._first_error is None:
-            self._first_error = h.error
-        seconds = (h.t_done or h.t_submit) - h.t_submit
-        if h.kind == "write":
-            self._stats.add(bytes_written=h.nbytes, writes=1, write_seconds=seconds)
-        else:
-            self._stats.add(bytes_read=h.nbytes, reads=1, read_seconds=seconds)
+        if self.dispatch.first_error is not None:
+            raise self.dispatch.first_error
 
     def _submit(self, kind: str, name: str, t: torch.Tensor, offset: int) -> IOHandle:
         self._check_usable()
@@ -202,28 +185,7 @@ class FlatStore:
         if self.shelf.get(name) is not None:  # in memory: copied now, never touches the disk
             self.shelf.transfer(name, _as_bytes(t), offset, kind == "write")
             return IOHandle(kind, name, region.offset + offset, nbytes, 0, [], default_timeout=self.io_timeout_s)
-        if t.device.type != "cpu":
-            zero_copy = False
-        else:
-            zero_copy = not self.direct or is_direct_capable(t, nbytes, for_read=kind == "read")
-        start = region.offset + offset
-        data = _as_bytes(t)
-        pieces = self.stripe_map.pieces(start, nbytes, self.io_chunk_bytes)
-        jobs: list[list[Callable[[], None]]] = [[] for _ in self._files]
-        for i, a, file_off, n in pieces:
-            jobs[i].append(self._chunk_job(data if not zero_copy else t, a, n, self._files[i], file_off, name,
-                                           zero_copy, kind == "write"))
-        # Finding the dependencies, registering the request and queueing its chunks is one step, so two
-        # threads submitting at once cannot both miss each other (or queue out of dependency order).
-        with self._submit_lock:
-            deps = self._engine.conflicts(kind, start, start + align_up(nbytes))
-            handle = IOHandle(kind, name, start, nbytes, len(pieces), deps, keepalive=t, on_done=self._on_done,
-                              default_timeout=self.io_timeout_s)
-            self._engine.track(handle)
-            for engine, file_jobs in zip(self._engines, jobs):
-                if file_jobs:
-                    engine.submit(handle, file_jobs)
-        return handle
+        return self.dispatch.submit(kind, name, t, _as_bytes(t), region.offset + offset, nbytes)
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
         """Asynchronously write ``tensor``'s bytes into region ``name`` at byte ``offset``. The tensor must
@@ -266,42 +228,21 @@ class FlatStore:
     def fence(self, regions: list[str] | None = None, *, durable: bool = False, timeout: float | None = None) -> None:
         """Wait until every pending request (or those touching ``regions``) has completed on the disk;
         re-raise the first I/O error. ``durable=True`` also fdatasyncs the file."""
+        engine = self.dispatch.engine
         if regions is None:
-            pending = self._engine.pending()
+            pending = engine.pending()
         else:
-            pending = []
-            for name in regions:
-                r = self.layout[name]
-                pending += self._engine.pending(r.offset, r.end)
-        limit = self.io_timeout_s if timeout is None else timeout
-        t0 = time.perf_counter()
-        try:
-            wait_all(pending, limit)
-        except StoreTimeoutError:
-            stuck = [h.describe() for h in pending if not h.done()]
-            shown = "; ".join(stuck[:20]) + (f"; ... {len(stuck) - 20} more" if len(stuck) > 20 else "")
-            raise StoreTimeoutError(
-                f"fence on {self.path} timed out after {limit:g}s with {len(stuck)} request(s) pending: {shown}. "
-                f"The disk may be stalled or failing; raise io_timeout_s only if it is just slow.") from None
-        finally:
-            self._stats.add(wait_seconds=time.perf_counter() - t0)
-        if self._first_error is not None:
-            raise self._first_error
+            pending = [h for name in regions for h in engine.pending(self.layout[name].offset, self.layout[name].end)]
+        self.dispatch.wait_all(pending, self.io_timeout_s if timeout is None else timeout)
         if durable:
             self._regions.sync()
             for file in self._files:
                 file.fdatasync()
-            self._stats.add(fsyncs=1)
+            self.dispatch.stats.add(fsyncs=1)
 
     def wait(self, handle: IOHandle) -> None:
         """``handle.wait`` with the store's timeout, counting the blocked time as fence wait."""
-        t0 = time.perf_counter()
-        try:
-            handle.wait(self.io_timeout_s)
-        except StoreTimeoutError as e:
-            raise StoreTimeoutError(f"store {self.path}: {e}") from None
-        finally:
-            self._stats.add(wait_seconds=time.perf_counter() - t0)
+        self.dispatch.wait(handle)
 
     def digest(self, regions: list[str] | None = None) -> dict[str, str]:
         """BLAKE2b of each region's bytes as they are on disk (``store/digest.py`` says why)."""
@@ -319,11 +260,11 @@ class FlatStore:
 
     @property
     def stats(self) -> IOStats:
-        return self._stats.read()
+        return self.dispatch.stats.read()
 
     @property
     def staging_bytes(self) -> int:
-        return self._pool.total_bytes
+        return self.dispatch.pool.total_bytes
 
     def close(self, *, delete: bool = False) -> None:
         """Drain pending I/O, stop the workers, release the lock; then raise any error still pending.
@@ -334,7 +275,7 @@ class FlatStore:
         if self._closed:
             return
         error: BaseException | None = None
-        if not delete and self._first_error is None:
+        if not delete and self.dispatch.first_error is None:
             try:  # the disk copy of shelved regions is stale: a reopened store must read the true bytes
                 for name, data in self.shelf.take_all().items():
                     self.write(name, data)
@@ -347,8 +288,7 @@ class FlatStore:
             self.fence(timeout=self.io_timeout_s)
         except BaseException as e:  # noqa: BLE001 - re-raised after cleanup
             error = error or e
-        deadline = time.monotonic() + min(self.io_timeout_s, 30.0)
-        busy = sum(e.shutdown(timeout=max(0.0, deadline - time.monotonic())) for e in self._engines)
+        busy = self.dispatch.shutdown(min(self.io_timeout_s, 30.0))
         if busy:
             # A worker is stuck in a read/write on this fd. Closing it would let the number be reused by
             # another file, which that worker would then write into; releasing the lock would let another

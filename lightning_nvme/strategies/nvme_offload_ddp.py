@@ -12,7 +12,7 @@ One step on every rank::
     hold the same parameters again when the step ends
 
 Ownership is a ``Partition`` balanced by state bytes (``partition_by_bytes``). A checkpoint is rank 0's file
-plus one optimizer shard per rank beside it (``lightning_nvme.checkpoint.sharded``); it resumes at any
+plus one optimizer shard per rank beside it (``lightning_nvme.checkpoint.rank_shards``); it resumes at any
 world size.
 
 ``overlap="backward"``: a gradient is final only once its all-reduce has completed, not when autograd
@@ -77,6 +77,8 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
     strategy_name = "nvme_offload_ddp"
     _local_grad_hooks = False
     config: DDPOffloadSettings
+    # the settings the constructor builds (set by ``with_settings``): one constructor serves nvme_offload_fsdp too
+    settings_class: type[DDPOffloadSettings]
 
     def __init__(self, store_dir: str | list[str] | None = None, *, accelerator: pl.accelerators.Accelerator | None = None,
                  parallel_devices: list[torch.device] | None = None,
@@ -84,16 +86,12 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
                  precision_plugin: Precision | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **kwargs: Any) -> None:
-        names = DDPOffloadSettings.__dataclass_fields__
+        names = self.settings_class.__dataclass_fields__
         reject_unknown(self.strategy_name, kwargs, [*names, *_DDP_ARGUMENTS])
         settings = {k: v for k, v in kwargs.items() if k in names}
         ddp_kwargs = {k: v for k, v in kwargs.items() if k not in names}  # DDP's own, passed to DistributedDataParallel
-        config = from_arguments(DDPOffloadSettings, self.strategy_name, {"store_dir": store_dir, **settings})
-        if config.offload_params:
-            raise ConfigError("offload_params", "nvme_offload_ddp does not offload parameters yet. Fix: use "
-                              "strategy='nvme_offload' (one device) for parameter offload, or offload_params=False.")
-        if config.checkpoint_copy == "background":
-            raise ConfigError("checkpoint_copy", DDP_BACKGROUND_REFUSAL)
+        config = from_arguments(self.settings_class, self.strategy_name, {"store_dir": store_dir, **settings})
+        self._refuse_settings(config)
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin, process_group_backend=process_group_backend,
@@ -106,6 +104,14 @@ class NVMeOffloadDDPStrategy(OffloadStrategy, DDPStrategy):
         self._broadcasts: list[ParamBroadcast] = []  # per offloaded optimizer
         self._broadcast_groups: list[dist.ProcessGroup] = []  # one per source rank (see param_broadcast)
         self._in_backward = False  # the closure (forward and backward) of an optimizer step is running
+
+    def _refuse_settings(self, config: DDPOffloadSettings) -> None:
+        """The settings this strategy does not support yet, refused by name before Lightning's strategy is built."""
+        if config.offload_params:
+            raise ConfigError("offload_params", "nvme_offload_ddp does not offload parameters yet. Fix: use "
+                              "strategy='nvme_offload' (one device) for parameter offload, or offload_params=False.")
+        if config.checkpoint_copy == "background":
+            raise ConfigError("checkpoint_copy", DDP_BACKGROUND_REFUSAL)
 
     @property
     @override

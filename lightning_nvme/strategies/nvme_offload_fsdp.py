@@ -27,20 +27,19 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.pytorch.overrides.distributed import _sync_module_states
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import DDPStrategy
 from lightning.pytorch.trainer.states import TrainerFn, TrainerStatus
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nvme.checks import ConfigError, reject_unknown
+from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.optim import OffloadedOptimizer, Partition, UpdateListener
 from lightning_nvme.optim.plan import bytes_per_element, describe_params
 from lightning_nvme.params.materialize import has_meta_tensors
 from lightning_nvme.params.sharded import ShardedParams, owned_ranges
-from lightning_nvme.settings import FSDPOffloadSettings, from_arguments, with_settings
-from lightning_nvme.strategies.nvme_offload_ddp import _DDP_ARGUMENTS, NVMeOffloadDDPStrategy
+from lightning_nvme.settings import DDPOffloadSettings, FSDPOffloadSettings, with_settings
+from lightning_nvme.strategies.nvme_offload_ddp import NVMeOffloadDDPStrategy
 
 # Settings of the single-device strategy that this one does not carry yet, with the value it runs with; any other
 # value is refused by name at construction (docs/fsdp.md, "Not yet").
@@ -77,29 +76,19 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
                  precision_plugin: Precision | None = None, process_group_backend: str | None = None,
                  timeout: timedelta | None = default_pg_timeout,
                  start_method: Literal["popen", "spawn", "fork", "forkserver"] = "popen", **kwargs: Any) -> None:
-        names = FSDPOffloadSettings.__dataclass_fields__
-        reject_unknown(self.strategy_name, kwargs, [*names, *_DDP_ARGUMENTS])
-        settings = {k: v for k, v in kwargs.items() if k in names}
-        ddp_kwargs = {k: v for k, v in kwargs.items() if k not in names}
-        config = from_arguments(FSDPOffloadSettings, self.strategy_name, {"store_dir": store_dir, **settings})
+        super().__init__(store_dir, accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin, process_group_backend=process_group_backend,
+                         timeout=timeout, start_method=start_method, **kwargs)
+        self.sharded: ShardedParams | None = None
+        self._shard_group: Any = None  # the gathers' and reductions' own process group
+
+    @override
+    def _refuse_settings(self, config: DDPOffloadSettings) -> None:
         for key, (allowed, why) in _NOT_YET.items():
             if getattr(config, key) not in allowed:
                 raise ConfigError(key, f"{self.strategy_name} does not support {key}={getattr(config, key)!r} yet "
                                        f"({why}). Fix: {key}={allowed[0]!r}, or strategy='nvme_offload' (one device).")
-        DDPStrategy.__init__(self, accelerator=accelerator, parallel_devices=parallel_devices,
-                             cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
-                             precision_plugin=precision_plugin, process_group_backend=process_group_backend,
-                             timeout=timeout, start_method=start_method, **ddp_kwargs)
-        self._init_offload(config)
-        self.broadcast_bucket_bytes = config.broadcast_bucket_bytes
-        self.partitions: list[Partition] = []
-        self._grad_owner: dict[int, list[tuple[OffloadedOptimizer, int]]] = {}
-        self._reducing: list = []
-        self._broadcasts: list = []
-        self._broadcast_groups: list[dist.ProcessGroup] = []
-        self._in_backward = False
-        self.sharded: ShardedParams | None = None
-        self._shard_group: Any = None  # the gathers' and reductions' own process group
 
     # ---- setup -----------------------------------------------------------------------------------------------
     @override
@@ -199,7 +188,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
     def _start_offload(self) -> None:
         assert self.sharded is not None and self.nvme_store is not None
         trained = [p for off in self.offloaded for p in off.params]
-        stateless = [piece.index for off in self.offloaded for piece in off.resident]
+        stateless = [piece.index for off in self.offloaded for piece in off.unchunked]
         if stateless:
             raise ValueError(f"{self.strategy_name}: parameters {stateless} have no per-element optimizer state (e.g. "
                              "SGD with momentum=0); each rank updates only its shard of a parameter, which needs "

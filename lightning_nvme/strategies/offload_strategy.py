@@ -7,7 +7,10 @@ override reaches the Lightning strategy next in the method resolution order thro
 ``OffloadedOptimizer``, reads started on entry to the step, the store drained on teardown and
 reopened for checkpoints saved after ``fit``, checkpoints loaded and routed between the strategy and the
 user's ``CheckpointIO``. A subclass says which parameter ranges its process owns (``_owned_ranges``), what
-follows an update (``_after_update``) and how its optimizer state is saved (``_save_streamed``).
+follows an update (``_after_update``) and what its saves take besides the checkpoint (``_save_arguments``).
+
+The hooks stay here and delegate: opening the store and offloading the optimizers to ``store_open``, the setup
+refusals to ``setup_checks``, saving and loading to ``checkpoint.Saver`` and ``checkpoint.Resume``.
 """
 
 from __future__ import annotations
@@ -25,25 +28,21 @@ from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.core.optimizer import LightningOptimizer, _MockOptimizer
 from lightning.pytorch.strategies import Strategy
 from lightning.pytorch.trainer.states import TrainerFn
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_nvme.checkpoint import Resume, Saver, SaveRecord, WeightReaders
-from lightning_nvme.constants import GiB, MiB
-from lightning_nvme.doctor.profile import IOProfile, io_request, slowest_disk_note
 from lightning_nvme.fs import atomic
-from lightning_nvme.memory import release_freed_memory
-from lightning_nvme.optim import OffloadedOptimizer, UpdateListener, plan_chunks
+from lightning_nvme.optim import OffloadedOptimizer, UpdateListener
 from lightning_nvme.optim.plan import Plan
-from lightning_nvme.optim.store_ref import StoreRef
-from lightning_nvme.preflight.checkpoint_space import check_run_space
-from lightning_nvme.preflight.resources import check_host_memory_budget, check_store_dirs
+from lightning_nvme.preflight.resources import check_host_memory_budget
 from lightning_nvme.settings import OffloadSettings
 from lightning_nvme.store import ALIGN, FlatStore
-from lightning_nvme.store.layout import HEADER_BYTES, align_up
+from lightning_nvme.store.layout import HEADER_BYTES
 from lightning_nvme.strategies.placement import Item, ShelfPlan, chunk_item, plan_shelf, resolve_budget
-from lightning_nvme.strategies.store_claim import claim_store_name, owner_region
+from lightning_nvme.strategies.setup_checks import check_overlap_supported
+from lightning_nvme.strategies.store_open import offload_optimizers, open_new_store
 
 
 class OffloadStrategy(Strategy):
@@ -133,7 +132,7 @@ class OffloadStrategy(Strategy):
     def setup(self, trainer: pl.Trainer) -> None:
         super().setup(trainer)
         if trainer.state.fn == TrainerFn.FITTING and self._has_state_to_offload():
-            self._check_overlap_supported(trainer)
+            check_overlap_supported(self.strategy_name, self.config, trainer, self.precision_plugin, self._frees_grads)
             self._offload_optimizers(trainer)
             self._start_offload()
             self._plan_shelf()
@@ -143,98 +142,22 @@ class OffloadStrategy(Strategy):
         step on a dummy tensor), so the run trains as under the default strategy with nothing to offload."""
         return any(not isinstance(opt, _MockOptimizer) for opt in self.optimizers)
 
-    def _check_overlap_supported(self, trainer: pl.Trainer) -> None:
-        if self.config.overlap != "backward":
-            return
-        algorithm = str(getattr(trainer, "gradient_clip_algorithm", None) or "norm").lower()
-        if trainer.gradient_clip_val and "norm" in algorithm:
-            raise ValueError(f"{self.strategy_name}: overlap='backward' updates each chunk as its gradients become "
-                             "final, before the global gradient norm is known, so norm clipping "
-                             f"(gradient_clip_val={trainer.gradient_clip_val}) would change the maths. Use "
-                             "overlap='step', or gradient_clip_algorithm='value'.")
-        if getattr(self.precision_plugin, "scaler", None) is not None:
-            raise ValueError(f"{self.strategy_name}: overlap='backward' cannot be used with a loss scaler "
-                             "(precision='16-mixed'): the inf check needs all gradients first. Use overlap='step' "
-                             "or precision='bf16-mixed'.")
-        if self._frees_grads:
-            from lightning.pytorch.callbacks import Callback
-
-            hooked = [type(obj).__name__ for obj in (trainer.lightning_module, *getattr(trainer, "callbacks", []))
-                      if type(obj).on_before_optimizer_step is not (
-                          pl.LightningModule if isinstance(obj, pl.LightningModule) else Callback
-                      ).on_before_optimizer_step]
-            if hooked:
-                raise ValueError(f"{self.strategy_name}: overlap='backward' consumes each gradient during backward "
-                                 f"(freed once its chunk is updated), so {hooked[0]}.on_before_optimizer_step would "
-                                 "see no gradients (e.g. gradient-norm logging) and already-updated parameters. "
-                                 "Use overlap='step', or remove that hook.")
-
     def _open_new_store(self, trainer: pl.Trainer, planned: int, state_bytes: int | None = None) -> FlatStore:
-        """This process's store, created once; ``planned`` bytes (beyond what it already holds) are
-        checked against the free space first: writable, enough free space (+ margin), warn on tmpfs/NFS;
-        with the optimizer's ``state_bytes`` known, also with the checkpoints the run keeps (on one store dir's disk
-        with the store's bytes; a striped store's stripes are checked above)."""
-        store_dirs = self.config.resolve_store_dirs(trainer.default_root_dir)
-        io_chunk_bytes, io_workers, stripe_bytes = io_request(self.config)
-        check_store_dirs(store_dirs, planned, stripe_bytes, min_free_bytes=self.config.min_free_bytes,
-                         roles=self._other_roles(trainer, store_dirs))
-        if state_bytes is not None:
-            together = self.config.checkpoint_copy == "background" and self.config.checkpoint_in_flight == "join"
-            check_run_space(trainer, store_dirs[0], planned if len(store_dirs) == 1 else 0, state_bytes,
-                            self.config.min_free_bytes, self.strategy_name, together)
-        if self.nvme_store is not None:
-            return self.nvme_store
-        threshold = self.config.mmap_threshold()
-        if threshold is not None:
-            release_freed_memory(threshold)  # see lightning_nvme.memory: bounded RSS
-        if len(store_dirs) > 1 and self.config.io_profile:
-            note = slowest_disk_note(IOProfile.load(self.config.io_profile), store_dirs)
-            if note:
-                rank_zero_warn(f"{self.strategy_name}: {note}")
-        name = claim_store_name(store_dirs, self._store_rank, self, self._run_token)
-        self.nvme_store = FlatStore(store_dirs, rank=self._store_rank, io_chunk_bytes=io_chunk_bytes,
-                                    io_workers=io_workers, staging_bytes=max(self.config.staging_bytes, io_chunk_bytes),
-                                    min_free_bytes=self.config.min_free_bytes, name=name, stripe_bytes=stripe_bytes)
-        self.nvme_store.add_region(owner_region(self._run_token), ALIGN)
+        """This process's store, created once after the space checks (``store_open.open_new_store``)."""
+        self.nvme_store = open_new_store(trainer, self.config, self.strategy_name, self.nvme_store, self,
+                                         self._store_rank, self._run_token, planned, state_bytes)
         return self.nvme_store
-
-    @staticmethod
-    def _other_roles(trainer: pl.Trainer, store_dirs: list[str]) -> dict[str, list[str]]:
-        """With several disks asked for, the checkpoint directory too, so preflight says if it shares one."""
-        callback = getattr(trainer, "checkpoint_callback", None)
-        dirpath = getattr(callback, "dirpath", None)
-        return {"checkpoints": [str(dirpath)]} if len(store_dirs) > 1 and dirpath else {}
 
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
         owned = [self._owned_ranges(i, opt) for i, opt in enumerate(self.optimizers)]
-        fmt = self.config.state_format_spec
-        plans = [plan_chunks(opt, self.config.chunk_bytes, f"opt{i}", owned=owned[i], fmt=fmt)
-                 for i, opt in enumerate(self.optimizers)]
-        planned = sum(align_up(c.nbytes) for plan in plans for c in plan.chunks)
-        if self.nvme_store is None:  # else header, owner region and parameter blocks are allocated already
-            planned += HEADER_BYTES + ALIGN + self._extra_store_bytes()
-        self._open_new_store(trainer, planned, sum(align_up(c.nbytes) for plan in plans for c in plan.chunks))
-        assert self.nvme_store is not None
-        store_ref = StoreRef.of(self.nvme_store, owner_region(self._run_token))
-        clip_value = None
-        if self.config.overlap == "backward" and trainer.gradient_clip_val:
-            clip_value = float(trainer.gradient_clip_val)
-        self.offloaded = [
-            OffloadedOptimizer(opt, self.nvme_store, name=f"opt{i}", chunk_bytes=self.config.chunk_bytes,
-                               prefetch_depth=self._read_ahead(plans[i]), overlap=self.config.overlap,
-                               clip_value=clip_value, owned=owned[i], plan=plans[i],
-                               grad_hooks=self._local_grad_hooks, store_ref=store_ref,
-                               free_grads=self._frees_grads and self.config.overlap == "backward",
-                               listener=self._update_listener(), fmt=fmt)
-            for i, opt in enumerate(self.optimizers)
-        ]
-        state = sum(o.state_bytes for o in self.offloaded)
-        resident = sum(o.ring.total_bytes for o in self.offloaded) + self.nvme_store.staging_bytes
-        rank_zero_info(f"{self.strategy_name}: optimizer state store {self.nvme_store.path} ({self.nvme_store.mode} "
-                       f"I/O): {state / GiB:.2f} GiB on disk in {sum(len(o.regions()) for o in self.offloaded)} "
-                       f"chunks; {resident / MiB:.0f} MiB of resident buffers (read ahead: "
-                       f"{', '.join(str(o.reads.depth) for o in self.offloaded)} chunks); overlap={self.config.overlap}; "
-                       f"{fmt.describe()}")
+        # a new store also holds its header, its owner region and the parameter blocks
+        new_store_bytes = 0 if self.nvme_store is not None else HEADER_BYTES + ALIGN + self._extra_store_bytes()
+        backward = self.config.overlap == "backward"
+        self.offloaded = offload_optimizers(
+            self.optimizers, owned, self.config, functools.partial(self._open_new_store, trainer), new_store_bytes,
+            self._read_ahead, strategy_name=self.strategy_name, token=self._run_token,
+            clip_value=float(trainer.gradient_clip_val) if backward and trainer.gradient_clip_val else None,
+            grad_hooks=self._local_grad_hooks, free_grads=self._frees_grads and backward, listener=self._update_listener())
 
     @override
     def teardown(self) -> None:
@@ -255,14 +178,24 @@ class OffloadStrategy(Strategy):
         if self.nvme_store is not None:
             yield self.nvme_store
             return
+        store = self._reopen_store()
+        try:
+            yield store
+        finally:
+            store.close()
+
+    def _reopen_store(self) -> FlatStore:
+        """The store file reopened and checked (after teardown), the offloaded optimizers and parameters pointed at it;
+        the caller closes it."""
         store = self.offloaded[0].store_ref.open()
         try:
             for off in self.offloaded:
                 off.attach(store)
             self._attach_store(store)
-            yield store
-        finally:
+        except BaseException:
             store.close()
+            raise
+        return store
 
     def _attach_store(self, store: FlatStore) -> None:
         """Point what else reads the store (offloaded parameters) at ``store``, reopened after fit."""

@@ -5,7 +5,7 @@ see docs/performance.md):
 
 * **No copies, no allocations per step.** A range of at least ``PACK_BELOW`` bytes is broadcast in place
   (a view of the parameter; ranges longer than ``bucket_bytes`` are cut). Smaller ranges (norms, biases)
-  are packed into one staging buffer allocated once at setup (``bucket_bytes`` at most, shared by every
+  are packed into one buffer allocated once at setup (``bucket_bytes`` at most, shared by every
   source), so one broadcast carries many of them. Before, every multi-range bucket was a fresh
   concatenation (a new >8 MiB mmap, faulted in page by page, then copied out again on the receivers).
 * **Early.** Each source rank broadcasts on its own process group, so its sends are issued as soon as the
@@ -35,12 +35,12 @@ PACK_BELOW = 256 << 10
 
 @dataclass(frozen=True)
 class Item:
-    """One broadcast: ``ranges`` (param index, start, stop) of the ``src`` rank's parameters; ``staging`` is
-    its (byte offset, bytes) in the staging buffer, ``None`` for one range broadcast in place."""
+    """One broadcast: ``ranges`` (param index, start, stop) of the ``src`` rank's parameters; ``packed`` is
+    its (byte offset, bytes) in the packing buffer, ``None`` for one range broadcast in place."""
 
     src: int
     ranges: tuple[tuple[int, int, int], ...]
-    staging: tuple[int, int] | None = None
+    packed: tuple[int, int] | None = None
 
     @property
     def params(self) -> frozenset[int]:
@@ -50,7 +50,7 @@ class Item:
 def plan_items(owner_pieces: list[list[tuple[int, int, int]]], params: Sequence[torch.Tensor], bucket_bytes: int,
                reverse: bool = False) -> list[list[Item]]:
     """Per source rank, its broadcasts in issue order: in-place ranges in update order (param order, or
-    reversed for ``overlap="backward"``), then its packed small ranges. Packing stops once the staging
+    reversed for ``overlap="backward"``), then its packed small ranges. Packing stops once the packing
     buffer (``bucket_bytes`` for all sources together) is full; the rest go in place."""
     left, offset = bucket_bytes, 0
     plan: list[list[Item]] = []
@@ -103,8 +103,8 @@ class ParamBroadcast:
         self.items = items
         self.rank = rank
         self.groups = groups
-        staged = [it.staging for per in items for it in per if it.staging is not None]
-        self.staging = torch.empty(max((o + n for o, n in staged), default=0), dtype=torch.uint8,
+        packed = [it.packed for per in items for it in per if it.packed is not None]
+        self.packing = torch.empty(max((o + n for o, n in packed), default=0), dtype=torch.uint8,
                                    device=self.params[0].device if self.params else None)
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._waiting: list[set[int]] = []
@@ -147,7 +147,7 @@ class ParamBroadcast:
         self.post_receives()
         for work, it in self._works:
             work.wait()
-            if it.src != self.rank and it.staging is not None:
+            if it.src != self.rank and it.packed is not None:
                 pos = 0
                 flat = self._tensor(it)
                 for view in self._views(it):
@@ -160,7 +160,7 @@ class ParamBroadcast:
         while self._next < len(mine) and not self._waiting[self._next]:
             it = mine[self._next]
             flat = self._tensor(it)
-            if it.staging is not None:
+            if it.packed is not None:
                 torch.cat(self._views(it), out=flat)
             self._works.append((dist.broadcast(flat, self.rank, group=self.groups[self.rank], async_op=True), it))
             self._next += 1
@@ -169,9 +169,9 @@ class ParamBroadcast:
         return [self.params[i].detach().view(-1)[lo:hi] for i, lo, hi in it.ranges]
 
     def _tensor(self, it: Item) -> torch.Tensor:
-        """What the broadcast carries: the range itself, or the item's slice of the staging buffer."""
-        if it.staging is None:
+        """What the broadcast carries: the range itself, or the item's slice of the packing buffer."""
+        if it.packed is None:
             (i, lo, hi), = it.ranges
             return self.params[i].detach().view(-1)[lo:hi]
-        offset, nbytes = it.staging
-        return self.staging[offset:offset + nbytes].view(self.params[it.ranges[0][0]].dtype)
+        offset, nbytes = it.packed
+        return self.packing[offset:offset + nbytes].view(self.params[it.ranges[0][0]].dtype)

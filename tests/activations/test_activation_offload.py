@@ -309,7 +309,7 @@ def _assert_clean(off: ActivationOffloader) -> None:
     gc.collect()
     assert off.phase == "idle" and not hooks_installed()
     assert pending_io(off) == 0 and held_bytes(off) == 0
-    assert off.store._engine.pending() == []
+    assert off.store.dispatch.engine.pending() == []
     assert off.meter.current_bytes == 0, "saved activation memory leaked"
 
 

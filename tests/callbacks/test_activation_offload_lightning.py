@@ -126,7 +126,7 @@ def test_exception_in_step_leaves_no_io_buffers_or_hooks(tmp_path, where):
     assert off.phase == "idle" and pending_io(off) == 0 and held_bytes(off) == 0
     assert not hooks_installed()
     assert cb.nvme_store is None and not os.path.exists(tmp_path / "store" / "activations-rank0.bin")
-    assert off.store._engine.alive_threads == 0  # its own store was closed
+    assert off.store.dispatch.engine.alive_threads == 0  # its own store was closed
 
 
 def test_disabled_callback_does_nothing(tmp_path):

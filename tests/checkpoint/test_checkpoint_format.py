@@ -7,8 +7,8 @@
 - a user's ``CheckpointIO`` and ``storage_options`` carry what they can (weights-only checkpoints) and streamed
   state is refused with the reason; an fsspec URL is written through fsspec or refused, never to a local
   directory named after it;
-- saving over an existing plain file, an old-format directory or a checkpoint of this format works, leaving
-  no hidden debris; old-format directories still resume bitwise.
+- saving over an existing plain file, a directory (another strategy's sharded checkpoint) or a checkpoint of this
+  format works, leaving no hidden debris.
 """
 
 from __future__ import annotations
@@ -285,21 +285,21 @@ def test_resume_from_a_default_strategy_last_ckpt_saves_over_it(tmp_path):
 
 
 def test_save_over_each_format_replaces_it_completely(saved, tmp_path):
-    from ckpt_helpers import write_legacy
-
     from lightning_nvme.checkpoint import convert
 
     t = saved["trainer"]
-    plain, legacy_dir, ours = tmp_path / "plain.ckpt", tmp_path / "legacy.ckpt", tmp_path / "ours.ckpt"
+    plain, sharded_dir, ours = tmp_path / "plain.ckpt", tmp_path / "sharded.ckpt", tmp_path / "ours.ckpt"
     convert.to_lightning(str(saved["path"]), str(plain))
-    write_legacy(plain, legacy_dir)
+    # a directory at the path, as Lightning's FSDP/DeepSpeed strategies save a sharded checkpoint
+    os.makedirs(sharded_dir / "checkpoint")
+    torch.save({"global_step": 0}, sharded_dir / "checkpoint" / "meta.pt")
     from ckpt_helpers import write_beside
 
     v2 = tmp_path / "v2.ckpt"
     t.save_checkpoint(ours)
     write_beside(ours, v2)  # format version 2: the state beside the file
     first_id = torch.load(ours, mmap=True)["lightning_nvme"]["save_id"]
-    for target in (plain, legacy_dir, v2, ours):
+    for target in (plain, sharded_dir, v2, ours):
         t.save_checkpoint(target)
         assert target.is_file(), target
         assert not os.path.exists(str(target) + ".optim")  # one file: a replaced version 2's state is gone too
@@ -308,23 +308,6 @@ def test_save_over_each_format_replaces_it_completely(saved, tmp_path):
     t.save_checkpoint(ours, weights_only=True)  # a weights-only save drops the optimizer state it replaces
     assert "lightning_nvme" not in torch.load(ours) and "optimizer_states" not in torch.load(ours)
     assert hidden(tmp_path) == []
-
-
-def test_old_directory_format_still_resumes_bitwise(saved, tmp_path):
-    from ckpt_helpers import write_legacy
-
-    from lightning_nvme.checkpoint import convert
-
-    plain, legacy_dir = tmp_path / "plain.ckpt", tmp_path / "legacy.ckpt"
-    convert.to_lightning(str(saved["path"]), str(plain))
-    write_legacy(plain, legacy_dir)
-    model = MLP()
-    trainer(tmp_path, offload(tmp_path), 2).fit(model, ckpt_path=str(legacy_dir))
-    assert params_equal(model, saved["reference"])
-    back = tmp_path / "back.ckpt"
-    convert.to_lightning(str(legacy_dir), str(back))
-    assert torch.load(back)["optimizer_states"][0]["state"].keys() == \
-        torch.load(plain)["optimizer_states"][0]["state"].keys()
 
 
 def test_save_last_link_resumes_through_the_link(saved, tmp_path):

@@ -64,15 +64,17 @@ CHECKPOINT_AUDIT_EVENTS = {"open", "os.mkdir", "os.rename", "os.remove", "os.rmd
 def job_spec(root: str, *, epochs: int, steps_per_epoch: int = 3, resume: bool = False,
              kill: dict[str, Any] | None = None, exchange: bool = True, snapshots: bool = False,
              hold: dict[str, Any] | None = None, activations: bool = False, recover_last: bool = False,
-             loader_workers: int = 0, stripes: int = 1, kill_stripe: int = 0, copy: str = "auto") -> dict:
+             loader_workers: int = 0, stripes: int = 1, kill_stripe: int = 0, copy: str = "auto",
+             ckpt_path: str | None = None) -> dict:
     """``kill``: ``{"phase": ..., "at": n, "torn": fraction or None}``; ``hold``: ``{"step": n, "file": path}``
     pauses the job after step ``n`` (I/O fenced) until ``file`` exists. ``stripes`` > 1 stripes the store over that
     many directories (``store``, ``store-s1``...) with a 4 KiB unit; ``writeback`` events then count the writes to
-    stripe ``kill_stripe``'s file only. ``copy``: the strategy's ``checkpoint_copy``."""
+    stripe ``kill_stripe``'s file only. ``copy``: the strategy's ``checkpoint_copy``. ``ckpt_path``: resume from this
+    checkpoint instead of ``"last"`` (with ``resume``)."""
     return dict(root=root, epochs=epochs, steps_per_epoch=steps_per_epoch, resume=resume, kill=kill,
                 exchange=exchange, snapshots=snapshots, hold=hold, activations=activations,
                 recover_last=recover_last, loader_workers=loader_workers, stripes=stripes, kill_stripe=kill_stripe,
-                copy=copy)
+                copy=copy, ckpt_path=ckpt_path)
 
 
 def paths(root: str) -> dict[str, str]:
@@ -350,7 +352,7 @@ def run_job(spec: dict) -> None:
                       num_sanity_val_steps=0)
     if spec["recover_last"]:
         atomic.recover(p["last"])
-    trainer.fit(model, ckpt_path="last" if spec["resume"] else None)
+    trainer.fit(model, ckpt_path=(spec.get("ckpt_path") or "last") if spec["resume"] else None)
     inj.hit("exit", what="fit returned")  # the store is closed and its lock released: a kill from outside can land here
     params = {n: t.detach().clone() for n, t in model.named_parameters()}
     torch.save(params, p["final"] + ".tmp")

@@ -19,6 +19,7 @@ import importlib
 import os
 import random
 import re
+import shutil
 import signal
 import sys
 import time
@@ -106,7 +107,7 @@ def _equal(a, b) -> bool:
 
 
 def _load_complete(path: str) -> tuple[dict, list[dict]]:
-    """A checkpoint (file + optimizer state, or an old-format directory) loaded completely: its dict and, per
+    """A checkpoint (file + optimizer state) loaded completely: its dict and, per
     optimizer, every streamed tensor (read in full: a truncated file or another save's is refused), assembled
     per parameter and key (a reflink save's range entries and padding are layout, not state)."""
     ckpt, parts = open_checkpoint(path)
@@ -425,36 +426,41 @@ def test_kill9_at_each_commit_step(jobs, reference, tmp_path, kill, expected_las
 
 
 def test_kill9_between_fallback_renames_is_recovered(jobs, reference, tmp_path):
-    """A checkpoint file replaces an existing file with one ``os.replace``; only replacing a directory (an old-format
-    checkpoint) takes ``RENAME_EXCHANGE``, and without it (e.g. NFS) two renames: the old directory aside, then the
-    new file in. Killed between them: ``last.ckpt`` is absent, its previous version complete under the hidden
-    ``.last.ckpt.old``, and ``atomic.recover`` (run by the next save or load of that path) puts it back; the run
-    resumes from it (old format) bitwise.
+    """A checkpoint file replaces an existing file with one ``os.replace``; only replacing a directory (a sharded
+    checkpoint that Lightning's FSDP or DeepSpeed strategy saved at that path) takes ``RENAME_EXCHANGE``, and
+    without it (e.g. NFS) two renames: the old directory aside, then the new file in. Killed between them:
+    ``last.ckpt`` is absent, the directory complete under the hidden ``.last.ckpt.old``, and ``atomic.recover``
+    (run by the next save or load of that path) puts it back; the run resumes bitwise and saves over it.
 
     Known limit, pinned here: Lightning resolves ``ckpt_path="last"`` before the strategy runs, so on such a
     filesystem call ``lightning_nvme.fs.atomic.recover(<dir>/last.ckpt)`` before ``fit``."""
-    from ckpt_helpers import write_legacy
-
-    from lightning_nvme.checkpoint import convert, paired
+    from lightning_nvme.checkpoint import paired
     from lightning_nvme.fs.atomic import recover
 
     root = str(tmp_path / "run")
     ckpts, last = cw.paths(root)["ckpts"], cw.paths(root)["last"]
     _, rc = jobs.run(cw.job_spec(root, epochs=1, steps_per_epoch=STEPS))
     assert rc == 0, _log(root)
-    convert.to_lightning(last, str(tmp_path / "plain.ckpt"))  # last.ckpt as an older lightning_nvme wrote it
+    # Resumed from a copy of last.ckpt (one file, its state inside), ModelCheckpoint saves last.ckpt again at that
+    # path, where another strategy's sharded checkpoint (a directory) now is.
+    resume_from = str(tmp_path / "resume.ckpt")
+    shutil.copyfile(last, resume_from)
     paired.remove(last)
-    write_legacy(tmp_path / "plain.ckpt", last)
+    os.makedirs(os.path.join(last, "checkpoint"))
+    torch.save({"global_step": 0}, os.path.join(last, "checkpoint", "meta.pt"))
+    before = _tree_state(last)
     kill = {"event": "os.rename", "match": "/last.ckpt', -1", "during": "save_checkpoint", "nth": 1}
-    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True, kill=kill, exchange=False))
+    _, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True, kill=kill, exchange=False,
+                                 ckpt_path=resume_from))
     assert rc == KILLED, _log(root)
     assert "last.ckpt" not in os.listdir(ckpts)
-    assert verify_checkpoint(os.path.join(ckpts, ".last.ckpt.old"), reference) == STEPS
+    assert _tree_state(os.path.join(ckpts, ".last.ckpt.old")) == before  # the directory, complete, aside
     assert checkpoint_state(root, reference)[0] is None  # the newer epoch=1 checkpoint is visible and exact
     assert ModelCheckpoint(dirpath=ckpts)._find_last_checkpoints(None) == set()  # the limit above
     recover(last)
-    assert checkpoint_state(root, reference)[0] == STEPS and os.path.isdir(last)
-    pid, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True, exchange=False))
+    assert _tree_state(last) == before
+    pid, rc = jobs.run(cw.job_spec(root, epochs=EPOCHS, steps_per_epoch=STEPS, resume=True, exchange=False,
+                                   ckpt_path=resume_from))
     assert rc == 0, _log(root)
     assert [e["global_step"] for e in cw.read_events(root) if e["event"] == "started" and e["pid"] == pid] == [STEPS]
     assert params_equal(torch.load(cw.paths(root)["final"]), reference.final)

@@ -51,7 +51,7 @@ def test_close_while_stuck_keeps_lock_until_worker_returns(tmp_path, faulty_disk
         FlatStore(tmp_path, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB)
     faulty_disk.release()
     store.close()
-    assert store._engine.alive_threads == 0 and set(io_threads()) <= before
+    assert store.dispatch.engine.alive_threads == 0 and set(io_threads()) <= before
     FlatStore(tmp_path, io_chunk_bytes=1 * MiB, staging_bytes=2 * MiB, reopen=True).close()
 
 

@@ -56,7 +56,7 @@ def test_close_after_error_stops_workers_and_releases_lock(tmp_path, faulty_disk
         store.write("beta", _data(store, 1))
     with pytest.raises(StoreIOError):
         store.close()
-    assert store._engine.alive_threads == 0
+    assert store.dispatch.engine.alive_threads == 0
     assert set(io_threads()) <= before  # no zombie I/O threads
     faulty_disk.write_errno = None
     again = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, staging_bytes=4 * MiB, reopen=True)  # lock was released
@@ -105,6 +105,6 @@ def test_unaligned_tensor_error_returns_staging_buffers(tmp_path, faulty_disk):
     store.write("alpha", src)
     with pytest.raises(StoreIOError):
         store.fence(timeout=10)
-    assert store._pool._free.qsize() == store._pool.count
+    assert store.dispatch.pool._free.qsize() == store.dispatch.pool.count
     with pytest.raises(StoreIOError):
         store.close()

@@ -73,7 +73,7 @@ def store(tmp_path):
     s = FlatStore(tmp_path, io_chunk_bytes=1 * MiB, io_workers=2, staging_bytes=4 * MiB, io_timeout_s=WAIT_S)
     s.add_regions([("alpha", 1 * MiB), ("beta", 1 * MiB), ("gamma", 1 * MiB)])  # one chunk each
     yield s
-    s._engine.observer = None
+    s.dispatch.engine.observer = None
     if not s._closed:
         try:
             s.close()
@@ -106,7 +106,7 @@ def _observe(store: FlatStore) -> tuple[list[tuple[str, str, str]], dict[tuple[s
             events.append((event, handle.kind, handle.region))
         seen[(event, handle.region)].set()
 
-    store._engine.observer = observer
+    store.dispatch.engine.observer = observer
     return events, seen
 
 
@@ -193,7 +193,7 @@ def test_reads_are_served_before_queued_writes_but_not_before_a_queued_write_the
         assert torch.equal(out_alpha, torch.full_like(out_alpha, 1))
         assert torch.equal(out_beta, torch.full_like(out_beta, 9))
     finally:
-        store._engine.observer = None
+        store.dispatch.engine.observer = None
         store.close()
 
 

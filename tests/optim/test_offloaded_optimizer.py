@@ -104,7 +104,7 @@ def test_io_error_in_write_back_reaches_the_next_step(tmp_path, monkeypatch):
     monkeypatch.undo()
     with pytest.raises(StoreError):
         store.close()
-    assert store._engine.alive_threads == 0  # its own workers stopped (threads of other tests' stores are not ours)
+    assert store.dispatch.engine.alive_threads == 0  # its own workers stopped (threads of other tests' stores are not ours)
     assert not [t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io") and t not in before]
 
 
@@ -133,7 +133,7 @@ def test_update_temporaries_stay_off_the_heap_during_backward(tmp_path, monkeypa
         _train(model, off.optimizer, steps=3)
         chunks = len(off.chunks)
         assert chunks > 3
-        # backward: only the resident (unchunked) update after backward; step: every chunk too
+        # backward: only the unchunked update after backward; step: every chunk too
         assert len(entered) <= 3 if overlap == "backward" else len(entered) >= 3 * chunks, (overlap, entered)
         for p, q in zip(ref_model.parameters(), model.parameters()):
             assert torch.equal(p, q)

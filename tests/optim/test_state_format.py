@@ -261,7 +261,7 @@ def test_hydra_strategy_config_takes_the_formats():
     assert strategy.config.state_format_spec.describe() == "state_format='int8', master_format='bf16_sr'"
 
 
-# ---- merged with main: plan growth, resident params, the paired checkpoint file, parameter offload -------------
+# ---- merged with main: plan growth, unchunked params, the paired checkpoint file, parameter offload -------------
 def _grow(tmp_path, fmt, offloaded):
     """Six AdamW steps; the second layer (frozen at setup) becomes trainable at step 3, so an offloaded plan grows."""
     from lightning_nvme.optim import OffloadedOptimizer
@@ -301,14 +301,14 @@ def test_grown_plan_uses_the_same_format(tmp_path, state_format):
         assert torch.equal(p, q), f"parameter {i} differs from the round-trip reference"
 
 
-def test_resident_bf16_params_are_rounded_stochastically(tmp_path):
-    """Plain SGD keeps no per-element state: with bf16_sr its bf16 params are resident (no store, no master),
+def test_unchunked_bf16_params_are_rounded_stochastically(tmp_path):
+    """Plain SGD keeps no per-element state: with bf16_sr its bf16 params are unchunked (no store, no master),
     and still updated in fp32 and rounded stochastically, bitwise as the reference."""
     ref, _ = fit(tmp_path / "ref", "auto", optimizer="sgd_plain", precision="bf16-true", ref_state_format="exact",
                  ref_master_format="bf16_sr")
     off, t = fit(tmp_path / "off", offload(tmp_path, master_format="bf16_sr"), optimizer="sgd_plain",
                  precision="bf16-true")
-    assert t.strategy.offloaded[0].chunks == [] and t.strategy.offloaded[0].resident
+    assert t.strategy.offloaded[0].chunks == [] and t.strategy.offloaded[0].unchunked
     assert_same_params(ref, off)
 
 

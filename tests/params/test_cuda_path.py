@@ -171,7 +171,7 @@ class OnCuda(nn.Parameter):
 
 def spy_placeholders(monkeypatch) -> dict[int, torch.device]:
     """Storage address of each placeholder made by the residency -> the device it was made for."""
-    from lightning_nvme.params import residency
+    from lightning_nvme.params import block_state as residency  # the residency's placeholders are made there
 
     made: dict[int, torch.device] = {}
     real = residency.placeholder

@@ -110,13 +110,13 @@ def test_add_regions_is_all_or_nothing(store):
 
 def _count_staging(store: FlatStore, monkeypatch) -> list[int]:
     calls = [0]
-    acquire = store._pool.acquire
+    acquire = store.dispatch.pool.acquire
 
     def counting(*a, **k):
         calls[0] += 1
         return acquire(*a, **k)
 
-    monkeypatch.setattr(store._pool, "acquire", counting)
+    monkeypatch.setattr(store.dispatch.pool, "acquire", counting)
     return calls
 
 

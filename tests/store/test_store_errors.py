@@ -277,9 +277,9 @@ def test_close_with_a_stuck_worker_keeps_fd_and_lock(tmp_path, monkeypatch, capl
     with pytest.raises(StoreLockedError):
         FlatStore(tmp_path, io_chunk_bytes=CHUNK, staging_bytes=CHUNK)
     gate.set()
-    for t in store._engine._threads:
+    for t in store.dispatch.engine._threads:
         t.join(10)
-    assert store._engine.alive_threads == 0
+    assert store.dispatch.engine.alive_threads == 0
     out = aligned_empty(CHUNK)
     assert os.preadv(store.fd, [out.numpy()], store.region("r").offset) == CHUNK and bool((out == 1).all())
     store.close()  # as its error says: close again once the disk answered; now fd and lock are released

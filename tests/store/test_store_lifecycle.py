@@ -184,7 +184,7 @@ def test_staging_pool_is_bounded(tmp_path, monkeypatch):
     with FlatStore(tmp_path, io_chunk_bytes=MiB, staging_bytes=4 * MiB, io_workers=4) as store:
         if store.mode != "direct":
             pytest.skip("unaligned tensors need staging only under O_DIRECT")
-        pool = store._pool
+        pool = store.dispatch.pool
         assert pool.count == 4
         lock = threading.Lock()
         in_use, peak, acquired = [0], [0], [0]

@@ -244,17 +244,17 @@ def test_broadcast_plan_sends_large_ranges_in_place_and_packs_small_ones_within_
     pieces = [[(0, 0, large), (1, 0, 10), (2, 0, 20)], [(3, 0, 30)]]  # rank 0 owns 0-2, rank 1 owns 3
     bucket = PACK_BELOW  # cuts the large range into 3 in-place broadcasts
     plan = plan_items(pieces, params, bucket)
-    assert [it.ranges for it in plan[0] if it.staging is None] == [
+    assert [it.ranges for it in plan[0] if it.packed is None] == [
         ((0, i * large // 3, (i + 1) * large // 3),) for i in range(3)]
-    packed = [it for per in plan for it in per if it.staging is not None]
+    packed = [it for per in plan for it in per if it.packed is not None]
     assert [it.ranges for it in packed] == [((1, 0, 10),), ((2, 0, 20),), ((3, 0, 30),)]  # one per (rank, dtype)
-    spans = sorted(it.staging for it in packed)
+    spans = sorted(it.packed for it in packed)
     assert all(a[0] + a[1] <= b[0] for a, b in zip(spans, spans[1:]))  # disjoint slices of one staging buffer
     assert spans[-1][0] + spans[-1][1] <= bucket
     assert [it.ranges for it in plan_items(pieces, params, bucket, reverse=True)[0][:3]] == [
         ((0, i * large // 3, (i + 1) * large // 3),) for i in (2, 1, 0)]  # backward mode: update order
     full = plan_items(pieces, params, 32)  # no room to pack: every range in place, none copied
-    assert all(it.staging is None for per in full for it in per)
+    assert all(it.packed is None for per in full for it in per)
 
 
 def test_broadcast_groups_are_first_used_in_the_same_order_on_every_rank(monkeypatch):
@@ -430,27 +430,27 @@ def _train(run: dict, world: int) -> None:
 def _save_failure(trainer, path: str) -> dict:
     """Save once, then save again with rank 1's shard writer failing: every rank must raise, and the
     first checkpoint must stay as it was."""
-    from lightning_nvme.checkpoint import sharded
+    from lightning_nvme.checkpoint import rank_shards
 
     trainer.save_checkpoint(path)
     before = _checkpoint_files(path)
     # Every rank has read the checkpoint before rank 0 begins the next save: begin() creates its temp directory
     # inside <path>.optim, which a rank still listing would count as a change (issue #20, seen under load).
     trainer.strategy.barrier("save_failure.before")
-    original = sharded.SafetensorsWriter.write
+    original = rank_shards.SafetensorsWriter.write
 
     def failing(self, *args, **kwargs):
         raise OSError("disk went away mid-checkpoint")
 
     if trainer.global_rank == 1:
-        sharded.SafetensorsWriter.write = failing
+        rank_shards.SafetensorsWriter.write = failing
     error = ""
     try:
         trainer.save_checkpoint(path)
     except Exception as e:  # noqa: BLE001  (the test inspects the message)
         error = str(e)
     finally:
-        sharded.SafetensorsWriter.write = original
+        rank_shards.SafetensorsWriter.write = original
     after = _checkpoint_files(path)
     parent = os.path.dirname(os.path.abspath(path))
     leftovers = [f for f in os.listdir(parent) + list(after) if ".tmp-" in f]

@@ -22,6 +22,7 @@ from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import GiB
 from lightning_nvme.memory import available_host_memory
 from lightning_nvme.store import FlatStore
+from lightning_nvme.store.dispatch import IODispatch
 
 STEPS = 8
 EVERYTHING = 1 << 30  # far more than the tiny model's regions (checked below: nothing left on the SSD)
@@ -38,7 +39,7 @@ def offload(root, budget, offload_params=True, **kwargs):
                                offload_params=offload_params, host_memory_budget=budget, **kwargs)
 
 
-_CHUNK_JOB = FlatStore._chunk_job
+_CHUNK_JOB = IODispatch.chunk_job
 
 
 class DiskRegions(Callback):
@@ -49,12 +50,12 @@ class DiskRegions(Callback):
         self.training = False
         original = _CHUNK_JOB  # the store's own, not a previous DiskRegions' wrapper
 
-        def chunk_job(store, *args, **kwargs):
+        def chunk_job(dispatch, *args, **kwargs):
             if self.training:
-                self.regions.add(inspect.signature(original).bind(store, *args, **kwargs).arguments["region"])
-            return original(store, *args, **kwargs)
+                self.regions.add(inspect.signature(original).bind(dispatch, *args, **kwargs).arguments["region"])
+            return original(dispatch, *args, **kwargs)
 
-        monkeypatch.setattr(FlatStore, "_chunk_job", chunk_job)
+        monkeypatch.setattr(IODispatch, "chunk_job", chunk_job)
 
     def on_train_start(self, trainer, pl_module):
         self.training = True

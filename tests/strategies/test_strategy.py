@@ -210,10 +210,10 @@ def test_preflight_refuses_missing_parent(tmp_path, monkeypatch):
 @pytest.mark.parametrize("threshold", [1 << 20, None])
 def test_malloc_threshold_is_applied_at_setup(tmp_path, monkeypatch, threshold):
     """Freed chunk temporaries must go back to the OS (see lightning_nvme.memory); None leaves malloc alone."""
-    from lightning_nvme.strategies import offload_strategy
+    from lightning_nvme.strategies import store_open
 
     calls = []
-    monkeypatch.setattr(offload_strategy, "release_freed_memory", lambda t: calls.append(t) or True)
+    monkeypatch.setattr(store_open, "release_freed_memory", lambda t: calls.append(t) or True)
     strategy = NVMeOffloadStrategy(store_dir=str(tmp_path / "s"), malloc_mmap_threshold=threshold)
     fit(tmp_path, strategy, steps=1)
     assert calls == ([threshold] if threshold else [])

@@ -103,13 +103,12 @@ def layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[str, int, 
     pos = 0
     store = off.store
     assert store is not None, "the optimizer's store is closed"
-    for chunk in off.chunks:
-        pieces = [p for p in chunk.pieces if off.initialized(p)]
-        if not pieces:
+    for state_region in off.regions():
+        if not state_region.stored:
             continue
-        region = store.region(chunk.region)
+        region = store.region(state_region.name)
         items = []
-        for piece in pieces:
+        for piece in state_region.stored:
             for comp in piece.stored():
                 count = comp.count(piece.numel)
                 name = (tensor_name(piece.index, comp.name) if piece.whole else
@@ -118,7 +117,7 @@ def layout(off: OffloadedOptimizer) -> tuple[list[_Entry], list[tuple[str, int, 
                 begin = pos + piece.slots[comp.name]
                 items.append(_Entry(name, DTYPES[comp.dtype], shape, begin, begin + count * comp.dtype.itemsize))
         _padded(items, pos, pos + region.capacity, entries)
-        regions.append((chunk.region, pos, region.capacity))
+        regions.append((state_region.name, pos, region.capacity))
         pos += region.capacity
     return entries, regions
 

@@ -1,7 +1,7 @@
 """``checkpoint_copy="streamed"``: each optimizer's state file written through memory, chunk by chunk from the store
 (memory bounded by the optimizer's ring buffers), straight into its record of the one file (``paired.save_direct``:
 reserved first, so the state is written once), fdatasynced. The file's format: ``state_files``; data-parallel shards
-(one entry per owned range): ``sharded``; the other copy modes: ``reflink``, ``background``."""
+(one entry per owned range): ``rank_shards``; the other copy modes: ``reflink``, ``background``."""
 
 from __future__ import annotations
 

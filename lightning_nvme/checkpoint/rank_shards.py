@@ -62,7 +62,7 @@ class _RangeSink:
 def write_shard(off: OffloadedOptimizer, directory: str, i: int, rank: int, save_id: str) -> str:
     """Stream this rank's state of optimizer ``i`` into ``directory`` (fsynced); returns the file name."""
     runs = _runs(off)
-    stored = {p.index: p.stored() for c in off.chunks for p in c.pieces}
+    stored = {p.index: p.stored() for r in off.regions() for p in r.stored}
     entries: list[tuple[str, torch.dtype, tuple[int, ...]]] = []
     for (index, start), (run_start, run_stop) in sorted(runs.items()):
         if start == run_start:

@@ -202,7 +202,9 @@ def test_flat_shards_cover_every_element_once():
 @pytest.fixture(scope="module")
 def meta(tmp_path_factory):
     tmp = tmp_path_factory.mktemp("fsdp_meta")
-    runs = [spec(tmp, "ddp", "ddp", meta="reference", steps=8), spec(tmp, "fsdp", "fsdp", meta="init_module", steps=8)]
+    runs = [spec(tmp, "ddp", "ddp", meta="reference", steps=8), spec(tmp, "fsdp", "fsdp", meta="init_module", steps=8),
+            spec(tmp, "ddp_ckpt", "ddp", checkpointing=True, steps=8),
+            spec(tmp, "fsdp_ckpt", "fsdp", checkpointing=True, steps=8)]
     launch(tmp, runs, world=2)
     return {r["name"]: results(r, 2) for r in runs}
 
@@ -218,6 +220,17 @@ def test_model_built_on_meta_is_sharded_block_by_block_and_trains_as_ddp(meta):
         assert_bitwise(ref[rank], fsdp[rank], f"rank {rank}")
         assert fsdp[rank]["losses"] == ref[rank]["losses"]
         assert fsdp[rank]["tied"]
+
+
+def test_activation_checkpointed_blocks_train_as_ddp(meta):
+    """Every block under activation checkpointing (what a model bigger than memory needs: without it autograd keeps
+    each block's gathered weights until its backward): the recomputation gathers the block again in backward; 8
+    AdamW steps equal plain DDP with the same checkpointing, bitwise."""
+    ref, fsdp = meta["ddp_ckpt"], meta["fsdp_ckpt"]
+    for rank in range(2):
+        assert fsdp[rank]["global_step"] == 8
+        assert_bitwise(ref[rank], fsdp[rank], f"rank {rank}")
+        assert fsdp[rank]["losses"] == ref[rank]["losses"]
 
 
 @pytest.fixture(scope="module")
@@ -351,7 +364,7 @@ def _train(run: dict, world: int) -> None:
     elif run.get("model") == "llama":
         model = _Llama.build()(batch_size=batch)
     else:
-        model = TinyGPT(run.get("optimizer", "adamw"), batch_size=batch)
+        model = TinyGPT(run.get("optimizer", "adamw"), batch_size=batch, checkpointing=run.get("checkpointing", False))
     if run.get("frozen_block_param"):
         model.model.transformer["h"][0].ln_1.weight.requires_grad_(False)
     if run["strategy"] == "ddp":

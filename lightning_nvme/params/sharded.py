@@ -341,14 +341,15 @@ class ShardedParams:
         for u in self.units:
             u.owned_params = [p for p in u.owned_params if id(p) in ids]
         store.add_regions(self.regions())
-        self.io.residency = BlockResidency(store, [u.shard for u in self.units], max_pending_writes=self.prefetch + 1,
-                                        transfer=HostTransfer())
+        residency = BlockResidency(store, [u.shard for u in self.units], max_pending_writes=self.prefetch + 1,
+                                   transfer=HostTransfer())
+        self.io.residency = residency
         if has_meta_tensors(self.model):
             _build_from_meta(self)
         else:
             for u in self.units:
                 _write_initial(self, u, broadcast=False)  # every rank holds rank 0's values (the strategy's sync)
-        self.residency.drain()
+        residency.drain()
         for u in self.units:
             self._handles.append(u.module.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
             self._handles.append(u.module.register_forward_hook(self._post_forward(u)))

@@ -341,8 +341,7 @@ class ShardedParams:
         for u in self.units:
             u.owned_params = [p for p in u.owned_params if id(p) in ids]
         store.add_regions(self.regions())
-        residency = BlockResidency(store, [u.shard for u in self.units], max_pending_writes=self.prefetch + 1,
-                                   transfer=HostTransfer())
+        residency = BlockResidency(store, [u.shard for u in self.units], self.prefetch + 1, transfer=HostTransfer())
         self.io.residency = residency
         if has_meta_tensors(self.model):
             _build_from_meta(self)

@@ -20,6 +20,18 @@ block gathered twice and reduce-scattered once, the replicated parameters all-re
 
     python benchmarks/fsdp_offload.py                         # ~55M params, 2 pairs of 4 timed steps
     python benchmarks/fsdp_offload.py --layers 12 --embd 1024 # bigger (store: ~12 bytes/param over both ranks)
+    python benchmarks/fsdp_offload.py --no-ddp --meta --checkpointing --layers 32 --embd 2560 --pairs 1 --steps 1  # 2.5 B
+
+Bigger than memory (``--no-ddp --meta``): plain DDP cannot run (16 bytes/param on each rank), so there is no DDP
+step; the model is built on the meta device and initialized block by block into the shards (never whole in
+memory). The compute term is then measured in the same job, after the fit, on both ranks at once (they share the
+cores as in the fit): forward + backward of one block in memory (same width, batch and tokens) times the number of
+blocks, plus the embeddings, tied head and loss, plus AdamW on this rank's 1/N of the parameters (one block's
+shard, times the blocks). With DDP pairs this estimate is reported beside the DDP step.
+
+Each rank's disk bandwidth: both ranks share this machine's one disk, so it is measured with both ranks writing and
+then reading at once (after the fit, ``--disk-mib`` each, in the store directory): each rank's own GB/s is its
+share. The raw single-process figure is reported too.
 
 Last line: one JSON object.
 """
@@ -70,6 +82,74 @@ def _gloo_gbps(nbytes: int = 64 * MiB, reps: int = 3) -> float:
     return shard.numel() * 4 * (world - 1) / seconds / 1e9
 
 
+def _compute_estimate(args, world: int) -> dict:
+    """Seconds of one rank's compute per step, measured in memory (see the module docstring)."""
+    import torch
+
+    from lightning_nvme.models.gpt import Block, GPTConfig
+
+    torch.manual_seed(0)
+    cfg = GPTConfig(vocab_size=args.vocab, n_positions=args.tokens, n_embd=args.embd, n_layer=args.layers,
+                    n_head=max(1, args.embd // 64))
+    block = Block(cfg)
+    x = torch.randn(args.batch, args.tokens, args.embd, requires_grad=True)
+
+    def timed(fn, reps: int = 2) -> float:
+        fn()
+        t0 = time.perf_counter()
+        for _ in range(reps):
+            fn()
+        return (time.perf_counter() - t0) / reps
+
+    def block_pass() -> None:
+        block.zero_grad(set_to_none=True)
+        if args.checkpointing:  # forward, then forward again and backward, as in the fit
+            torch.utils.checkpoint.checkpoint(block, x, use_reentrant=False).sum().backward()
+        else:
+            block(x).sum().backward()
+
+    t_block = timed(block_pass)
+    wte = torch.nn.Embedding(args.vocab, args.embd)
+    wpe = torch.nn.Embedding(args.tokens, args.embd)
+    idx = torch.randint(0, args.vocab, (args.batch, args.tokens))
+
+    def head_pass() -> None:
+        wte.zero_grad(set_to_none=True)
+        h = wte(idx) + wpe(torch.arange(args.tokens))
+        logits = torch.nn.functional.layer_norm(h, (args.embd,)) @ wte.weight.T
+        torch.nn.functional.cross_entropy(logits.flatten(0, 1), idx.flatten()).backward()
+
+    t_head = timed(head_pass)
+    block_numel = sum(p.numel() for p in block.parameters())
+
+    shard = torch.nn.Parameter(torch.zeros(-(-block_numel // world)))
+    shard.grad = torch.ones_like(shard)
+    opt = torch.optim.AdamW([shard], lr=1e-4)
+    t_adam = timed(opt.step)
+    outside = (args.vocab + args.tokens) * args.embd + 2 * args.embd
+    total = args.layers * (t_block + t_adam) + t_head + t_adam * outside / block_numel
+    return {"compute_estimate_s": total, "t_block_fwd_bwd_s": t_block, "t_head_fwd_bwd_s": t_head,
+            "t_adamw_block_shard_s": t_adam}
+
+
+def _concurrent_disk(directory: str, nbytes: int) -> tuple[float, float]:
+    """This rank's write and read GB/s while every rank does the same at once (a barrier before each)."""
+    import torch.distributed as dist
+    from _disk import gbps, preallocate, raw_read, raw_write
+
+    path = os.path.join(directory, f"raw-concurrent-{dist.get_rank()}.bin")
+    preallocate(path, nbytes)
+    try:
+        dist.barrier()
+        w = gbps(nbytes, raw_write(path, nbytes))
+        dist.barrier()
+        r = gbps(nbytes, raw_read(path, nbytes))
+        dist.barrier()
+        return w, r
+    finally:
+        os.remove(path)
+
+
 def worker(args) -> None:
     """Runs in every rank (Lightning relaunches this command for the other ranks)."""
     import torch
@@ -92,7 +172,8 @@ def worker(args) -> None:
             super().__init__()
             torch.manual_seed(0)
             self.model = GPT(GPTConfig(vocab_size=args.vocab, n_positions=args.tokens, n_embd=args.embd,
-                                       n_layer=args.layers, n_head=max(1, args.embd // 64)))
+                                       n_layer=args.layers, n_head=max(1, args.embd // 64)),
+                             activation_checkpointing=args.checkpointing)
 
         def training_step(self, batch, _):
             x, y = batch
@@ -128,14 +209,20 @@ def worker(args) -> None:
     for pair in range(args.pairs):
         for kind in [args.kind]:
             store_dir = os.path.join(args.dir, f"store-{kind}-{pair}")
+            # restore_params=False: the weights are not gathered back into each rank's memory after the fit (at
+            # 2.5 B that would be 10 GB per rank); the figures are taken before
             strategy = (DDPStrategy() if kind == "ddp" else
                         NVMeOffloadFSDPStrategy(store_dir=store_dir, chunk_bytes=args.chunk_mib << 20, min_free_bytes=0,
-                                                inline_weights_bytes=1 << 40))
+                                                inline_weights_bytes=1 << 40, restore_params=False))
             clock = Clock()
             trainer = Trainer(default_root_dir=args.dir, strategy=strategy, accelerator="cpu", devices=args.world,
                               max_steps=total_steps, logger=False, enable_checkpointing=False,
                               enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
-            model = Model()
+            if args.meta and kind == "fsdp":
+                with trainer.init_module(empty_init=True):  # on the meta device: built block by block into the shards
+                    model = Model()
+            else:
+                model = Model()
             trainer.fit(model)
             rec = {"pair": pair, "kind": kind, "rank": trainer.global_rank, "peak_rss_MiB": clock.peak,
                    "step_s": (clock.t1 - clock.t0) / args.steps, "params": sum(p.numel() for p in model.parameters())}
@@ -149,6 +236,11 @@ def worker(args) -> None:
                            replicated_bytes=sum(f.total * 4 for f in s.sharded.replicated),
                            state_bytes=s.offloaded[0].state_bytes)
                 os.remove(path)  # the next fit's store: the disk budget holds one at a time
+                if args.world > 1:
+                    w, r = _concurrent_disk(os.path.dirname(path), args.disk_mib * MiB)
+                    rec.update(concurrent_write_GBps=w, concurrent_read_GBps=r)
+                    trainer.strategy.barrier()
+                    rec.update(_compute_estimate(args, args.world))
             records.append(rec)
             if args.world > 1 and not gloo:
                 gloo = _gloo_gbps()
@@ -192,6 +284,13 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--chunk-mib", type=int, default=8)
     parser.add_argument("--dir", default=None, help="store and scratch directory (default: a temp dir here)")
+    parser.add_argument("--no-ddp", action="store_true", help="no plain DDP pairs (a model DDP cannot hold): the "
+                        "compute term is the in-job estimate")
+    parser.add_argument("--meta", action="store_true", help="build the fsdp model on the meta device")
+    parser.add_argument("--checkpointing", action="store_true", help="activation checkpointing of every block (a "
+                        "bigger-than-memory model needs it: without it autograd keeps each block's gathered weights "
+                        "from its forward to its backward, F.linear saving a view of the weight)")
+    parser.add_argument("--disk-mib", type=int, default=512, help="bytes each rank writes and reads at once")
     parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--kind", default="fsdp", help=argparse.SUPPRESS)
     parser.add_argument("--worker", dest="out", default=None, help=argparse.SUPPRESS)
@@ -203,7 +302,7 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir or ROOT, prefix=".bench-fsdp-") as scratch:
         ranks: list[list[dict]] = [[], []]
         for pair in range(args.pairs):
-            for kind in ("ddp", "fsdp"):
+            for kind in (("fsdp",) if args.no_ddp else ("ddp", "fsdp")):
                 for rank, rec in enumerate(_job(args, scratch, kind, 2, args.steps, args.warmup, pair)):
                     ranks[rank].append(rec)
         single = _job(args, scratch, "fsdp", 1, 1, 0)[0]
@@ -217,37 +316,48 @@ def main() -> None:
             key = (rec["pair"], rec["kind"])
             step[key] = max(step.get(key, 0.0), rec["step_s"])
     last = [next(r for r in reversed(recs) if r["kind"] == "fsdp") for recs in ranks]
-    ddp_last = [next(r for r in reversed(recs) if r["kind"] == "ddp") for recs in ranks]
+    ddp_last = [next((r for r in reversed(recs) if r["kind"] == "ddp"), None) for recs in ranks]
     gloo = statistics.median(r["gloo_GBps"] for r in ranks[0] if r["gloo_GBps"])
     share = (world - 1) / world
     collective = share * (3 * last[0]["block_bytes"] + 3 * last[0]["replicated_bytes"])
-    bounds, ratios = [], []
+    bounds, ratios, terms = [], [], []
+    fsdp_recs = {(r["pair"], rank): r for rank, recs in enumerate(ranks) for r in recs if r["kind"] == "fsdp"}
     for p in range(args.pairs):
-        compute = step[(p, "ddp")]
-        disk = max((2 * r["shard_bytes"] + r["state_bytes"]) / (raw_r * 1e9) +
-                   (r["shard_bytes"] + r["state_bytes"]) / (raw_w * 1e9) for r in last)
+        this = [fsdp_recs[(p, rank)] for rank in range(world)]
+        estimate = max(r["compute_estimate_s"] for r in this)
+        compute = estimate if args.no_ddp else step[(p, "ddp")]
+        # each rank's bytes over its own bandwidth while both ranks use the disk at once
+        disk = max((2 * r["shard_bytes"] + r["state_bytes"]) / (r["concurrent_read_GBps"] * 1e9) +
+                   (r["shard_bytes"] + r["state_bytes"]) / (r["concurrent_write_GBps"] * 1e9) for r in this)
         bound = max(compute, disk, collective / (gloo * 1e9))
+        terms.append({"compute_s": round(compute, 3), "compute_estimate_s": round(estimate, 3),
+                      "disk_s": round(disk, 3), "collective_s": round(collective / (gloo * 1e9), 3)})
         bounds.append(bound)
         ratios.append(step[(p, "fsdp")] / bound)
     params = last[0]["params"]
     for p in range(args.pairs):
-        print(f"pair {p}: ddp {step[(p, 'ddp')]:.2f} s/step   nvme_offload_fsdp {step[(p, 'fsdp')]:.2f} s/step   "
+        print(f"pair {p}: ddp {step.get((p, 'ddp'), float('nan')):.2f} s/step   nvme_offload_fsdp {step[(p, 'fsdp')]:.2f} s/step   "
               f"bound {bounds[p]:.2f} s   ratio {ratios[p]:.2f}")
     print(json.dumps({
         "world_size": world, "params": params,
         "peak_rss_MiB_per_rank": [round(r["peak_rss_MiB"], 1) for r in last],
-        "peak_rss_MiB_per_rank_ddp": [round(r["peak_rss_MiB"], 1) for r in ddp_last],
+        "peak_rss_MiB_per_rank_ddp": [None if r is None else round(r["peak_rss_MiB"], 1) for r in ddp_last],
         "resident_bytes_per_param_per_rank": [round(r["peak_rss_MiB"] * MiB / params, 3) for r in last],
         "store_bytes_per_rank": [r["store_file_bytes"] for r in last],
         "store_bytes_single_process": single["store_file_bytes"],
         "store_share_per_rank": [round(r["store_file_bytes"] / single["store_file_bytes"], 4) for r in last],
         "step_s": round(statistics.median(step[(p, "fsdp")] for p in range(args.pairs)), 3),
-        "step_s_ddp": round(statistics.median(step[(p, "ddp")] for p in range(args.pairs)), 3),
+        "step_s_ddp": (None if args.no_ddp else round(statistics.median(step[(p, "ddp")] for p in range(args.pairs)), 3)),
+        "bound_terms": terms,
         "step_vs_bound": round(statistics.median(ratios), 3), "step_vs_bound_spread": spread(ratios),
         "bound_s": [round(b, 3) for b in bounds],
         "disk_bytes_per_rank_step": [3 * r["shard_bytes"] + 2 * r["state_bytes"] for r in last],
         "collective_bytes_per_rank_step": int(collective), "gloo_GBps": round(gloo, 3),
         "raw_write_GBps": round(raw_w, 3), "raw_read_GBps": round(raw_r, 3),
+        "concurrent_GBps_per_rank": [[round(r["concurrent_write_GBps"], 3), round(r["concurrent_read_GBps"], 3)]
+                                     for r in last],
+        "meta_init": args.meta, "checkpointing": args.checkpointing, "layers": args.layers, "embd": args.embd,
+        "tokens": args.tokens, "batch": args.batch,
         "load_avg_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
         "pairs": args.pairs, "timed_steps": args.steps, "wall_s": round(wall, 1),
     }))

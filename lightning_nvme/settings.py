@@ -230,6 +230,11 @@ class FSDPOffloadSettings(DDPOffloadSettings):
     overlap: str = setting(
         "backward", "``\"step\"``: state I/O overlaps forward and backward; ``\"backward\"``: chunks are also updated "
                     "during backward as their gradients become final.", one_of(*OVERLAP_MODES))
+    reduce_order: str = setting(
+        "rank", "Order of the gradient sums across ranks: ``\"rank\"`` adds every element's N partial gradients in "
+                "rank order (an all-to-all, then a local sum: reproducible at any N, bitwise equal to DDP with "
+                "``ordered_allreduce_hook``); ``\"backend\"``: the backend's reduce-scatter (its own order).",
+        one_of("rank", "backend"))
 
 
 def check_values(**values: Any) -> None:
@@ -290,7 +295,8 @@ def _shown(value: Any) -> str:
 def markdown_table() -> str:
     """README's argument table; ``tests/toplevel/test_settings.py`` checks that README holds exactly this (and prints it)."""
     rows = ["| argument | default | meaning |", "|---|---|---|"]
-    for settings, where in ((OffloadSettings, ""), (DDPOffloadSettings, " (`nvme_offload_ddp` only)")):
+    for settings, where in ((OffloadSettings, ""), (DDPOffloadSettings, " (`nvme_offload_ddp` only)"),
+                            (FSDPOffloadSettings, " (`nvme_offload_fsdp` only)")):
         parent = settings.__mro__[1]
         own = [f for f in dataclasses.fields(settings) if f.name not in getattr(parent, "__dataclass_fields__", {})]
         rows += [f"| `{f.name}`{where} | {_shown(f.default)} | {f.metadata['doc']} |" for f in own]

@@ -27,12 +27,20 @@ replicated); ``block_classes`` (as ``offload_params``' ``param_block_classes``);
 process group of the gathers and reductions: its own, so they never interleave with others'); ``prefetch`` (blocks
 whose shard is read ahead); ``device`` (where gathered blocks and gradients live); ``reduced`` (called with the
 parameters whose averaged, owned gradient is final: the strategy hands them to the offloaded optimizer's
-``grad_ready``, which may update them at once).
+``grad_ready``, which may update them at once); ``reduce_order`` (``"rank"``: every gradient element summed in
+rank order, ``lightning_nvme.params.ordered_sum``, so the result equals DDP with ``ordered_allreduce_hook``
+bitwise at any N; ``"backend"``: the backend's reduce-scatter and all-reduce, whose order is its own);
+``inflight`` (reductions started and not yet waited for, at most: each keeps its block gathered and its flat
+gradient alive until its update).
+
+Overlap: in both passes the next block's all-gather is started (asynchronously) before this block computes, and
+in backward a block's reduction is started as its last gradient arrives and waited for ``inflight`` reductions
+later (or at the end of backward), so the collectives of one block run while the next computes. Every wait is in
+the same order on every rank.
 """
 
 from __future__ import annotations
 
-import functools
 from collections import Counter
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
@@ -46,6 +54,8 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_nvme.optim.plan import placeholder
 from lightning_nvme.params.layout import BlockLayout, ParamSlot, plan_layout
+from lightning_nvme.params.materialize import has_meta_tensors, materialize
+from lightning_nvme.params.ordered_sum import ScatterSum
 from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
 from lightning_nvme.params.residency import BlockResidency
 from lightning_nvme.params.schedule import (
@@ -55,7 +65,9 @@ from lightning_nvme.params.schedule import (
 from lightning_nvme.params.shards import FlatShards
 from lightning_nvme.params.transfer import HostTransfer
 
-FWD, BWD, UPDATE, USER, RECOMPUTE, GATHER = "forward", "backward", "update", "user", "recompute", "gather"
+FWD, BWD, UPDATE, USER, RECOMPUTE, GATHER, REDUCE = ("forward", "backward", "update", "user", "recompute", "gather",
+                                                   "reduce")
+REDUCE_ORDERS = ("rank", "backend")  # ``reduce_order``: the sum in rank order (ScatterSum), or the backend's own
 
 
 def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
@@ -63,9 +75,32 @@ def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
     gather(out, shard, group=group)
 
 
-def _reduce_scatter(out: torch.Tensor, flat: torch.Tensor, group: Any) -> None:
-    scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-    scatter(out, flat, group=group)
+class _BackendSum:
+    """The backend's own reduction, started asynchronously: ``reduce_scatter`` of ``flat`` (``wait()``: this rank's
+    piece of the sum) or, with ``whole``, ``all_reduce`` in place (``wait()``: all of ``flat``)."""
+
+    def __init__(self, flat: torch.Tensor, shard: int, group: Any, whole: bool = False) -> None:
+        if whole:
+            self._out = flat
+            self._work = dist.all_reduce(flat, group=group, async_op=True)
+        else:
+            self._out = torch.empty(shard, dtype=flat.dtype, device=flat.device)
+            scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
+            self._work = scatter(self._out, flat, group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return self._out
+
+
+@dataclass
+class _Reduction:
+    """A gradient reduction in flight: a block's flat gradient (``unit``) or a replicated parameter's (``param``)."""
+
+    sum: ScatterSum | _BackendSum
+    flat: torch.Tensor
+    unit: Unit | None = None
+    param: torch.Tensor | None = None
 
 
 @dataclass
@@ -92,6 +127,83 @@ class _Call:
     unit: Unit
     pre: bool = False
     post: bool = False
+
+
+class GradReductions:
+    """The gradient reductions in flight, waited for in the order they were started (the same on every rank), at
+    most ``inflight`` at once: ``block`` (a block's packed, pre-scaled flat gradient; ``on_block(unit, flat, mine)``
+    gets this rank's summed shard) and ``param`` (a replicated parameter's gradient, as autograd's hook hands it;
+    ``on_param(p)`` once this rank's elements of it are summed). ``order``: ``REDUCE_ORDERS``."""
+
+    def __init__(self, rank: int, world: int, group: Any, order: str, inflight: int, replicated: list[FlatShards],
+                 on_block: Callable[[Unit, torch.Tensor, torch.Tensor], None],
+                 on_param: Callable[[torch.Tensor], None]) -> None:
+        if order not in REDUCE_ORDERS:
+            raise ValueError(f"reduce_order={order!r}: one of {REDUCE_ORDERS}")
+        self.rank, self.world, self.group, self.order, self.inflight = rank, world, group, order, max(0, inflight)
+        self.on_block, self.on_param, self.replicated = on_block, on_param, replicated
+        self.queue: list[_Reduction] = []
+        # a replicated parameter's elements owned by each rank: consecutive, in rank order (the ScatterSum pieces)
+        self._counts: dict[int, list[int]] = {}
+        self._mine: dict[int, tuple[int, int]] = {}
+        for flat in replicated:
+            for r in range(world):
+                for piece, lo, hi in flat.owned(r):
+                    self._counts.setdefault(id(piece.param), [0] * world)[r] = hi - lo
+                    if r == rank:
+                        self._mine[id(piece.param)] = (lo, hi)
+
+    def regather(self, device: torch.device) -> None:
+        """After the step: each replicated parameter's elements gathered from the ranks that updated them (a
+        collective, in the same order on every rank), so the replicas are equal again."""
+        for flat in self.replicated:
+            lo, hi = flat.bounds(self.rank)
+            with torch.no_grad():
+                full = flat.pack([p.detach() for p in (s.param for s in flat.slots)],
+                                 torch.empty(flat.total, dtype=flat.dtype, device=device))
+                out = torch.empty_like(full)
+                _all_gather(out, full[lo:hi].clone(), self.group)
+                for s in flat.slots:
+                    s.param.copy_(flat.view(out, s))
+
+    def block(self, u: Unit, flat: torch.Tensor) -> None:
+        if self.order == "rank":
+            total: ScatterSum | _BackendSum = ScatterSum(flat, [u.flat.shard] * self.world, self.rank, self.group)
+        else:
+            total = _BackendSum(flat, u.flat.shard, self.group)
+        self._started(_Reduction(total, flat, unit=u))
+
+    def param(self, p: torch.Tensor) -> None:
+        """A replicated parameter's gradient is final: average it across ranks (1/N, then the sum); in rank order
+        only this rank's elements are summed (the others are never read: this rank updates its own)."""
+        assert p.grad is not None
+        p.grad.mul_(1.0 / self.world)
+        flat = p.grad.view(-1)
+        if self.order == "rank":
+            total: ScatterSum | _BackendSum = ScatterSum(flat, self._counts[id(p)], self.rank, self.group)
+        else:
+            total = _BackendSum(flat, 0, self.group, whole=True)
+        self._started(_Reduction(total, flat, param=p))
+
+    def _started(self, r: _Reduction) -> None:
+        self.queue.append(r)
+        while len(self.queue) > self.inflight:
+            self._finish(self.queue.pop(0))
+
+    def finish_all(self) -> None:
+        while self.queue:
+            self._finish(self.queue.pop(0))
+
+    def _finish(self, r: _Reduction) -> None:
+        mine = r.sum.wait()
+        if r.param is not None:
+            if self.order == "rank":
+                lo, hi = self._mine.get(id(r.param), (0, 0))
+                r.flat[lo:hi].copy_(mine)
+            self.on_param(r.param)
+        else:
+            assert r.unit is not None
+            self.on_block(r.unit, r.flat, mine)
 
 
 class ShardIO:
@@ -155,7 +267,8 @@ class ShardedParams:
 
     def __init__(self, model: nn.Module, block_classes: BlockClasses, rank: int, world: int, group: Any,
                  prefetch: int = 1, device: torch.device | None = None,
-                 reduced: Callable[[Sequence[torch.Tensor]], None] | None = None) -> None:
+                 reduced: Callable[[Sequence[torch.Tensor]], None] | None = None, reduce_order: str = "rank",
+                 inflight: int = 1) -> None:
         self.model = model
         self.rank, self.world, self.group = rank, world, group
         self.prefetch = prefetch
@@ -184,10 +297,13 @@ class ShardedParams:
             self.units.append(Unit(block.index, block.name, block.module, flat, shard, [s.param for s in block.slots],
                                    owned))
         self.outside = [(n, p) for n, p in layout.outside_blocks if p.requires_grad]
+        self._outside_all = [p for _, p in layout.outside_blocks]
         by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         for n, p in self.outside:
             by_dtype.setdefault(p.dtype, []).append((n, p))
         self.replicated = [FlatShards(named, world) for named in by_dtype.values()]  # owned 1/N, gathered after a step
+        self.reductions = GradReductions(rank, world, group, reduce_order, inflight, self.replicated,
+                                         on_block=self._reduced_block, on_param=lambda p: self.reduced([p]))
         self._unit_of = {id(p): u for u in self.units for p in u.trainable}
         self._outside_ids = {id(p) for _, p in self.outside}
         self.io = ShardIO(rank, group, self.device)
@@ -198,17 +314,6 @@ class ShardedParams:
         self._callback_queued_for = -1
 
     # ---- geometry --------------------------------------------------------------------------------------
-    def owned_ranges(self, params: Sequence[torch.Tensor], rank: int) -> dict[int, list[tuple[int, int]]]:
-        """Param index (in ``params``, an optimizer's flat order) -> the element ranges ``rank`` owns."""
-        index = {id(p): i for i, p in enumerate(params)}
-        out: dict[int, list[tuple[int, int]]] = {}
-        for flat in [u.flat for u in self.units] + self.replicated:
-            for slot, lo, hi in flat.owned(rank):
-                i = index.get(id(slot.param))
-                if i is not None and slot.param.requires_grad:
-                    out.setdefault(i, []).append((lo, hi))
-        return out
-
     def regions(self) -> list[tuple[str, int]]:
         return [(u.shard.region, u.shard.nbytes) for u in self.units]
 
@@ -221,10 +326,6 @@ class ShardedParams:
     def residency(self) -> BlockResidency | None:
         return self.io.residency
 
-    @residency.setter
-    def residency(self, value: BlockResidency | None) -> None:
-        self.io.residency = value
-
     @property
     def active(self) -> bool:
         return self.residency is not None
@@ -233,19 +334,21 @@ class ShardedParams:
     def start(self, store: Any, optimized: Iterable[torch.Tensor]) -> None:
         """Write this rank's shard of every block to the store, leave placeholders in the module, install hooks.
         ``optimized``: the parameters offloaded optimizers update (a block waits for their update only)."""
+        for h in self._handles:  # a previous fit's refusals (``_released_hook``)
+            h.remove()
+        self._handles = []
         ids = {id(p) for p in optimized}
         for u in self.units:
             u.owned_params = [p for p in u.owned_params if id(p) in ids]
         store.add_regions(self.regions())
-        self.residency = BlockResidency(store, [u.shard for u in self.units], max_pending_writes=self.prefetch + 1,
-                                        transfer=HostTransfer())
-        for u in self.units:
-            with torch.no_grad():
-                full = u.flat.pack([p.detach() for p in u.trainable],
-                                   torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
-            self.io.write_shard(u, full)
-            self._unbind(u)
-        self.residency.drain()
+        residency = BlockResidency(store, [u.shard for u in self.units], self.prefetch + 1, transfer=HostTransfer())
+        self.io.residency = residency
+        if has_meta_tensors(self.model):
+            _build_from_meta(self)
+        else:
+            for u in self.units:
+                _write_initial(self, u, broadcast=False)  # every rank holds rank 0's values (the strategy's sync)
+        residency.drain()
         for u in self.units:
             self._handles.append(u.module.register_forward_pre_hook(self._pre_forward(u), with_kwargs=True))
             self._handles.append(u.module.register_forward_hook(self._post_forward(u)))
@@ -253,7 +356,7 @@ class ShardedParams:
             for p in u.trainable:
                 self._handles.append(p.register_post_accumulate_grad_hook(self._grad_hook(u)))
         for _, p in self.outside:
-            self._handles.append(p.register_post_accumulate_grad_hook(functools.partial(_all_reduce_hook, self)))
+            self._handles.append(p.register_post_accumulate_grad_hook(self.reductions.param))
 
     def stop(self, restore: bool = True) -> None:
         """End of fit: with ``restore`` every block is gathered back into its module (a collective: every rank
@@ -263,6 +366,7 @@ class ShardedParams:
         for h in self._handles:
             h.remove()
         self._handles = []
+        self.reductions.queue = []  # after a failure mid-backward: never waited for (another rank may be gone)
         for u in self.units:
             u.refs.clear()
             u.pending.clear()
@@ -274,10 +378,11 @@ class ShardedParams:
                     s.param.data = u.flat.view(full, s)
             else:
                 self._unbind(u)  # a gather started ahead is not waited for: another rank may be gone
+                self._handles.append(u.module._register_state_dict_hook(_released_hook(u)))
             u.full, u.ahead = None, None
         self.residency.release_all()
         self.residency.drain()
-        self.residency = None
+        self.io.residency = None
 
     # ---- gather, bind, release ---------------------------------------------------------------------------
     def _hold(self, u: Unit, why: str) -> None:
@@ -339,6 +444,8 @@ class ShardedParams:
                 self._open.append(call)
                 register_multi_grad_hook(outputs, lambda _grad: self._pre_backward(call), mode="any")
             self._let_go(u, FWD)
+            if outputs and torch.is_grad_enabled() and u.index == len(self.units) - 1:
+                self.io.gather_ahead(u)  # the first block of backward: gathered while the head and the loss compute
         return hook
 
     # ---- backward --------------------------------------------------------------------------------------------
@@ -348,7 +455,11 @@ class ShardedParams:
         call.pre = True
         u = call.unit
         self._hold(u, BWD)
-        self.io.prefetch(reversed(self.units[max(0, u.index - self.prefetch):u.index]))
+        # as in forward: reads run one block further ahead than the gathers; the previous block's gather is started
+        # now and runs while this block's backward computes
+        self.io.prefetch(reversed(self.units[max(0, u.index - 1 - self.prefetch):u.index]))
+        if u.index > 0:
+            self.io.gather_ahead(self.units[u.index - 1])
         task = torch._C._current_graph_task_id()
         if task != self._callback_queued_for:
             self._callback_queued_for = task
@@ -367,17 +478,23 @@ class ShardedParams:
         return hook
 
     def _reduce(self, u: Unit) -> None:
-        """The block's gradients are all accumulated: average them across ranks, keep the owned shard."""
+        """The block's gradients are all accumulated: start averaging them across ranks (this rank keeps its shard
+        of the average); the block stays gathered until the reduction is waited for and its update done."""
         u.arrived.clear()
         grads = [p.grad for p in u.trainable]
         assert all(g is not None for g in grads)  # every one arrived (``_grad_hook``)
         flat = u.flat.pack(grads,  # type: ignore[arg-type]
                            torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
-        flat.mul_(1.0 / self.world)  # averages as DDP does: multiply by 1/N, then sum
+        for p in u.trainable:
+            p.grad = None  # packed: freed now, the owned views are set when the reduction is waited for
+        flat.mul_(1.0 / self.world)  # averages as DDP's reducer does: multiply by 1/N, then sum
+        self._hold(u, REDUCE)
+        self.reductions.block(u, flat)
+
+    def _reduced_block(self, u: Unit, flat: torch.Tensor, mine: torch.Tensor) -> None:
+        """A block's reduction is waited for: its owned gradient is final, the optimizer may update it."""
         lo, hi = u.flat.bounds(self.rank)
-        mine = torch.empty(hi - lo, dtype=flat.dtype, device=self.device)
-        _reduce_scatter(mine, flat, self.group)
-        flat[lo:hi].copy_(mine)  # only the owned slice is read from here on (the others are this rank's own sums)
+        flat[lo:hi].copy_(mine)  # only the owned slice is read from here on (the others are this rank's own terms)
         owned = {id(p) for p in u.owned_params}
         for s in u.flat.slots:
             s.param.grad = u.flat.view(flat, s) if id(s.param) in owned else None
@@ -385,9 +502,12 @@ class ShardedParams:
             u.grad = flat
             u.pending = set(owned)
             self._hold(u, UPDATE)  # the update writes into the gathered block; its owned slice is then written back
+        self._let_go(u, REDUCE)
+        if owned:
             self.reduced(u.owned_params)
 
     def _end_backward(self) -> None:
+        self.reductions.finish_all()
         for call in self._open:
             self._post_backward(call)
         self._open = [c for c in self._open if not c.pre]
@@ -427,6 +547,9 @@ class ShardedParams:
     def finish_step(self) -> None:
         """After the optimizer step: every block updated and written back, nothing gathered; then the replicated
         parameters gathered from their owners (a collective, in the same order on every rank)."""
+        if self.reductions.queue:
+            raise RuntimeError(f"nvme_offload_fsdp: {len(self.reductions.queue)} gradient reductions were not waited for "
+                               "by the end of backward (a bug)")
         for u in self.units:
             if u.pending:
                 raise RuntimeError(f"nvme_offload_fsdp: block {u.name} was not updated in this step (a bug)")
@@ -438,15 +561,62 @@ class ShardedParams:
         if self.residency is not None:
             self.residency.evict_unheld()
             self.residency.poll_writes()
-        for flat in self.replicated:
-            lo, hi = flat.bounds(self.rank)
-            with torch.no_grad():
-                full = flat.pack([p.detach() for p in (s.param for s in flat.slots)],
-                                 torch.empty(flat.total, dtype=flat.dtype, device=self.device))
-                out = torch.empty_like(full)
-                _all_gather(out, full[lo:hi].clone(), self.group)
-                for s in flat.slots:
-                    s.param.copy_(flat.view(out, s))
+        self.reductions.regather(self.device)
+
+
+def owned_ranges(engine: ShardedParams, params: Sequence[torch.Tensor], rank: int) -> dict[int, list[tuple[int, int]]]:
+    """Param index (in ``params``, an optimizer's flat order) -> the element ranges ``rank`` owns: its shard of
+    every block and its 1/N of every replicated parameter."""
+    index = {id(p): i for i, p in enumerate(params)}
+    out: dict[int, list[tuple[int, int]]] = {}
+    for flat in [u.flat for u in engine.units] + engine.replicated:
+        for slot, lo, hi in flat.owned(rank):
+            i = index.get(id(slot.param))
+            if i is not None and slot.param.requires_grad:
+                out.setdefault(i, []).append((lo, hi))
+    return out
+
+
+def _write_initial(self: ShardedParams, u: Unit, broadcast: bool) -> None:
+    """The block's values (in its module) become this rank's shard in the store; placeholders are left behind.
+    ``broadcast``: rank 0's values are taken (as DDP's start), e.g. after each rank initialized its own."""
+    with torch.no_grad():
+        full = u.flat.pack([p.detach() for p in u.trainable],
+                           torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
+        if broadcast and self.world > 1:
+            dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
+    self.io.write_shard(u, full)
+    self._unbind(u)
+
+def _build_from_meta(self: ShardedParams) -> None:
+    """A model built on the meta device is initialized module by module (``params.materialize``), each block
+    sharded into the store as soon as its last module is initialized: at most about one block is ever whole in
+    memory. Every rank then holds rank 0's values (blocks, parameters outside blocks and buffers broadcast), as
+    an in-memory model gets from the strategy's start."""
+    written: set[int] = set()
+
+    def shard_complete_blocks() -> None:
+        for u in self.units:
+            if u.index not in written and not any(p.is_meta for p in u.trainable):
+                written.add(u.index)
+                _write_initial(self, u, broadcast=True)
+
+    materialize(self.model, self.device, shard_complete_blocks)
+    if self.world > 1:
+        src = dist.get_global_rank(self.group, 0)
+        with torch.no_grad():
+            for t in [*self._outside_all, *self.model.buffers()]:
+                dist.broadcast(t.data, src=src, group=self.group)
+
+
+def _released_hook(u: Unit) -> Any:
+    """``state_dict()`` of a block whose weights were not gathered back at the end of fit: refused (its parameters
+    are placeholders), never NaNs handed on as weights."""
+    def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
+        raise RuntimeError(f"nvme_offload_fsdp: block {u.name}'s weights were not gathered back into the module at the "
+                           "end of fit (restore_params=False, or the fit failed); its parameters are placeholders. "
+                           "Fix: restore_params=True, or save a checkpoint during fit (ModelCheckpoint) and load it.")
+    return hook
 
 
 def _gather_hook(engine: ShardedParams, u: Unit) -> Any:
@@ -462,11 +632,3 @@ def _gather_hook(engine: ShardedParams, u: Unit) -> Any:
             if prefix + name in state_dict:
                 state_dict[prefix + name] = u.flat.view(full, slot).clone()
     return hook
-
-
-def _all_reduce_hook(engine: ShardedParams, p: torch.Tensor) -> None:
-    """A replicated parameter's gradient is final: average it across ranks (as DDP: 1/N, then sum), hand it on."""
-    assert p.grad is not None
-    p.grad.mul_(1.0 / engine.world)
-    dist.all_reduce(p.grad, group=engine.group)
-    engine.reduced([p])

@@ -15,7 +15,8 @@ resumes at any number of ranks (and under ``nvme_offload_ddp``, ``nvme_offload``
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Generator, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -36,7 +37,7 @@ from lightning_nvme.constants import MiB
 from lightning_nvme.optim import OffloadedOptimizer, Partition, UpdateListener
 from lightning_nvme.optim.plan import bytes_per_element, describe_params
 from lightning_nvme.params.materialize import has_meta_tensors
-from lightning_nvme.params.sharded import ShardedParams
+from lightning_nvme.params.sharded import ShardedParams, owned_ranges
 from lightning_nvme.settings import DDPOffloadSettings, FSDPOffloadSettings, with_settings
 from lightning_nvme.strategies.nvme_offload_ddp import NVMeOffloadDDPStrategy
 
@@ -49,7 +50,6 @@ _NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
                                                           "the background copy is single-device only"),
     "host_memory_budget": ((0,), "the shelf does not hold block shards yet"),
     "device_memory_budget": ((0,), "blocks are gathered per use; none is kept on the device"),
-    "restore_params": ((True,), "the weights are gathered back into the module at the end of fit"),
     "eval_window": ((1,), "evaluation gathers each block per batch"),
     "state_format": (("exact",), "other state formats are not verified against DDP under sharding yet"),
     "master_format": (("fp32",), "other master formats are not verified against DDP under sharding yet"),
@@ -112,11 +112,6 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
                               f"{trainer.accumulate_grad_batches} is not supported yet: each block's gradient is "
                               "reduce-scattered and consumed in the backward that produced it. Fix: "
                               "accumulate_grad_batches=1 with a larger batch, or strategy='nvme_offload_ddp'.")
-        if has_meta_tensors(module):
-            raise ConfigError("offload_params", f"{self.strategy_name}: the model has tensors on the meta device "
-                              "(trainer.init_module(empty_init=True) or configure_model): building it block by block "
-                              "into the shards is not supported yet. Fix: build the model in memory, or "
-                              "strategy='nvme_offload' with offload_params=True.")
 
     @override
     def configure_ddp(self) -> None:
@@ -124,7 +119,29 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         all-reduced by ``ShardedParams``. As DDP does when it wraps the model, every rank starts from rank 0's
         parameters and buffers."""
         assert self.model is not None
-        _sync_module_states(self.model)
+        if not has_meta_tensors(self.model):  # built on the meta device: ShardedParams.start broadcasts as it builds
+            _sync_module_states(self.model)
+
+    @override
+    def model_to_device(self) -> None:
+        """A model built on the meta device stays there until ``ShardedParams.start`` initializes it module by
+        module, sharding each block into the store as it completes (the whole model is never in memory)."""
+        assert self.model is not None
+        if not has_meta_tensors(self.model):
+            super().model_to_device()
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module()`` and ``configure_model`` create parameters on the meta device (no memory), as
+        ``nvme_offload`` does with ``offload_params``; setup initializes them block by block into the shards.
+        ``empty_init=False`` asks for a model in memory."""
+        if empty_init is False:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def _offload_optimizers(self, trainer: pl.Trainer) -> None:
@@ -134,7 +151,8 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         s = self.config
         classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
         self.sharded = ShardedParams(trainer.lightning_module, classes, self.global_rank, self.world_size,
-                                     self._shard_group, s.param_prefetch, self.root_device, reduced=self._reduced)
+                                     self._shard_group, s.param_prefetch, self.root_device, reduced=self._reduced,
+                                     reduce_order=s.reduce_order, inflight=max(1, s.param_prefetch))
         super(NVMeOffloadDDPStrategy, self)._offload_optimizers(trainer)
         self._grad_owner = {}
         for off in self.offloaded:
@@ -148,7 +166,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         fmt = self.config.state_format_spec
         infos, _ = describe_params(optimizer, fmt=fmt)
         per_elem = {i.index: bytes_per_element(i.keys, fmt) for i in infos}
-        ranges = [self.sharded.owned_ranges(params, r) for r in range(self.world_size)]
+        ranges = [owned_ranges(self.sharded, params, r) for r in range(self.world_size)]
         state = [int(sum((hi - lo) * per_elem.get(i, 0) for i, rs in r.items() for lo, hi in rs)) for r in ranges]
         partition = Partition(self.world_size, ranges, state)
         agreed = self.broadcast(partition.to_dict())
@@ -217,7 +235,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
                 # module keeps placeholders (the last checkpoint is the way back, as after a kill)
                 trainer = getattr(self.lightning_module, "_trainer", None)
                 failed = trainer is not None and trainer.state.status == TrainerStatus.INTERRUPTED
-                self.sharded.stop(restore=not failed)
+                self.sharded.stop(restore=not failed and self.config.restore_params)
         finally:
             group, self._shard_group = self._shard_group, None
             super().teardown()

@@ -31,6 +31,8 @@ REPO = PACKAGE.parent
 # Public names nobody in the package calls by design: a user or developer calls them (say where).
 ENTRY_POINTS = {
     "markdown_table": "CONTRIBUTING.md: prints README's argument table (`python -c ... markdown_table()`)",
+    "ordered_allreduce_hook": "docs/fsdp.md: a user registers it on plain DDP (`register_comm_hook`) to sum in rank "
+                              "order, as nvme_offload_fsdp does (tests/strategies/test_fsdp.py)",
 }
 
 

@@ -1,0 +1,65 @@
+"""Gradient sums across ranks in one fixed order: rank 0's part + rank 1's + ... + rank N-1's, left to right.
+
+Why: a float sum depends on the order of its terms. A backend's reduce-scatter or all-reduce adds the N partial
+gradients in an order of its own (Gloo's ring: it depends on the element's position in its buffer and on which
+rank owns that piece), so a sharded reduction and DDP's bucketed all-reduce of the same gradients differ in the last
+bits from 3 ranks on, and AdamW amplifies a last-bit difference of a near-zero gradient into a full step. Here every
+element's sum is ``((g0 + g1) + g2) + ... + g(N-1)`` whatever the buffer, the bucket or the backend, so
+``nvme_offload_fsdp`` (``reduce_order="rank"``) equals plain DDP bitwise at any N when DDP uses
+``ordered_allreduce_hook`` (torch's ``register_comm_hook``, Lightning's ``DDPStrategy(ddp_comm_hook=...)``).
+
+How: an ``all_to_all`` hands each rank the N partial pieces it owns (the same bytes per rank as a ring
+reduce-scatter: (N - 1)/N of the buffer), which it then adds in rank order; the hook follows it with an
+``all_gather`` of the sums (the same bytes as a ring all-reduce). Each ``g_r`` is the rank's gradient already
+multiplied by 1/N, as DDP's reducer does before its all-reduce.
+"""
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+
+def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
+    """``parts[0] + parts[1] + ... + parts[-1]``, added left to right (``parts.sum(0)`` may pair terms otherwise)."""
+    out = parts[0].clone()
+    for part in parts[1:]:
+        out.add_(part)
+    return out
+
+
+class ScatterSum:
+    """An asynchronous reduce-scatter whose sum runs in rank order: rank r receives the piece ``counts[r]`` of every
+    rank's ``flat`` (``flat`` is cut into consecutive pieces of ``counts``, one per rank) and ``wait()`` returns
+    their sum, added in rank order. ``flat`` must not change until ``wait()`` returns."""
+
+    def __init__(self, flat: torch.Tensor, counts: Sequence[int], rank: int, group: Any) -> None:
+        self.world, self.count = len(counts), counts[rank]
+        self._recv = torch.empty(self.world * self.count, dtype=flat.dtype, device=flat.device)
+        self._work = dist.all_to_all_single(self._recv, flat, output_split_sizes=[self.count] * self.world,
+                                            input_split_sizes=list(counts), group=group, async_op=True)
+
+    def wait(self) -> torch.Tensor:
+        self._work.wait()
+        return ordered_sum(self._recv.view(self.world, self.count))
+
+
+# no ``from __future__ import annotations`` here: torch's ``register_comm_hook`` checks the hook's annotations as objects
+def ordered_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures.Future[torch.Tensor]:
+    """A DDP communication hook: the bucket's gradients averaged as DDP averages (multiplied by 1/N, then summed),
+    the sum added in rank order on every element (``ScatterSum``, then an ``all_gather`` of the sums). ``group``: the
+    process group (``None``: the default one). Synchronous (the returned future is complete): it is a reference for
+    bitwise comparisons, not a fast path."""
+    buf = bucket.buffer()
+    world = dist.get_world_size(group)
+    rank = dist.get_rank(group)
+    piece = -(-buf.numel() // world)
+    flat = torch.zeros(piece * world, dtype=buf.dtype, device=buf.device)
+    flat[:buf.numel()].copy_(buf).mul_(1.0 / world)
+    mine = ScatterSum(flat, [piece] * world, rank, group).wait()
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
+    gather(flat, mine, group=group)
+    fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
+    fut.set_result(flat[:buf.numel()].view_as(buf))
+    return fut

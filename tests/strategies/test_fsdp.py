@@ -1,7 +1,7 @@
 """NVMeOffloadFSDPStrategy on 1, 2 and 4 processes (Gloo, CPU): AdamW on a tied GPT and a tiny Hugging Face Llama
 equal plain DDP (bitwise at 1 and 2 ranks, where the reduce-scatter and DDP's all-reduce add the same numbers in the
 same order; within a stated bound at 4), each rank's store holds 1/N of the blocks and of the optimizer state,
-checkpoints resume bitwise at the same N and reshard on load 2 -> 1 and 1 -> 2, and what is not supported yet is
+checkpoints resume bitwise at the same N and reshard on load 2 -> 1, 1 -> 2 and 2 -> 4, and what is not supported yet is
 refused by name.
 
 As ``test_ddp.py``: Lightning's own launcher starts the processes; each job runs this file as a script
@@ -98,6 +98,7 @@ def two(tmp_path_factory):
     launch(tmp, again, world=2)
     out = {r["name"]: results(r, 2) for r in runs + again}
     out.update({r["name"]: results(r, 1) for r in ones})
+    out["checkpoints"] = ck
     return out
 
 
@@ -234,11 +235,15 @@ def test_activation_checkpointed_blocks_train_as_ddp(meta):
 
 
 @pytest.fixture(scope="module")
-def four(tmp_path_factory):
+def four(tmp_path_factory, two):
     """4 processes: the tied GPT and the tiny Llama, 24 AdamW steps, against plain DDP whose all-reduce adds in rank
-    order (``ordered_allreduce_hook``); and one SGD step with ``reduce_order="backend"`` against plain DDP."""
+    order (``ordered_allreduce_hook``); one SGD step with ``reduce_order="backend"`` against plain DDP; and the
+    2-rank checkpoints of ``two`` (step 16) resumed on 4 ranks, each by its own kind of run."""
     tmp = tmp_path_factory.mktemp("fsdp4")
+    ck = two["checkpoints"]
     runs = [spec(tmp, "ddp_gpt", "ddp", hook="ordered"), spec(tmp, "fsdp_gpt", "fsdp"),
+            spec(tmp, "ddp_2_to_4", "ddp", hook="ordered", resume=ck["ddp2"]),
+            spec(tmp, "fsdp_2_to_4", "fsdp", resume=ck["fsdp2"]),
             spec(tmp, "ddp_llama", "ddp", model="llama", hook="ordered"),
             spec(tmp, "fsdp_llama", "fsdp", model="llama", chunk_bytes=4 << 10),
             spec(tmp, "ddp_sgd", "ddp", optimizer="sgd", steps=1),
@@ -258,6 +263,19 @@ def test_four_ranks_equal_ddp_summing_in_rank_order_bitwise(four, model):
         assert_bitwise(ref[rank], fsdp[rank], f"rank {rank}")
         assert fsdp[rank]["losses"] == ref[rank]["losses"]
         assert_bitwise(fsdp[0], fsdp[rank], "replicas")
+    assert fsdp[0]["shard_bytes"] * 4 == pytest.approx(sum(fsdp[0]["block_bytes"]), rel=0.05)
+
+
+def test_two_rank_checkpoint_resumes_on_four_ranks_bitwise_as_ddp_in_rank_order(four):
+    """2 -> 4: the step-16 checkpoint of the 2-rank run, resharded on load into quarters of every block and of the
+    optimizer state, trains the last 8 steps on 4 ranks exactly as plain DDP (adding in rank order) resumed on 4 ranks
+    from its own 2-rank checkpoint: same parameters and losses on every rank, bit for bit."""
+    ref, fsdp = four["ddp_2_to_4"], four["fsdp_2_to_4"]
+    for rank in range(4):
+        assert fsdp[rank]["global_step"] == STEPS
+        assert len(fsdp[rank]["losses"]) >= STEPS - 16
+        assert_bitwise(ref[rank], fsdp[rank], f"2 -> 4, rank {rank}")
+        assert fsdp[rank]["losses"] == ref[rank]["losses"]
     assert fsdp[0]["shard_bytes"] * 4 == pytest.approx(sum(fsdp[0]["block_bytes"]), rel=0.05)
 
 

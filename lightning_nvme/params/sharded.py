@@ -31,7 +31,8 @@ parameters whose averaged, owned gradient is final: the strategy hands them to t
 rank order, ``lightning_nvme.params.ordered_sum``, so the result equals DDP with ``ordered_allreduce_hook``
 bitwise at any N; ``"backend"``: the backend's reduce-scatter and all-reduce, whose order is its own);
 ``inflight`` (reductions started and not yet waited for, at most: each keeps its block gathered and its flat
-gradient alive until its update).
+gradient alive until its update); ``state_align`` (elements: the optimizer state format's block, on which every cut
+falls, ``FlatShards``).
 
 Overlap: in both passes the next block's all-gather is started (asynchronously) before this block computes, and
 in backward a block's reduction is started as its last gradient arrives and waited for ``inflight`` reductions
@@ -268,7 +269,7 @@ class ShardedParams:
     def __init__(self, model: nn.Module, block_classes: BlockClasses, rank: int, world: int, group: Any,
                  prefetch: int = 1, device: torch.device | None = None,
                  reduced: Callable[[Sequence[torch.Tensor]], None] | None = None, reduce_order: str = "rank",
-                 inflight: int = 1) -> None:
+                 inflight: int = 1, state_align: int = 1) -> None:
         self.model = model
         self.rank, self.world, self.group = rank, world, group
         self.prefetch = prefetch
@@ -288,7 +289,7 @@ class ShardedParams:
                 raise ValueError(f"nvme_offload_fsdp: block {block.name} has frozen parameters {frozen[:3]} (e.g. a "
                                  "LoRA base): sharding frozen weights is not supported yet. Use strategy='nvme_offload' "
                                  "(one device) with offload_params=True, or make every block parameter trainable.")
-            flat = FlatShards([(s.name, s.param) for s in block.slots], world)
+            flat = FlatShards([(s.name, s.param) for s in block.slots], world, state_align)
             holder = nn.Parameter(torch.empty(0, dtype=flat.dtype), requires_grad=False)
             slot = ParamSlot("shard", holder, torch.Size([flat.shard]), flat.dtype, 0, flat.shard_bytes)
             shard = BlockLayout(block.index, f"{block.name} (shard {rank}/{world})", block.module, block.region,
@@ -301,7 +302,8 @@ class ShardedParams:
         by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
         for n, p in self.outside:
             by_dtype.setdefault(p.dtype, []).append((n, p))
-        self.replicated = [FlatShards(named, world) for named in by_dtype.values()]  # owned 1/N, gathered after a step
+        # owned 1/N, gathered after a step
+        self.replicated = [FlatShards(named, world, state_align) for named in by_dtype.values()]
         self.reductions = GradReductions(rank, world, group, reduce_order, inflight, self.replicated,
                                          on_block=self._reduced_block, on_param=lambda p: self.reduced([p]))
         self._unit_of = {id(p): u for u in self.units for p in u.trainable}

@@ -15,6 +15,7 @@ checkpoint saved at N ranks reshards on load at any other N exactly as ``nvme_of
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -34,16 +35,23 @@ class FlatSlot:
 
 
 class FlatShards:
-    """The flat layout of some parameters (one dtype) and its cut into ``world`` shards of ``shard`` elements."""
+    """The flat layout of some parameters (one dtype) and its cut into ``world`` shards of ``shard`` elements.
 
-    def __init__(self, named: list[tuple[str, torch.Tensor]], world: int) -> None:
+    ``state_align``: every parameter's offset and every cut fall on a multiple of this many elements, so each
+    rank's part of a parameter starts at a multiple of it counted from the parameter's element 0. The optimizer
+    state format's ``align`` (``state_format="int8"``: its 256-element blocks, one absmax each): no block is then
+    split between two ranks, and each rank encodes exactly the blocks one process holding the whole parameter
+    would."""
+
+    def __init__(self, named: list[tuple[str, torch.Tensor]], world: int, state_align: int = 1) -> None:
         dtypes = {p.dtype for _, p in named}
         if len(dtypes) != 1:
             raise ValueError(f"parameters {[n for n, _ in named]} have dtypes {sorted(map(str, dtypes))}: one flat "
                              "shard holds one dtype")
         self.dtype = next(iter(dtypes))
         self.world = world
-        self.align = max(1, PARAM_SLOT_ALIGN // torch.empty((), dtype=self.dtype).element_size())
+        self.align = math.lcm(max(1, PARAM_SLOT_ALIGN // torch.empty((), dtype=self.dtype).element_size()),
+                              max(1, state_align))
         self.slots: list[FlatSlot] = []
         offset = 0
         for name, p in named:

@@ -51,8 +51,6 @@ _NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
     "host_memory_budget": ((0,), "the shelf does not hold block shards yet"),
     "device_memory_budget": ((0,), "blocks are gathered per use; none is kept on the device"),
     "eval_window": ((1,), "evaluation gathers each block per batch"),
-    "state_format": (("exact",), "other state formats are not verified against DDP under sharding yet"),
-    "master_format": (("fp32",), "other master formats are not verified against DDP under sharding yet"),
 }
 
 
@@ -152,7 +150,8 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
         self.sharded = ShardedParams(trainer.lightning_module, classes, self.global_rank, self.world_size,
                                      self._shard_group, s.param_prefetch, self.root_device, reduced=self._reduced,
-                                     reduce_order=s.reduce_order, inflight=max(1, s.param_prefetch))
+                                     reduce_order=s.reduce_order, inflight=max(1, s.param_prefetch),
+                                     state_align=s.state_format_spec.align)
         super(NVMeOffloadDDPStrategy, self)._offload_optimizers(trainer)
         self._grad_owner = {}
         for off in self.offloaded:

@@ -163,9 +163,73 @@ def test_what_is_not_supported_yet_is_refused_by_name(two):
     assert "frozen parameters" in two["refuse_frozen"][0]["error"]
 
 
+@pytest.fixture(scope="module")
+def formats(tmp_path_factory):
+    """The 7 B's compressed formats on 2 ranks: int8 moments (fp32 model) and int8 + ``bf16_sr`` (``bf16-true``,
+    fused AdamW: the one-pass kernel), against plain DDP with the formats' in-memory reference
+    (``RoundTripOptimizer``), and against ``nvme_offload_ddp`` with the same formats, each saving at step 16 and
+    resumed in new processes at 2 ranks and at 1."""
+    tmp = tmp_path_factory.mktemp("fsdp_formats")
+    int8 = dict(optimizer="adamw_fused", state_format="int8")
+    bf16 = dict(optimizer="adamw_fused", state_format="int8", master_format="bf16_sr", precision="bf16-true")
+    ck = {name: str(tmp / f"{name}.ckpt") for name in ("nvme_ddp", "fsdp")}
+    runs = [spec(tmp, "ddp_int8", "ddp", optimizer="adamw_fused", ref_format=["int8", "fp32"], steps=8),
+            spec(tmp, "fsdp_int8", "fsdp", steps=8, **int8),
+            spec(tmp, "ddp_bf16", "ddp", optimizer="adamw_fused", ref_format=["int8", "bf16_sr"], precision="bf16-true"),
+            spec(tmp, "nvme_ddp_bf16", "nvme_ddp", save=ck["nvme_ddp"], **bf16),
+            spec(tmp, "fsdp_bf16", "fsdp", save=ck["fsdp"], **bf16)]
+    launch(tmp, runs, world=2)
+    again = [spec(tmp, "nvme_ddp_2_to_2", "nvme_ddp", resume=ck["nvme_ddp"], **bf16),
+             spec(tmp, "fsdp_2_to_2", "fsdp", resume=ck["fsdp"], **bf16)]
+    launch(tmp, again, world=2)
+    ones = [spec(tmp, "nvme_ddp_2_to_1", "nvme_ddp", resume=ck["nvme_ddp"], **bf16),
+            spec(tmp, "fsdp_2_to_1", "fsdp", resume=ck["fsdp"], **bf16)]
+    launch(tmp, ones, world=1)
+    out = {r["name"]: results(r, 2) for r in runs + again}
+    out.update({r["name"]: results(r, 1) for r in ones})
+    return out
+
+
+@pytest.mark.parametrize(("ref", "fsdp"), [("ddp_int8", "fsdp_int8"), ("ddp_bf16", "fsdp_bf16"),
+                                           ("ddp_bf16", "nvme_ddp_bf16")])
+def test_compressed_formats_equal_their_in_memory_reference_under_ddp_bitwise(formats, ref, fsdp):
+    """Every cut of a block into shards falls on an int8 block boundary (``FlatShards(state_align=256)``), so each
+    rank encodes exactly the blocks one process holding the whole parameter would; ``bf16_sr``'s noise is a hash
+    of (step, parameter, element), the same whoever owns the element. So the sharded run equals plain DDP whose
+    optimizer round-trips its state through the same formats in memory, bit for bit."""
+    for rank in range(2):
+        assert formats[fsdp][rank]["global_step"] == formats[ref][rank]["global_step"]
+        assert_bitwise(formats[ref][rank], formats[fsdp][rank], f"{fsdp}, rank {rank}")
+        assert formats[fsdp][rank]["losses"] == formats[ref][rank]["losses"]
+    assert next(iter(formats["fsdp_bf16"][0]["params"].values())).dtype == torch.bfloat16
+    assert formats["fsdp_bf16"][0]["fused_elements"] > 0  # the one-pass kernel ran on the shards
+
+
+@pytest.mark.parametrize(("fsdp", "ddp", "world"), [("fsdp_2_to_2", "nvme_ddp_2_to_2", 2),
+                                                    ("fsdp_2_to_1", "nvme_ddp_2_to_1", 1)])
+def test_compressed_formats_resume_bitwise_at_the_same_and_at_another_world_size(formats, fsdp, ddp, world):
+    """The int8 state (codes and one absmax per 256 elements) and the bf16 weights saved by 2 ranks, resumed in new
+    processes on 2 and on 1, train as ``nvme_offload_ddp`` resumed from its own checkpoint of the same run."""
+    for rank in range(world):
+        assert formats[fsdp][rank]["global_step"] == STEPS
+        assert len(formats[fsdp][rank]["losses"]) >= STEPS - 16
+        assert_bitwise(formats[ddp][rank], formats[fsdp][rank], f"{fsdp}, rank {rank}")
+        assert formats[fsdp][rank]["losses"] == formats[ddp][rank]["losses"]
+
+
+def test_flat_shards_cut_on_the_state_formats_blocks():
+    from lightning_nvme.params.shards import FlatShards
+
+    params = [("a", torch.zeros(300)), ("b", torch.zeros(7, 100)), ("c", torch.zeros(5))]
+    for world in (1, 2, 3, 4):
+        flat = FlatShards(params, world, state_align=256)
+        for rank in range(world):
+            for _slot, lo, _hi in flat.owned(rank):
+                assert lo % 256 == 0, (world, rank, _slot.name, lo)
+
+
 @pytest.mark.parametrize(("key", "value"), [("overlap", "step"), ("checkpoint_copy", "background"),
-                                            ("host_memory_budget", 1 << 30),
-                                            ("eval_window", 4), ("state_format", "int8"), ("master_format", "bf16_sr")])
+                                            ("host_memory_budget", 1 << 30), ("eval_window", 4)])
 def test_single_device_options_not_carried_yet_are_refused_by_name(key, value):
     from lightning_nvme import NVMeOffloadFSDPStrategy
     from lightning_nvme.checks import ConfigError
@@ -382,18 +446,26 @@ def _train(run: dict, world: int) -> None:
     elif run.get("model") == "llama":
         model = _Llama.build()(batch_size=batch)
     else:
-        model = TinyGPT(run.get("optimizer", "adamw"), batch_size=batch, checkpointing=run.get("checkpointing", False))
+        ref_format = tuple(run["ref_format"]) if run.get("ref_format") else None
+        model = TinyGPT(run.get("optimizer", "adamw"), batch_size=batch, checkpointing=run.get("checkpointing", False),
+                        ref_format=ref_format)
     if run.get("frozen_block_param"):
         model.model.transformer["h"][0].ln_1.weight.requires_grad_(False)
+    formats = {k: run[k] for k in ("state_format", "master_format") if k in run}
     if run["strategy"] == "ddp":
         strategy = OrderedDDP() if run.get("hook") == "ordered" else DDPStrategy()
+    elif run["strategy"] == "nvme_ddp":
+        from lightning_nvme import NVMeOffloadDDPStrategy
+
+        strategy = NVMeOffloadDDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
+                                          **formats)
     else:
         from datetime import timedelta
 
         strategy = NVMeOffloadFSDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
                                            timeout=timedelta(seconds=run.get("timeout_s", 1800)),
                                            reduce_order=run.get("reduce_order", "rank"),
-                                           restore_params=run.get("restore_params", True))
+                                           restore_params=run.get("restore_params", True), **formats)
     losses: list[float] = []
     batches: list[tuple[int, int, int]] = []
 
@@ -414,6 +486,7 @@ def _train(run: dict, world: int) -> None:
 
     trainer = Trainer(default_root_dir=run["root"], strategy=strategy, accelerator="cpu", devices=world,
                       max_steps=run.get("steps", STEPS), accumulate_grad_batches=run.get("accumulate", 1),
+                      precision=run.get("precision", "32-true"),
                       logger=False, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                       num_sanity_val_steps=0, callbacks=[Record()])
     if run.get("meta") == "init_module":  # on the meta device, initialized (seed 3) block by block into the shards
@@ -455,6 +528,7 @@ def _train(run: dict, world: int) -> None:
            "losses": losses, "batches": batches, "updated_in_backward": updated_in_backward}
     if run["strategy"] == "fsdp":
         s = trainer.strategy
+        out.update(fused_elements=s.offloaded[0].fused_elements)
         units = s.sharded.units
         out.update(blocks=len(units), shard_bytes=sum(u.flat.shard_bytes for u in units),
                    block_bytes=[sum(sl.numel for sl in u.flat.slots) * 4 for u in units],

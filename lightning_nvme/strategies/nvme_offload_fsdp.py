@@ -40,6 +40,7 @@ from lightning_nvme.params.materialize import has_meta_tensors
 from lightning_nvme.params.sharded import ShardedParams, owned_ranges
 from lightning_nvme.settings import DDPOffloadSettings, FSDPOffloadSettings, with_settings
 from lightning_nvme.strategies.nvme_offload_ddp import NVMeOffloadDDPStrategy
+from lightning_nvme.strategies.placement import Item, block_item
 
 # Settings of the single-device strategy that this one does not carry yet, with the value it runs with; any other
 # value is refused by name at construction (docs/fsdp.md, "Not yet").
@@ -48,7 +49,6 @@ _NOT_YET: dict[str, tuple[tuple[Any, ...], str]] = {
                             "would keep every block gathered until the step"),
     "checkpoint_copy": (("auto", "streamed", "reflink"), "each rank streams (or reflinks) its shard during the save; "
                                                           "the background copy is single-device only"),
-    "host_memory_budget": ((0,), "the shelf does not hold block shards yet"),
     "device_memory_budget": ((0,), "blocks are gathered per use; none is kept on the device"),
     "eval_window": ((1,), "evaluation gathers each block per batch"),
 }
@@ -178,6 +178,17 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
     @override
     def _extra_store_bytes(self) -> int:
         return sum(-(-n // 4096) * 4096 for _, n in self.sharded.regions()) if self.sharded is not None else 0
+
+    @override
+    def _shelf_items(self) -> list[Item]:
+        """The shelf (``host_memory_budget``, the host's split evenly among its ranks) may hold this rank's block
+        shards as well as its optimizer chunks: a shard on the shelf is gathered from RAM and updated in place,
+        never read from or written to the disk."""
+        items = super()._shelf_items()
+        if self.sharded is not None and self.nvme_store is not None:
+            items += [block_item(region, self.nvme_store.region(region).capacity, 0, True)
+                      for region, _ in self.sharded.regions()]
+        return items
 
     @override
     def _update_listener(self) -> UpdateListener | None:

@@ -217,6 +217,44 @@ def test_compressed_formats_resume_bitwise_at_the_same_and_at_another_world_size
         assert formats[fsdp][rank]["losses"] == formats[ddp][rank]["losses"]
 
 
+SHARD_REGION = 7 * 4096  # a tied GPT block's shard at 2 ranks: 12 704 fp32 parameters, half of them, page-aligned
+
+
+@pytest.fixture(scope="module")
+def shelf(tmp_path_factory):
+    """``host_memory_budget`` on 2 ranks: the host's budget split evenly, each rank's share (2.5 block shards) holding
+    two of its four block shards in RAM; saved at step 16 and resumed in new processes with the same budget."""
+    tmp = tmp_path_factory.mktemp("fsdp_shelf")
+    budget = 2 * (5 * SHARD_REGION // 2)
+    ck = {name: str(tmp / f"{name}.ckpt") for name in ("ddp", "fsdp")}
+    runs = [spec(tmp, "ddp", "ddp", save=ck["ddp"]),
+            spec(tmp, "fsdp", "fsdp", save=ck["fsdp"], host_memory_budget=budget)]
+    launch(tmp, runs, world=2)
+    again = [spec(tmp, "ddp_resumed", "ddp", resume=ck["ddp"]),
+             spec(tmp, "fsdp_resumed", "fsdp", resume=ck["fsdp"], host_memory_budget=budget)]
+    launch(tmp, again, world=2)
+    out = {r["name"]: results(r, 2) for r in runs + again}
+    out["budget"] = budget
+    return out
+
+
+@pytest.mark.parametrize(("ref", "fsdp"), [("ddp", "fsdp"), ("ddp_resumed", "fsdp_resumed")])
+def test_host_budget_keeps_block_shards_in_ram_within_each_ranks_share_and_equals_ddp(shelf, ref, fsdp):
+    """The shelf holds block shards (gathered from RAM and updated in place, never read from the disk) within
+    each rank's share of the host's budget; the rest stream; the results equal plain DDP bitwise, resumed too."""
+    share = shelf["budget"] // 2
+    for rank in range(2):
+        r = shelf[fsdp][rank]
+        assert_bitwise(shelf[ref][rank], r, f"{fsdp}, rank {rank}")
+        assert r["losses"] == shelf[ref][rank]["losses"]
+        plan = r["placement"]
+        assert plan["budget_bytes"] == share and 0 < r["shelf_bytes"] == plan["shelf_bytes"] <= share, plan
+        assert plan["blocks_on_shelf"] == 2 and plan["blocks_on_ssd"] == 2, plan
+        # two blocks read from the disk in forward and again in backward per step; the shelved two never
+        assert r["block_reads"] <= 2 * 2 * len(r["losses"]) + 4, r["block_reads"]
+    assert sum(r["shelf_bytes"] for r in shelf[fsdp]) <= shelf["budget"]
+
+
 def test_flat_shards_cut_on_the_state_formats_blocks():
     from lightning_nvme.params.shards import FlatShards
 
@@ -229,7 +267,7 @@ def test_flat_shards_cut_on_the_state_formats_blocks():
 
 
 @pytest.mark.parametrize(("key", "value"), [("overlap", "step"), ("checkpoint_copy", "background"),
-                                            ("host_memory_budget", 1 << 30), ("eval_window", 4)])
+                                            ("eval_window", 4)])
 def test_single_device_options_not_carried_yet_are_refused_by_name(key, value):
     from lightning_nvme import NVMeOffloadFSDPStrategy
     from lightning_nvme.checks import ConfigError
@@ -465,7 +503,8 @@ def _train(run: dict, world: int) -> None:
         strategy = NVMeOffloadFSDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
                                            timeout=timedelta(seconds=run.get("timeout_s", 1800)),
                                            reduce_order=run.get("reduce_order", "rank"),
-                                           restore_params=run.get("restore_params", True), **formats)
+                                           restore_params=run.get("restore_params", True),
+                                           host_memory_budget=run.get("host_memory_budget", 0), **formats)
     losses: list[float] = []
     batches: list[tuple[int, int, int]] = []
 
@@ -483,6 +522,14 @@ def _train(run: dict, world: int) -> None:
         def on_train_epoch_end(self, trainer, pl_module):
             if run.get("save") and trainer.current_epoch == SAVE_EPOCH:
                 trainer.save_checkpoint(run["save"])
+
+        def on_train_end(self, trainer, pl_module):  # what the shelf held (the store's close empties it)
+            s = trainer.strategy
+            if getattr(s, "shelf_plan", None) is not None and s.nvme_store is not None:
+                shelf.update(shelf_bytes=s.nvme_store.shelf.nbytes, placement=s.shelf_plan.as_dict(),
+                             block_reads=s.sharded.residency.stats.loads)
+
+    shelf: dict = {}
 
     trainer = Trainer(default_root_dir=run["root"], strategy=strategy, accelerator="cpu", devices=world,
                       max_steps=run.get("steps", STEPS), accumulate_grad_batches=run.get("accumulate", 1),
@@ -524,7 +571,7 @@ def _train(run: dict, world: int) -> None:
         return
     tied = hasattr(model.model, "transformer") and model.model.lm_head.weight is model.model.transformer.wte.weight
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "global_step": trainer.global_step,
-           "tied": tied,
+           "tied": tied, **shelf,
            "losses": losses, "batches": batches, "updated_in_backward": updated_in_backward}
     if run["strategy"] == "fsdp":
         s = trainer.strategy

@@ -81,7 +81,14 @@ class Ranks(Protocol):
     def all_gather_objects(self, obj: Any) -> list[Any]: ...
 
 
-class Blocks(Protocol):
+class BlockReader(Protocol):
+    """Where the weights a save streams beside the file come from, one block at a time: ``params.ShardedParams``
+    (each block gathered from every rank's shard)."""
+
+    def read_block(self, block: Any) -> dict[str, Any]: ...
+
+
+class Blocks(BlockReader, Protocol):
     """Offloaded weights (``offload_params``) a save streams or clones into the file: ``params.ParamOffload``."""
 
     @property
@@ -90,8 +97,6 @@ class Blocks(Protocol):
     def issue_writes(self) -> None: ...
 
     def in_store(self, block: Any) -> bool: ...
-
-    def read_block(self, block: Any) -> dict[str, Any]: ...
 
 
 class Saver:
@@ -200,7 +205,7 @@ class Saver:
                     ) -> SaveRecord | None:
         """``may_defer=False``: the file must be complete when this returns (it is delivered next)."""
         if ranks is not None:
-            return self._save_sharded(checkpoint, path, list(optimizers), open_store, ranks, partitions)
+            return self._save_sharded(checkpoint, path, list(optimizers), open_store, ranks, partitions, params)
         t0 = time.perf_counter()
         fallback = "checkpoint_copy='streamed'"
         if self.copy == "background":
@@ -283,14 +288,20 @@ class Saver:
         return record
 
     def _save_sharded(self, checkpoint: dict[str, Any], path: str, optimizers: list[OffloadedOptimizer],
-                      open_store: OpenStore, ranks: Ranks, partitions: Sequence[Partition]) -> SaveRecord | None:
+                      open_store: OpenStore, ranks: Ranks, partitions: Sequence[Partition],
+                      params: BlockReader | None = None) -> SaveRecord | None:
         """Every rank streams (or clones) its shard into one temp directory named by rank 0; rank 0 publishes them
         and switches the checkpoint file in once every rank reports its shard written (or removes them if any
-        failed). See ``paired`` for the commit protocol."""
+        failed). See ``paired`` for the commit protocol. Weights beside the file (``nvme_offload_fsdp`` above
+        ``inline_weights_bytes``): ``params.read_block`` gathers a block from every rank's shard, so every rank
+        reads every block in the same order and rank 0 writes them, one block in memory at a time."""
         error: BaseException | None = None
         begun: tuple[paired.Pending | None, str | None] = (None, None)
+        beside = weights.has_refs(checkpoint)
         if ranks.is_global_zero:
             try:
+                if beside:
+                    check_space(path, weight_bytes(checkpoint), f"{path} save")
                 begun = (paired.begin(path), None)
             except OSError as e:  # e.g. the checkpoint directory is not writable: every rank must hear of it
                 error, begun = e, (None, repr(e))
@@ -304,6 +315,16 @@ class Saver:
                 store.fence(durable=True)
                 record = self._write_shards(store, path, optimizers, ranks.global_rank, pending.tmp, pending.save_id,
                                             scalars)
+                if beside:
+                    assert params is not None, "weights streamed beside the file need the sharded blocks"
+                    state_dict = checkpoint["state_dict"]
+                    weights.bind(state_dict, path, pending.save_id)
+                    weights.write_in_lockstep(os.path.join(pending.tmp, weights.WEIGHTS_FILE), state_dict,
+                                              params.read_block, file_metadata(pending.save_id),
+                                              writes=ranks.is_global_zero)
+                    if ranks.is_global_zero:
+                        record.files.append(weights.WEIGHTS_FILE)
+                        record.bytes_written += os.path.getsize(os.path.join(pending.tmp, weights.WEIGHTS_FILE))
         except BaseException as e:  # reported to every rank below, then re-raised
             error = e
         gathered = ranks.all_gather_objects((repr(error) if error else None, scalars))

@@ -43,7 +43,8 @@ the same order on every rank.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -53,6 +54,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils._pytree import tree_flatten, tree_unflatten
 
+from lightning_nvme.checkpoint.weights import BesideWeight
 from lightning_nvme.optim.plan import placeholder
 from lightning_nvme.params.layout import BlockLayout, ParamSlot, plan_layout
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
@@ -310,12 +312,28 @@ class ShardedParams:
         self._outside_ids = {id(p) for _, p in self.outside}
         self.io = ShardIO(rank, group, self.device)
         self._handles: list[Any] = []
+        self.referencing = False  # ``by_reference``
         self._stack: dict[int, list[_Call]] = {u.index: [] for u in self.units}
         self._open: list[_Call] = []
         self._recomputed: list[Unit] = []
         self._callback_queued_for = -1
 
     # ---- geometry --------------------------------------------------------------------------------------
+    @contextmanager
+    def by_reference(self) -> Iterator[None]:
+        """Inside, ``state_dict()`` holds a ``BesideWeight`` per block parameter instead of gathering every block
+        at once: a checkpoint then gathers them one block at a time as it writes them (``read_block``)."""
+        self.referencing = True
+        try:
+            yield
+        finally:
+            self.referencing = False
+
+    def read_block(self, u: Unit) -> dict[str, torch.Tensor]:
+        """Block ``u``'s weights by parameter name, gathered from every rank's shard (a collective)."""
+        full = u.full if u.full is not None else self.io.gathered(u)
+        return {slot.name: u.flat.view(full, slot) for slot in u.flat.slots}
+
     def regions(self) -> list[tuple[str, int]]:
         return [(u.shard.region, u.shard.nbytes) for u in self.units]
 
@@ -622,12 +640,20 @@ def _released_hook(u: Unit) -> Any:
 
 
 def _gather_hook(engine: ShardedParams, u: Unit) -> Any:
-    """``state_dict()`` of a sharded block: its weights gathered from every rank (a collective: every rank calls it)."""
+    """``state_dict()`` of a sharded block: its weights gathered from every rank (a collective: every rank calls it),
+    or under ``ShardedParams.by_reference`` a ``BesideWeight`` per parameter, gathered later by the save
+    (``read_block``)."""
     names = {id(s.param): s for s in u.flat.slots}
     local = [(n, names[id(p)]) for n, p in u.module.named_parameters(remove_duplicate=False) if id(p) in names]
 
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
         if engine.residency is None:
+            return
+        if engine.referencing:
+            for name, slot in local:
+                if prefix + name in state_dict:
+                    like = torch.empty((), dtype=u.flat.dtype).expand(slot.shape)  # dtype and shape, no memory
+                    state_dict[prefix + name] = BesideWeight.of(prefix + name, like, (u, slot.name))
             return
         full = u.full if u.full is not None else engine.io.gathered(u)
         for name, slot in local:

@@ -227,15 +227,19 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The weights, each block gathered from every rank's shard (a collective: every rank takes part, as Lightning
-        calls it on every rank). Gathered into the checkpoint file, up to ``inline_weights_bytes``."""
+        calls it on every rank): up to ``inline_weights_bytes`` of block weights into the checkpoint file's state
+        dict; above it, references that the save fills one gathered block at a time (rank 0 writing them into the
+        file's weights record), so a model bigger than memory is never whole in any process."""
         sharded = self.sharded
         if sharded is not None and sharded.active and sharded.sharded_bytes > self.config.inline_weights_bytes:
-            raise ConfigError("inline_weights_bytes", f"{self.strategy_name}: the checkpoint would gather "
-                              f"{sharded.sharded_bytes} bytes of block weights into its file, above "
-                              f"inline_weights_bytes={self.config.inline_weights_bytes}; streaming them beside the file "
-                              "is not supported yet. Fix: raise inline_weights_bytes (memory: that much on every rank "
-                              "during a save).")
+            with sharded.by_reference():
+                return super().lightning_module_state_dict()
         return super().lightning_module_state_dict()
+
+    @override
+    def _save_arguments(self) -> dict[str, Any]:
+        sharded = self.sharded
+        return {**super()._save_arguments(), "params": sharded if sharded is not None and sharded.active else None}
 
     @override
     def teardown(self) -> None:

@@ -177,3 +177,70 @@ def test_export_weights_after_fit_keeps_memory_bounded(tmp_path, in_memory):
 
 class UserIO(TorchCheckpointIO):
     """A user's CheckpointIO (it takes the whole checkpoint dict in memory)."""
+
+
+def _lockstep_state_dict() -> dict:
+    """Three blocks' references (block b: parameters w and b), as ``nvme_offload_fsdp``'s state dict under a save."""
+    blocks = [object() for _ in range(3)]
+    like = torch.empty((), dtype=torch.float32).expand(4)
+    return {f"h.{i}.{name}": weights.BesideWeight.of(f"h.{i}.{name}", like, (block, name))
+            for i, block in enumerate(blocks) for name in ("w", "b")}, blocks
+
+
+@pytest.mark.parametrize("writes", [True, False])
+def test_lockstep_write_reads_every_block_once_in_the_writers_order(tmp_path, writes):
+    """Every rank reads (gathers) every block once, in the order rank 0's writer asks for them; only the writer
+    writes, and what it wrote is every tensor of every block."""
+    state, blocks = _lockstep_state_dict()
+    asked = []
+
+    def read(block):
+        asked.append(blocks.index(block))
+        return {"w": torch.full((4,), float(blocks.index(block))), "b": torch.zeros(4)}
+
+    path = tmp_path / "weights.safetensors"
+    weights.write_in_lockstep(str(path), state, read, {"format": "pt"}, writes=writes)
+    assert asked == [0, 1, 2]
+    assert path.exists() == writes
+    if writes:
+        got = load_file(path)
+        assert sorted(got) == sorted(state) and torch.equal(got["h.2.w"], torch.full((4,), 2.0))
+
+
+def test_lockstep_write_that_fails_still_reads_the_remaining_blocks(tmp_path, monkeypatch):
+    """A writer failing after the first block (disk full, say) still takes part in the gathers of the other two,
+    where the other ranks wait, and then raises: the save's protocol reports it to every rank, none hangs. A failed
+    read (the collective itself failed) is not followed by more reads: the group is broken."""
+    state, blocks = _lockstep_state_dict()
+    asked = []
+
+    def read(block):
+        asked.append(blocks.index(block))
+        return {"w": torch.zeros(4), "b": torch.zeros(4)}
+
+    written = []
+    real_write = weights.SafetensorsWriter.write
+
+    def write(self, key, offset, values):
+        if len(written) == 2:  # block 0's two tensors are written, block 1's first fails
+            raise OSError(28, "No space left on device")
+        written.append(key)
+        return real_write(self, key, offset, values)
+
+    monkeypatch.setattr(weights.SafetensorsWriter, "write", write)
+    with pytest.raises(OSError, match="No space"):
+        weights.write_in_lockstep(str(tmp_path / "w.safetensors"), state, read, {"format": "pt"}, writes=True)
+    assert written == ["h.0.w", "h.0.b"] and asked == [0, 1, 2]
+
+    asked.clear()
+
+    def read_fails(block):
+        asked.append(blocks.index(block))
+        if len(asked) == 2:
+            raise RuntimeError("Connection closed by peer")
+        return {"w": torch.zeros(4), "b": torch.zeros(4)}
+
+    monkeypatch.setattr(weights.SafetensorsWriter, "write", real_write)
+    with pytest.raises(RuntimeError, match="closed by peer"):
+        weights.write_in_lockstep(str(tmp_path / "w2.safetensors"), state, read_fails, {"format": "pt"}, writes=True)
+    assert asked == [0, 1]

@@ -255,6 +255,47 @@ def test_host_budget_keeps_block_shards_in_ram_within_each_ranks_share_and_equal
     assert sum(r["shelf_bytes"] for r in shelf[fsdp]) <= shelf["budget"]
 
 
+@pytest.fixture(scope="module")
+def streamed(tmp_path_factory, two):
+    """``inline_weights_bytes=0``: the checkpoint's block weights are not gathered into its state dict; the save
+    gathers them one block at a time and rank 0 writes each into the file's weights record. Saved by 2 ranks at step
+    16, resumed in new processes at 2 and at 1."""
+    tmp = tmp_path_factory.mktemp("fsdp_streamed")
+    ckpt = str(tmp / "streamed.ckpt")
+    saved = spec(tmp, "saved", "fsdp", save=ckpt, inline_weights_bytes=0)
+    launch(tmp, [saved], world=2)
+    again = spec(tmp, "resumed_2", "fsdp", resume=ckpt, inline_weights_bytes=0)
+    launch(tmp, [again], world=2)
+    one = spec(tmp, "resumed_1", "fsdp", resume=ckpt, inline_weights_bytes=0)
+    launch(tmp, [one], world=1)
+    return {"saved": results(saved, 2), "resumed_2": results(again, 2), "resumed_1": results(one, 1), "ckpt": ckpt,
+            "ddp_ckpt": two["checkpoints"]["ddp2"], "ddp_2_to_2": two["ddp_2_to_2"], "ddp_2_to_1": two["ddp_2_to_1"]}
+
+
+def test_weights_above_inline_bytes_stream_into_the_file_and_open_in_torch_load(streamed):
+    """The file holds the block weights as references into its weights record (no block gathered into the state
+    dict); ``torch.load`` reads them back: the same tensors as plain DDP's checkpoint of the same step."""
+    from lightning_nvme.checkpoint.weights import BesideWeight, deferred
+
+    with deferred():
+        raw = torch.load(streamed["ckpt"], weights_only=False)["state_dict"]
+    refs = [k for k, v in raw.items() if isinstance(v, BesideWeight)]
+    assert refs and all(".h." in k for k in refs), refs  # every block parameter, nothing outside the blocks
+    got = torch.load(streamed["ckpt"], weights_only=False)["state_dict"]
+    want = torch.load(streamed["ddp_ckpt"], weights_only=False)["state_dict"]
+    assert got.keys() == want.keys()
+    for key, value in want.items():
+        assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize(("fsdp", "ddp", "world"), [("resumed_2", "ddp_2_to_2", 2), ("resumed_1", "ddp_2_to_1", 1)])
+def test_weights_streamed_into_the_file_resume_bitwise(streamed, fsdp, ddp, world):
+    for rank in range(world):
+        assert streamed[fsdp][rank]["global_step"] == STEPS
+        assert_bitwise(streamed[ddp][rank], streamed[fsdp][rank], f"{fsdp}, rank {rank}")
+        assert streamed[fsdp][rank]["losses"] == streamed[ddp][rank]["losses"]
+
+
 def test_flat_shards_cut_on_the_state_formats_blocks():
     from lightning_nvme.params.shards import FlatShards
 
@@ -504,7 +545,8 @@ def _train(run: dict, world: int) -> None:
                                            timeout=timedelta(seconds=run.get("timeout_s", 1800)),
                                            reduce_order=run.get("reduce_order", "rank"),
                                            restore_params=run.get("restore_params", True),
-                                           host_memory_budget=run.get("host_memory_budget", 0), **formats)
+                                           host_memory_budget=run.get("host_memory_budget", 0),
+                                           inline_weights_bytes=run.get("inline_weights_bytes", 1 << 30), **formats)
     losses: list[float] = []
     batches: list[tuple[int, int, int]] = []
 

@@ -81,14 +81,7 @@ class Ranks(Protocol):
     def all_gather_objects(self, obj: Any) -> list[Any]: ...
 
 
-class BlockReader(Protocol):
-    """Where the weights a save streams beside the file come from, one block at a time: ``params.ShardedParams``
-    (each block gathered from every rank's shard)."""
-
-    def read_block(self, block: Any) -> dict[str, Any]: ...
-
-
-class Blocks(BlockReader, Protocol):
+class Blocks(Protocol):
     """Offloaded weights (``offload_params``) a save streams or clones into the file: ``params.ParamOffload``."""
 
     @property
@@ -97,6 +90,15 @@ class Blocks(BlockReader, Protocol):
     def issue_writes(self) -> None: ...
 
     def in_store(self, block: Any) -> bool: ...
+
+    def read_block(self, block: Any) -> dict[str, Any]: ...
+
+
+class GatheredBlocks(Protocol):
+    """Sharded weights a save streams beside the file (``params.ShardedParams``): rank 0 writes, asking for each
+    block, and every other rank takes part in that block's gather (``reads_led_by_rank0``)."""
+
+    def reads_led_by_rank0(self, work: Callable[[Callable[[Any], dict[str, Any]]], None]) -> None: ...
 
 
 class Saver:
@@ -121,14 +123,15 @@ class Saver:
              storage_options: Any | None = None, *, optimizers: Sequence[OffloadedOptimizer] = (),
              open_store: OpenStore | None = None, live_store: FlatStore | None = None, params: Blocks | None = None,
              ranks: Ranks | None = None, partitions: Sequence[Partition] = (),
-             settings: CopySettings | None = None) -> SaveRecord | None:
+             settings: CopySettings | None = None, gathered: GatheredBlocks | None = None) -> SaveRecord | None:
         """Save ``checkpoint`` to ``filepath``; returns the record of a save with streamed state (``None``: a file
         without it, written atomically or by the plugin; or a save skipped, recorded as such).
 
         ``optimizers``: the offloaded optimizers (their state goes into the file when ``optimizer_states`` is in
         the checkpoint); ``open_store``: the store, live or reopened for the call; ``live_store``: the store during
         fit (``None``: none runs, so no background copy); ``params``: the offloaded weights whose references the
-        state dict holds; ``ranks`` and ``partitions``: data parallel, every rank calls ``save`` together;
+        state dict holds; ``gathered``: the sharded weights whose references it holds (``nvme_offload_fsdp``);
+        ``ranks`` and ``partitions``: data parallel, every rank calls ``save`` together;
         ``settings``: the strategy's settings now (they may change between saves)."""
         if settings is not None:
             self.settings = settings
@@ -158,7 +161,7 @@ class Saver:
             return None
         assert open_store is not None, "a save with streamed state needs the store"
         return self._save_local(checkpoint, os.path.abspath(os.fspath(filepath)), optimizers, open_store, live_store,
-                                params, ranks, partitions)
+                                params, ranks, partitions, gathered=gathered)
 
     def remove(self, filepath: _PATH, checkpoint_io: CheckpointIO, is_global_zero: bool = True) -> None:
         """Delete a checkpoint the way it was written; while a background save is in flight, after its commit."""
@@ -201,11 +204,11 @@ class Saver:
     # ---- local saves ---------------------------------------------------------------------------------------
     def _save_local(self, checkpoint: dict[str, Any], path: str, optimizers: Sequence[OffloadedOptimizer],
                     open_store: OpenStore, live_store: FlatStore | None, params: Blocks | None,
-                    ranks: Ranks | None, partitions: Sequence[Partition], may_defer: bool = True
-                    ) -> SaveRecord | None:
+                    ranks: Ranks | None, partitions: Sequence[Partition], may_defer: bool = True,
+                    gathered: GatheredBlocks | None = None) -> SaveRecord | None:
         """``may_defer=False``: the file must be complete when this returns (it is delivered next)."""
         if ranks is not None:
-            return self._save_sharded(checkpoint, path, list(optimizers), open_store, ranks, partitions, params)
+            return self._save_sharded(checkpoint, path, list(optimizers), open_store, ranks, partitions, gathered)
         t0 = time.perf_counter()
         fallback = "checkpoint_copy='streamed'"
         if self.copy == "background":
@@ -289,12 +292,12 @@ class Saver:
 
     def _save_sharded(self, checkpoint: dict[str, Any], path: str, optimizers: list[OffloadedOptimizer],
                       open_store: OpenStore, ranks: Ranks, partitions: Sequence[Partition],
-                      params: BlockReader | None = None) -> SaveRecord | None:
+                      gathered: GatheredBlocks | None = None) -> SaveRecord | None:
         """Every rank streams (or clones) its shard into one temp directory named by rank 0; rank 0 publishes them
         and switches the checkpoint file in once every rank reports its shard written (or removes them if any
         failed). See ``paired`` for the commit protocol. Weights beside the file (``nvme_offload_fsdp`` above
-        ``inline_weights_bytes``): ``params.read_block`` gathers a block from every rank's shard, so every rank
-        reads every block in the same order and rank 0 writes them, one block in memory at a time."""
+        ``inline_weights_bytes``): rank 0 writes them one block in memory at a time, each block gathered from every
+        rank's shard as it asks for it (``gathered.reads_led_by_rank0``)."""
         error: BaseException | None = None
         begun: tuple[paired.Pending | None, str | None] = (None, None)
         beside = weights.has_refs(checkpoint)
@@ -316,22 +319,21 @@ class Saver:
                 record = self._write_shards(store, path, optimizers, ranks.global_rank, pending.tmp, pending.save_id,
                                             scalars)
                 if beside:
-                    assert params is not None, "weights streamed beside the file need the sharded blocks"
-                    state_dict = checkpoint["state_dict"]
+                    assert gathered is not None, "weights streamed beside the file need the sharded blocks"
+                    state_dict, where = checkpoint["state_dict"], os.path.join(pending.tmp, weights.WEIGHTS_FILE)
                     weights.bind(state_dict, path, pending.save_id)
-                    weights.write_in_lockstep(os.path.join(pending.tmp, weights.WEIGHTS_FILE), state_dict,
-                                              params.read_block, file_metadata(pending.save_id),
-                                              writes=ranks.is_global_zero)
+                    metadata = file_metadata(pending.save_id)
+                    gathered.reads_led_by_rank0(lambda read: weights.write(where, state_dict, read, metadata))
                     if ranks.is_global_zero:
                         record.files.append(weights.WEIGHTS_FILE)
                         record.bytes_written += os.path.getsize(os.path.join(pending.tmp, weights.WEIGHTS_FILE))
         except BaseException as e:  # reported to every rank below, then re-raised
             error = e
-        gathered = ranks.all_gather_objects((repr(error) if error else None, scalars))
-        failed = [(r, msg) for r, (msg, _) in enumerate(gathered) if msg is not None]
+        reports = ranks.all_gather_objects((repr(error) if error else None, scalars))
+        failed = [(r, msg) for r, (msg, _) in enumerate(reports) if msg is not None]
         if not failed and ranks.is_global_zero:
             try:
-                states = _merged_optimizer_states(checkpoint, [s for _, s in gathered])
+                states = _merged_optimizer_states(checkpoint, [s for _, s in reports])
                 markers = [{**rank_shards.shard_marker(i, partitions[i], [tuple(p.shape) for p in off.params]),
                             **format_entry(off)} for i, off in enumerate(optimizers)]
                 main = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}

@@ -195,54 +195,16 @@ def write(path: str, state_dict: Mapping[str, Any], read_source: ReadSource, met
     try:
         for key, t in tensors.items():
             writer.write(key, 0, t.detach().reshape(-1).cpu())
-        for group in _by_source(beside):
+        by_source: dict[int, list[BesideWeight]] = {}
+        for ref in beside.values():
+            by_source.setdefault(id(ref.source[0]), []).append(ref)
+        for group in by_source.values():
             values = read_source(group[0].source[0])
             for ref in group:
                 writer.write(ref.key, 0, values[ref.source[1]].reshape(-1))
             del values
     finally:
         writer.close()
-
-
-def _by_source(beside: Mapping[str, BesideWeight]) -> list[list[BesideWeight]]:
-    """The references grouped by source (a block), in the order ``write`` reads the sources."""
-    by_source: dict[int, list[BesideWeight]] = {}
-    for ref in beside.values():
-        by_source.setdefault(id(ref.source[0]), []).append(ref)
-    return list(by_source.values())
-
-
-def write_in_lockstep(path: str, state_dict: Mapping[str, Any], read_source: ReadSource, metadata: Mapping[str, str],
-                      writes: bool) -> None:
-    """``write`` when reading a source is a collective (``nvme_offload_fsdp``: each block all-gathered from every
-    rank's shard): every rank calls this with the same state dict and reads every source in ``write``'s order; only
-    the rank with ``writes`` writes the file. Why a failed write still reads the remaining sources: the other ranks
-    wait in the next gather, and would hang there instead of hearing of the failure from the save's protocol."""
-    order = [group[0].source[0] for group in _by_source(refs(state_dict))]
-    done = 0
-    read_failed = False
-
-    def counted(source: Any) -> dict[str, torch.Tensor]:
-        nonlocal done, read_failed
-        try:
-            values = read_source(source)
-        except BaseException:
-            read_failed = True
-            raise
-        done += 1
-        return values
-
-    try:
-        if writes:
-            write(path, state_dict, counted, metadata)
-        else:
-            for source in order:
-                counted(source)
-    except BaseException:
-        if not read_failed:
-            for source in order[done:]:
-                read_source(source)
-        raise
 
 
 def export(path: str, state_dict: Mapping[str, Any], read_source: ReadSource) -> None:

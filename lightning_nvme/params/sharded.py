@@ -334,6 +334,45 @@ class ShardedParams:
         full = u.full if u.full is not None else self.io.gathered(u)
         return {slot.name: u.flat.view(full, slot) for slot in u.flat.slots}
 
+    def reads_led_by_rank0(self, work: Callable[[Callable[[Unit], dict[str, torch.Tensor]]], None]) -> None:
+        """Rank 0 runs ``work(read_block)`` (an export writing files), asking for blocks in whatever order its
+        writer needs them; every other rank takes part in each of those gathers, told by rank 0 which block comes
+        next (a small broadcast per block), until rank 0 is done, and then raises if rank 0 failed. Every rank calls
+        it. Why led, not mirrored: a writer's order (the Hub layout's shards) is its own, and a failure on rank 0
+        must reach ranks that would otherwise wait in the next gather."""
+        src = dist.get_global_rank(self.group, 0) if self.world > 1 else 0
+
+        def tell(message: Any) -> Any:
+            box = [message]
+            if self.world > 1:
+                dist.broadcast_object_list(box, src=src, group=self.group)
+            return box[0]
+
+        if self.rank == 0:
+            def read(u: Unit) -> dict[str, torch.Tensor]:
+                tell(u.index)
+                return self.read_block(u)
+
+            failure = None
+            try:
+                work(read)
+            except BaseException as e:
+                failure = f"{type(e).__name__}: {e}"
+                raise
+            finally:
+                tell(("done", failure))
+            return
+        by_index = {u.index: u for u in self.units}
+        while True:
+            message = tell(None)
+            if not isinstance(message, tuple):
+                self.read_block(by_index[message])
+                continue
+            if message[1] is not None:
+                raise RuntimeError(f"nvme_offload_fsdp: rank 0 failed while writing what every rank gathered: "
+                                   f"{message[1]}")
+            return
+
     def regions(self) -> list[tuple[str, int]]:
         return [(u.shard.region, u.shard.nbytes) for u in self.units]
 

@@ -16,7 +16,7 @@ resumes at any number of ranks (and under ``nvme_offload_ddp``, ``nvme_offload``
 from __future__ import annotations
 
 from collections.abc import Generator, Sequence
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
 
@@ -34,6 +34,7 @@ from typing_extensions import override
 
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
+from lightning_nvme.models.hub_export import MAX_SHARD_BYTES
 from lightning_nvme.optim import OffloadedOptimizer, Partition, UpdateListener
 from lightning_nvme.optim.plan import bytes_per_element, describe_params
 from lightning_nvme.params.materialize import has_meta_tensors
@@ -41,6 +42,7 @@ from lightning_nvme.params.sharded import ShardedParams, owned_ranges
 from lightning_nvme.settings import DDPOffloadSettings, FSDPOffloadSettings, with_settings
 from lightning_nvme.strategies.nvme_offload_ddp import NVMeOffloadDDPStrategy
 from lightning_nvme.strategies.placement import Item, block_item
+from lightning_nvme.strategies.weight_export import check_layout, export, write_export
 
 # Settings of the single-device strategy that this one does not carry yet, with the value it runs with; any other
 # value is refused by name at construction (docs/fsdp.md, "Not yet").
@@ -236,10 +238,42 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
                 return super().lightning_module_state_dict()
         return super().lightning_module_state_dict()
 
+    def export_weights(self, path: str, layout: str = "lightning", max_shard_bytes: int = MAX_SHARD_BYTES,
+                       merge_adapters: bool = False) -> None:
+        """``nvme_offload``'s ``export_weights`` (``layout="lightning"``: one safetensors file; ``"hf"``: the Hugging
+        Face directory), written by rank 0 with every block gathered from the ranks' shards one at a time, so a model
+        bigger than memory is never whole in any process. A collective: every rank calls it, during fit (e.g. in
+        ``on_train_end``) or after it; after a fit with ``restore_params=True`` the module holds the weights and rank
+        0 writes them from memory. After ``restore_params=False`` the shards are gone with the fit's store: refused."""
+        module = self.lightning_module
+        assert module is not None
+        check_layout(layout)
+        sharded = self.sharded
+        if sharded is not None and sharded.active:
+            with sharded.by_reference():
+                state = module.state_dict()
+
+            def work(read_block: Any) -> None:
+                write_export(path, module, state, read_block, layout, max_shard_bytes, merge_adapters)
+            sharded.reads_led_by_rank0(work)
+        else:  # the module holds the weights (or placeholders, refused by its state_dict hook): rank 0 writes
+            error: BaseException | None = None
+            if self.is_global_zero:
+                try:
+                    export(path, module, None, nullcontext, layout, max_shard_bytes, merge_adapters)
+                except BaseException as e:  # every rank raises, none waits for the others
+                    error = e
+            failure = self.broadcast(None if error is None else f"{type(error).__name__}: {error}")
+            if error is not None:
+                raise error
+            if failure is not None:
+                raise RuntimeError(f"{self.strategy_name}: export_weights failed on rank 0: {failure}")
+        self.barrier("export_weights")
+
     @override
     def _save_arguments(self) -> dict[str, Any]:
         sharded = self.sharded
-        return {**super()._save_arguments(), "params": sharded if sharded is not None and sharded.active else None}
+        return {**super()._save_arguments(), "gathered": sharded if sharded is not None and sharded.active else None}
 
     @override
     def teardown(self) -> None:

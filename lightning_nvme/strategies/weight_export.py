@@ -10,6 +10,7 @@ from __future__ import annotations
 
 from collections.abc import Callable, Iterator
 from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
+from typing import Any
 
 import torch
 
@@ -32,16 +33,28 @@ def state_dict_scope(params: ParamOffload, inline_weights_bytes: int, readable: 
         yield
 
 
+def check_layout(layout: str) -> None:
+    if layout not in ("lightning", "hf"):
+        raise ValueError(f"export_weights: layout must be 'lightning' or 'hf', got {layout!r}")
+
+
 def export(path: str, module: torch.nn.Module, params: ParamOffload | None, readable: Readable, layout: str,
            max_shard_bytes: int, merge_adapters: bool) -> None:
     """``NVMeOffloadStrategy.export_weights``: offloaded blocks (``params``) streamed from the store one at a time."""
-    if layout not in ("lightning", "hf"):
-        raise ValueError(f"export_weights: layout must be 'lightning' or 'hf', got {layout!r}")
+    check_layout(layout)
     with readable() if params is not None else nullcontext(), \
             params.by_reference() if params is not None else nullcontext():
         state = module.state_dict()
-        if layout == "lightning":
-            weights.export(path, state, params.read_block if params is not None else lambda source: {})
-            return
-        read_block = params.read_block if params is not None else None
-        export_hf(path, module, state, read_block, max_shard_bytes, merge_adapters)
+        write_export(path, module, state, params.read_block if params is not None else None, layout, max_shard_bytes,
+                     merge_adapters)
+
+
+def write_export(path: str, module: torch.nn.Module, state: dict[str, torch.Tensor],
+                 read_block: Callable[[Any], dict[str, torch.Tensor]] | None, layout: str, max_shard_bytes: int,
+                 merge_adapters: bool) -> None:
+    """The export's files from ``state`` (a state dict whose offloaded weights are references ``read_block`` reads,
+    one block at a time)."""
+    if layout == "lightning":
+        weights.export(path, state, read_block if read_block is not None else lambda source: {})
+        return
+    export_hf(path, module, state, read_block, max_shard_bytes, merge_adapters)

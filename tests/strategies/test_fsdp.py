@@ -262,13 +262,16 @@ def streamed(tmp_path_factory, two):
     16, resumed in new processes at 2 and at 1."""
     tmp = tmp_path_factory.mktemp("fsdp_streamed")
     ckpt = str(tmp / "streamed.ckpt")
-    saved = spec(tmp, "saved", "fsdp", save=ckpt, inline_weights_bytes=0)
-    launch(tmp, [saved], world=2)
+    saved = spec(tmp, "saved", "fsdp", save=ckpt, inline_weights_bytes=0, export=str(tmp / "gpt.safetensors"))
+    llama = spec(tmp, "llama", "fsdp", model="llama", chunk_bytes=4 << 10, steps=8, export=str(tmp / "llama-hf"),
+                 export_layout="hf")
+    launch(tmp, [saved, llama], world=2)
     again = spec(tmp, "resumed_2", "fsdp", resume=ckpt, inline_weights_bytes=0)
     launch(tmp, [again], world=2)
     one = spec(tmp, "resumed_1", "fsdp", resume=ckpt, inline_weights_bytes=0)
     launch(tmp, [one], world=1)
     return {"saved": results(saved, 2), "resumed_2": results(again, 2), "resumed_1": results(one, 1), "ckpt": ckpt,
+            "llama": results(llama, 2), "gpt_export": saved["export"], "llama_export": llama["export"],
             "ddp_ckpt": two["checkpoints"]["ddp2"], "ddp_2_to_2": two["ddp_2_to_2"], "ddp_2_to_1": two["ddp_2_to_1"]}
 
 
@@ -286,6 +289,74 @@ def test_weights_above_inline_bytes_stream_into_the_file_and_open_in_torch_load(
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert torch.equal(got[key], value), key
+
+
+def test_export_during_fit_writes_the_trained_weights_gathered_one_block_at_a_time(streamed):
+    """``export_weights`` in ``on_train_end`` (the blocks still sharded in the stores), every rank calling it, rank 0
+    writing: Lightning's names in one safetensors file (the tied GPT), and the Hugging Face layout
+    (``LlamaForCausalLM.from_pretrained`` opens it): the same tensors as the weights gathered back after fit."""
+    from safetensors.torch import load_file
+    from transformers import LlamaForCausalLM
+
+    final = streamed["saved"][0]["params"]
+    got = load_file(streamed["gpt_export"])
+    for name, p in final.items():
+        assert torch.equal(got[name], p), name
+    model = LlamaForCausalLM.from_pretrained(streamed["llama_export"])
+    final = streamed["llama"][0]["params"]
+    assert streamed["llama"][0]["global_step"] == 8
+    for name, p in model.named_parameters():
+        assert torch.equal(p, final["model." + name]), name
+
+
+def test_reads_led_by_rank0_serve_its_order_and_report_its_failure(tmp_path):
+    """Two processes: rank 0 asks for blocks 2, 0, 1 and rank 1 takes part in exactly those gathers; when rank 0's
+    writer fails after one block, rank 1 stops serving and raises naming rank 0's error (never left waiting)."""
+    import torch.multiprocessing as mp
+
+    mp.spawn(_led_reads, args=(str(tmp_path),), nprocs=2, join=True)
+    logs = [json.loads((tmp_path / f"rank{r}.json").read_text()) for r in range(2)]
+    assert logs[0]["ok"] == logs[1]["ok"] == [2, 0, 1]
+    assert logs[0]["failed"] == "OSError: [Errno 28] No space left on device"
+    assert logs[1]["failed"].startswith("RuntimeError") and "No space left on device" in logs[1]["failed"]
+    assert logs[0]["failed_reads"] == logs[1]["failed_reads"] == [1]
+
+
+def _led_reads(rank: int, tmp: str) -> None:
+    import types
+
+    import torch.distributed as dist
+
+    from lightning_nvme.params.sharded import ShardedParams
+
+    dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
+    log: dict = {}
+    try:
+        read: list[int] = []
+        units = [types.SimpleNamespace(index=i) for i in range(3)]
+
+        def read_block(u):
+            read.append(u.index)
+            dist.barrier()  # a collective, as a gather is
+            return {}
+
+        engine = types.SimpleNamespace(world=2, rank=rank, group=dist.group.WORLD, units=units, read_block=read_block)
+        ShardedParams.reads_led_by_rank0(engine, lambda ask: [ask(units[i]) for i in (2, 0, 1)])
+        log["ok"], read[:] = list(read), []
+
+        def failing(ask):
+            ask(units[1])
+            raise OSError(28, "No space left on device")
+
+        try:
+            ShardedParams.reads_led_by_rank0(engine, failing)
+        except BaseException as e:  # noqa: BLE001
+            log["failed"] = f"{type(e).__name__}: {e}"
+        log["failed_reads"] = read
+    finally:
+        dist.destroy_process_group()
+    with open(f"{tmp}/rank{rank}.json", "w") as f:
+        json.dump(log, f)
 
 
 @pytest.mark.parametrize(("fsdp", "ddp", "world"), [("resumed_2", "ddp_2_to_2", 2), ("resumed_1", "ddp_2_to_1", 1)])
@@ -567,6 +638,8 @@ def _train(run: dict, world: int) -> None:
 
         def on_train_end(self, trainer, pl_module):  # what the shelf held (the store's close empties it)
             s = trainer.strategy
+            if run.get("export"):  # during fit: the blocks are still sharded in the stores
+                s.export_weights(run["export"], layout=run.get("export_layout", "lightning"))
             if getattr(s, "shelf_plan", None) is not None and s.nvme_store is not None:
                 shelf.update(shelf_bytes=s.nvme_store.shelf.nbytes, placement=s.shelf_plan.as_dict(),
                              block_reads=s.sharded.residency.stats.loads)

@@ -58,15 +58,19 @@ class BlockResidency:
         self._state = [BlockState() for _ in blocks]
 
     # ---- first placement -----------------------------------------------------------------------------
-    def place(self, block: BlockLayout, device: torch.device | None = None) -> None:
+    def place(self, block: BlockLayout, device: torch.device | None = None, tail: bool = False) -> None:
         """Copy the block's current values into the store and leave placeholders (setup), on ``device``
-        (default: the parameters' own)."""
+        (default: the parameters' own). ``tail``: only its bytes from ``writable_offset`` on are written (the
+        rest is stored already and unchanged)."""
         buf = self.buffers.new(block)
         head = self.buffers.head(block)
         for slot in block.slots:
             if head is None or slot.offset >= head.nbytes:  # a head read in place: its values are the file's
                 view(buf, slot).copy_(slot.param.detach())
-        self.writebacks.add(block, buf, head.nbytes if head is not None else 0)
+        start = head.nbytes if head is not None else 0
+        if tail:
+            start = max(start, block.writable_offset if block.writable_offset < block.nbytes else buf.numel())
+        self.writebacks.add(block, buf, start)
         placeholders(block, device)
         self._state[block.index].placed = True
 

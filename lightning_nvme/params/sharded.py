@@ -115,7 +115,8 @@ class Unit:
     module: nn.Module
     flat: FlatShards
     shard: BlockLayout  # the residency's view: region ``fsdp/block<i>``, one slot whose "parameter" is the shard
-    trainable: list[torch.Tensor]
+    params: list[torch.Tensor]  # every parameter of the block, in slot order (frozen ones too: gathered, never reduced)
+    trainable: list[torch.Tensor]  # those with requires_grad: their gradients are reduce-scattered and updated
     owned_params: list[torch.Tensor]  # trainable parameters with elements in this rank's shard
     full: torch.Tensor | None = None  # the gathered flat tensor while bound
     ahead: tuple[torch.Tensor, Any] | None = None  # a gather started one block early (forward): (output, work)
@@ -249,14 +250,15 @@ class ShardIO:
         self.residency.release(u.shard, GATHER)
         return full
 
-    def write_shard(self, u: Unit, full: torch.Tensor) -> None:
-        """This rank's slice of ``full`` becomes the block's shard in the store (written asynchronously)."""
+    def write_shard(self, u: Unit, full: torch.Tensor, updated: bool = False) -> None:
+        """This rank's slice of ``full`` becomes the block's shard in the store (written asynchronously). ``updated``
+        (after an optimizer update): only the shard's trainable tail is written, its frozen head stays as stored."""
         assert self.residency is not None
         lo, hi = u.flat.bounds(self.rank)
         if self.residency.is_resident(u.shard):
             self.residency.evict(u.shard)  # read ahead for a pass to come, never used: dropped (it is unchanged)
         u.shard.slots[0].param.data = full[lo:hi]
-        self.residency.place(u.shard)  # copies into an aligned buffer, writes it, leaves a placeholder
+        self.residency.place(u.shard, tail=updated)  # copies into an aligned buffer, writes it, leaves a placeholder
 
     def prefetch(self, units: Iterable[Unit]) -> None:
         assert self.residency is not None
@@ -286,19 +288,14 @@ class ShardedParams:
         layout = plan_layout(model, blocks, region_prefix="fsdp")
         self.units: list[Unit] = []
         for block in layout.blocks:
-            frozen = [s.name for s in block.slots if not s.trainable]
-            if frozen:
-                raise ValueError(f"nvme_offload_fsdp: block {block.name} has frozen parameters {frozen[:3]} (e.g. a "
-                                 "LoRA base): sharding frozen weights is not supported yet. Use strategy='nvme_offload' "
-                                 "(one device) with offload_params=True, or make every block parameter trainable.")
             flat = FlatShards([(s.name, s.param) for s in block.slots], world, state_align)
             holder = nn.Parameter(torch.empty(0, dtype=flat.dtype), requires_grad=False)
             slot = ParamSlot("shard", holder, torch.Size([flat.shard]), flat.dtype, 0, flat.shard_bytes)
             shard = BlockLayout(block.index, f"{block.name} (shard {rank}/{world})", block.module, block.region,
-                                [slot], flat.shard_bytes, 0)
-            owned = list({id(s.param): s.param for s, _, _ in flat.owned(rank)}.values())
+                                [slot], flat.shard_bytes, flat.writable_offset(rank))
+            owned = list({id(s.param): s.param for s, _, _ in flat.owned(rank) if s.param.requires_grad}.values())
             self.units.append(Unit(block.index, block.name, block.module, flat, shard, [s.param for s in block.slots],
-                                   owned))
+                                   [s.param for s in block.slots if s.param.requires_grad], owned))
         self.outside = [(n, p) for n, p in layout.outside_blocks if p.requires_grad]
         self._outside_all = [p for _, p in layout.outside_blocks]
         by_dtype: dict[torch.dtype, list[tuple[str, torch.Tensor]]] = {}
@@ -540,10 +537,10 @@ class ShardedParams:
         """The block's gradients are all accumulated: start averaging them across ranks (this rank keeps its shard
         of the average); the block stays gathered until the reduction is waited for and its update done."""
         u.arrived.clear()
-        grads = [p.grad for p in u.trainable]
-        assert all(g is not None for g in grads)  # every one arrived (``_grad_hook``)
-        flat = u.flat.pack(grads,  # type: ignore[arg-type]
-                           torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
+        trainable = {id(p) for p in u.trainable}
+        grads = [p.grad if id(p) in trainable else None for p in u.params]  # a frozen parameter's: zeros
+        assert all(p.grad is not None for p in u.trainable)  # every one arrived (``_grad_hook``)
+        flat = u.flat.pack(grads, torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
         for p in u.trainable:
             p.grad = None  # packed: freed now, the owned views are set when the reduction is waited for
         flat.mul_(1.0 / self.world)  # averages as DDP's reducer does: multiply by 1/N, then sum
@@ -576,7 +573,7 @@ class ShardedParams:
         self._callback_queued_for = -1
         for u in self.units:
             if u.arrived:
-                missing = [s.name for s in u.flat.slots if id(s.param) not in u.arrived]
+                missing = [s.name for s in u.flat.slots if s.param.requires_grad and id(s.param) not in u.arrived]
                 u.arrived.clear()
                 raise RuntimeError(f"nvme_offload_fsdp: parameters {missing} of block {u.name} received no gradient "
                                    "in this backward while others of the block did; every trainable parameter of a "
@@ -599,7 +596,7 @@ class ShardedParams:
 
     def _updated(self, u: Unit) -> None:
         assert u.full is not None
-        self.io.write_shard(u, u.full)
+        self.io.write_shard(u, u.full, updated=True)
         u.grad = None
         self._let_go(u, UPDATE)
 
@@ -640,7 +637,7 @@ def _write_initial(self: ShardedParams, u: Unit, broadcast: bool) -> None:
     """The block's values (in its module) become this rank's shard in the store; placeholders are left behind.
     ``broadcast``: rank 0's values are taken (as DDP's start), e.g. after each rank initialized its own."""
     with torch.no_grad():
-        full = u.flat.pack([p.detach() for p in u.trainable],
+        full = u.flat.pack([p.detach() for p in u.params],
                            torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
         if broadcast and self.world > 1:
             dist.broadcast(full, src=dist.get_global_rank(self.group, 0), group=self.group)
@@ -656,7 +653,7 @@ def _build_from_meta(self: ShardedParams) -> None:
 
     def shard_complete_blocks() -> None:
         for u in self.units:
-            if u.index not in written and not any(p.is_meta for p in u.trainable):
+            if u.index not in written and not any(p.is_meta for p in u.params):
                 written.add(u.index)
                 _write_initial(self, u, broadcast=True)
 

@@ -20,6 +20,7 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_nvme.constants import ALIGN
 from lightning_nvme.params.layout import PARAM_SLOT_ALIGN
 
 
@@ -69,6 +70,17 @@ class FlatShards:
     def bounds(self, rank: int) -> tuple[int, int]:
         return rank * self.shard, (rank + 1) * self.shard
 
+    def writable_offset(self, rank: int) -> int:
+        """Bytes into ``rank``'s shard from which it holds trainable parameters, page-aligned down (the slots come
+        frozen first, as in a store block: ``plan_layout``); the shard's size where it holds none. An update writes
+        back only from here: a LoRA base's shard is written once, at setup."""
+        first = min((s.offset for s in self.slots if s.param.requires_grad), default=self.total)
+        lo, hi = self.bounds(rank)
+        if first >= hi:
+            return self.shard_bytes
+        frozen = max(0, first - lo) * torch.empty((), dtype=self.dtype).element_size()
+        return frozen - frozen % ALIGN
+
     def owned(self, rank: int) -> list[tuple[FlatSlot, int, int]]:
         """``(slot, start, stop)``: the elements of each parameter that lie in ``rank``'s shard (param order)."""
         lo, hi = self.bounds(rank)
@@ -83,9 +95,11 @@ class FlatShards:
         """``slot``'s parameter inside ``flat`` (the whole flat tensor), shaped like the parameter."""
         return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
 
-    def pack(self, tensors: list[torch.Tensor], out: torch.Tensor) -> torch.Tensor:
-        """``tensors`` (one per slot, shaped like it) copied into ``out`` (``total`` elements), gaps zeroed."""
+    def pack(self, tensors: list[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
+        """``tensors`` (one per slot, shaped like it) copied into ``out`` (``total`` elements), gaps zeroed; a
+        ``None`` leaves its slot zero (a frozen parameter's gradient)."""
         out.zero_()
         for s, t in zip(self.slots, tensors):
-            self.view(out, s).copy_(t)
+            if t is not None:
+                self.view(out, s).copy_(t)
         return out

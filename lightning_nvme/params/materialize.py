@@ -67,12 +67,13 @@ def has_meta_tensors(model: nn.Module) -> bool:
 
 
 def materialize(model: nn.Module, device: torch.device, after_module: Callable[[], None] | None = None,
-                skip: Collection[int] = ()) -> None:
-    """Initialize every meta tensor of ``model`` on ``device`` (from ``initial_weights(model)`` where it
-    has them); ``after_module`` runs after each module (a parameter offload places the blocks that are
+                skip: Collection[int] = (), source: InitialWeights | None = None) -> None:
+    """Initialize every meta tensor of ``model`` on ``device`` (from ``source``, by default
+    ``initial_weights(model)``, where it has them; a resumed checkpoint's weights are such a source);
+    ``after_module`` runs after each module (a parameter offload places the blocks that are
     now complete). Parameters whose ``id`` is in ``skip`` get placeholders instead, never a value (streamed
     evaluation reads them per forward: ``lightning_nvme.params.stream``)."""
-    source = initial_weights(model)
+    source = source if source is not None else initial_weights(model)
     for prefix, module in model.named_modules():
         if _has_meta_device_parameters_or_buffers(module, recurse=False):
             _initialize(module, prefix + "." if prefix else "", device, source, skip)

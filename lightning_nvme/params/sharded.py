@@ -43,8 +43,7 @@ the same order on every rank.
 from __future__ import annotations
 
 from collections import Counter
-from collections.abc import Callable, Iterable, Iterator, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -57,7 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 from lightning_nvme.checkpoint.weights import BesideWeight
 from lightning_nvme.optim.plan import placeholder
 from lightning_nvme.params.layout import BlockLayout, ParamSlot, plan_layout
-from lightning_nvme.params.materialize import has_meta_tensors, materialize
+from lightning_nvme.params.materialize import InitialWeights, has_meta_tensors, materialize
 from lightning_nvme.params.ordered_sum import ScatterSum
 from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
 from lightning_nvme.params.residency import BlockResidency
@@ -65,6 +64,7 @@ from lightning_nvme.params.schedule import (
     _PostBackward,  # the same post-backward trigger as one device's
     in_backward,
 )
+from lightning_nvme.params.sharded_weights import ShardedWeights
 from lightning_nvme.params.shards import FlatShards
 from lightning_nvme.params.transfer import HostTransfer
 
@@ -306,70 +306,15 @@ class ShardedParams:
         self.reductions = GradReductions(rank, world, group, reduce_order, inflight, self.replicated,
                                          on_block=self._reduced_block, on_param=lambda p: self.reduced([p]))
         self._unit_of = {id(p): u for u in self.units for p in u.trainable}
-        self._outside_ids = {id(p) for _, p in self.outside}
         self.io = ShardIO(rank, group, self.device)
         self._handles: list[Any] = []
-        self.referencing = False  # ``by_reference``
+        self.weights = ShardedWeights(self)  # the blocks' weights for checkpoints and exports
         self._stack: dict[int, list[_Call]] = {u.index: [] for u in self.units}
         self._open: list[_Call] = []
         self._recomputed: list[Unit] = []
         self._callback_queued_for = -1
 
     # ---- geometry --------------------------------------------------------------------------------------
-    @contextmanager
-    def by_reference(self) -> Iterator[None]:
-        """Inside, ``state_dict()`` holds a ``BesideWeight`` per block parameter instead of gathering every block
-        at once: a checkpoint then gathers them one block at a time as it writes them (``read_block``)."""
-        self.referencing = True
-        try:
-            yield
-        finally:
-            self.referencing = False
-
-    def read_block(self, u: Unit) -> dict[str, torch.Tensor]:
-        """Block ``u``'s weights by parameter name, gathered from every rank's shard (a collective)."""
-        full = u.full if u.full is not None else self.io.gathered(u)
-        return {slot.name: u.flat.view(full, slot) for slot in u.flat.slots}
-
-    def reads_led_by_rank0(self, work: Callable[[Callable[[Unit], dict[str, torch.Tensor]]], None]) -> None:
-        """Rank 0 runs ``work(read_block)`` (an export writing files), asking for blocks in whatever order its
-        writer needs them; every other rank takes part in each of those gathers, told by rank 0 which block comes
-        next (a small broadcast per block), until rank 0 is done, and then raises if rank 0 failed. Every rank calls
-        it. Why led, not mirrored: a writer's order (the Hub layout's shards) is its own, and a failure on rank 0
-        must reach ranks that would otherwise wait in the next gather."""
-        src = dist.get_global_rank(self.group, 0) if self.world > 1 else 0
-
-        def tell(message: Any) -> Any:
-            box = [message]
-            if self.world > 1:
-                dist.broadcast_object_list(box, src=src, group=self.group)
-            return box[0]
-
-        if self.rank == 0:
-            def read(u: Unit) -> dict[str, torch.Tensor]:
-                tell(u.index)
-                return self.read_block(u)
-
-            failure = None
-            try:
-                work(read)
-            except BaseException as e:
-                failure = f"{type(e).__name__}: {e}"
-                raise
-            finally:
-                tell(("done", failure))
-            return
-        by_index = {u.index: u for u in self.units}
-        while True:
-            message = tell(None)
-            if not isinstance(message, tuple):
-                self.read_block(by_index[message])
-                continue
-            if message[1] is not None:
-                raise RuntimeError(f"nvme_offload_fsdp: rank 0 failed while writing what every rank gathered: "
-                                   f"{message[1]}")
-            return
-
     def regions(self) -> list[tuple[str, int]]:
         return [(u.shard.region, u.shard.nbytes) for u in self.units]
 
@@ -387,9 +332,11 @@ class ShardedParams:
         return self.residency is not None
 
     # ---- lifecycle ---------------------------------------------------------------------------------------
-    def start(self, store: Any, optimized: Iterable[torch.Tensor]) -> None:
+    def start(self, store: Any, optimized: Iterable[torch.Tensor], initial: InitialWeights | None = None) -> None:
         """Write this rank's shard of every block to the store, leave placeholders in the module, install hooks.
-        ``optimized``: the parameters offloaded optimizers update (a block waits for their update only)."""
+        ``optimized``: the parameters offloaded optimizers update (a block waits for their update only);
+        ``initial``: where a model on the meta device takes its values (a resumed checkpoint's weights; default:
+        its own ``initial_weights()``, else its initialization)."""
         for h in self._handles:  # a previous fit's refusals (``_released_hook``)
             h.remove()
         self._handles = []
@@ -400,7 +347,7 @@ class ShardedParams:
         residency = BlockResidency(store, [u.shard for u in self.units], self.prefetch + 1, transfer=HostTransfer())
         self.io.residency = residency
         if has_meta_tensors(self.model):
-            _build_from_meta(self)
+            _build_from_meta(self, initial)
         else:
             for u in self.units:
                 _write_initial(self, u, broadcast=False)  # every rank holds rank 0's values (the strategy's sync)
@@ -644,7 +591,7 @@ def _write_initial(self: ShardedParams, u: Unit, broadcast: bool) -> None:
     self.io.write_shard(u, full)
     self._unbind(u)
 
-def _build_from_meta(self: ShardedParams) -> None:
+def _build_from_meta(self: ShardedParams, initial: InitialWeights | None = None) -> None:
     """A model built on the meta device is initialized module by module (``params.materialize``), each block
     sharded into the store as soon as its last module is initialized: at most about one block is ever whole in
     memory. Every rank then holds rank 0's values (blocks, parameters outside blocks and buffers broadcast), as
@@ -657,7 +604,7 @@ def _build_from_meta(self: ShardedParams) -> None:
                 written.add(u.index)
                 _write_initial(self, u, broadcast=True)
 
-    materialize(self.model, self.device, shard_complete_blocks)
+    materialize(self.model, self.device, shard_complete_blocks, source=initial)
     if self.world > 1:
         src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():
@@ -677,7 +624,7 @@ def _released_hook(u: Unit) -> Any:
 
 def _gather_hook(engine: ShardedParams, u: Unit) -> Any:
     """``state_dict()`` of a sharded block: its weights gathered from every rank (a collective: every rank calls it),
-    or under ``ShardedParams.by_reference`` a ``BesideWeight`` per parameter, gathered later by the save
+    or under ``ShardedWeights.by_reference`` a ``BesideWeight`` per parameter, gathered later by the save
     (``read_block``)."""
     names = {id(s.param): s for s in u.flat.slots}
     local = [(n, names[id(p)]) for n, p in u.module.named_parameters(remove_duplicate=False) if id(p) in names]
@@ -685,7 +632,7 @@ def _gather_hook(engine: ShardedParams, u: Unit) -> Any:
     def hook(module: nn.Module, state_dict: dict[str, Any], prefix: str, _meta: Any) -> None:
         if engine.residency is None:
             return
-        if engine.referencing:
+        if engine.weights.referencing:
             for name, slot in local:
                 if prefix + name in state_dict:
                     like = torch.empty((), dtype=u.flat.dtype).expand(slot.shape)  # dtype and shape, no memory

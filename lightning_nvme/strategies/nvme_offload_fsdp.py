@@ -15,7 +15,7 @@ resumes at any number of ranks (and under ``nvme_offload_ddp``, ``nvme_offload``
 
 from __future__ import annotations
 
-from collections.abc import Generator, Sequence
+from collections.abc import Generator, Mapping, Sequence
 from contextlib import contextmanager, nullcontext
 from datetime import timedelta
 from typing import Any, Literal
@@ -32,6 +32,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_nvme.checkpoint.weights import StateDictWeights
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.models.hub_export import MAX_SHARD_BYTES
@@ -82,6 +83,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
                          timeout=timeout, start_method=start_method, **kwargs)
         self.sharded: ShardedParams | None = None
         self._shard_group: Any = None  # the gathers' and reductions' own process group
+        self._resumed: StateDictWeights | None = None  # a checkpoint's weights for a model on the meta device
 
     @override
     def _refuse_settings(self, config: DDPOffloadSettings) -> None:
@@ -205,13 +207,35 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
             raise ValueError(f"{self.strategy_name}: parameters {stateless} have no per-element optimizer state (e.g. "
                              "SGD with momentum=0); each rank updates only its shard of a parameter, which needs "
                              "per-element state. Use an optimizer with state (SGD(momentum>0), AdamW, ...).")
-        self.sharded.start(self.nvme_store, trained)
+        resumed, self._resumed = self._resumed, None
+        try:
+            self.sharded.start(self.nvme_store, trained, resumed)
+        finally:
+            if resumed is not None:
+                resumed.readers.close()
         units = self.sharded.units
         rank_zero_info(f"{self.strategy_name}: {len(units)} blocks sharded over {self.world_size} ranks "
                        f"({self.sharded.sharded_bytes / MiB:.1f} MiB of block parameters, "
                        f"{sum(u.flat.shard_bytes for u in units) / MiB:.1f} MiB per rank in its store); "
                        f"{len(self.sharded.outside)} trainable parameters outside blocks replicated; "
                        f"param_prefetch={self.config.param_prefetch}")
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        """A model built on the meta device has nothing to load into before setup (Lightning loads the weights
+        first): its checkpoint's weights are kept (references beside the file unread) and become the values
+        ``ShardedParams.start`` builds it from, module by module, instead of its initialization."""
+        module = self.lightning_module
+        if module is None or not has_meta_tensors(module):
+            return super().load_model_state_dict(checkpoint, strict=strict)
+        state = checkpoint["state_dict"]
+        if strict:
+            expected = set(module.state_dict().keys())
+            missing, unexpected = sorted(expected - set(state)), sorted(set(state) - expected)
+            if missing or unexpected:
+                raise RuntimeError(f"{self.strategy_name}: the checkpoint does not match the model built on the meta "
+                                   f"device: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
+        self._resumed = StateDictWeights(state)
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def _reduced(self, params: Sequence[torch.Tensor]) -> None:
@@ -234,7 +258,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         file's weights record), so a model bigger than memory is never whole in any process."""
         sharded = self.sharded
         if sharded is not None and sharded.active and sharded.sharded_bytes > self.config.inline_weights_bytes:
-            with sharded.by_reference():
+            with sharded.weights.by_reference():
                 return super().lightning_module_state_dict()
         return super().lightning_module_state_dict()
 
@@ -250,12 +274,12 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         check_layout(layout)
         sharded = self.sharded
         if sharded is not None and sharded.active:
-            with sharded.by_reference():
+            with sharded.weights.by_reference():
                 state = module.state_dict()
 
             def work(read_block: Any) -> None:
                 write_export(path, module, state, read_block, layout, max_shard_bytes, merge_adapters)
-            sharded.reads_led_by_rank0(work)
+            sharded.weights.reads_led_by_rank0(work)
         else:  # the module holds the weights (or placeholders, refused by its state_dict hook): rank 0 writes
             error: BaseException | None = None
             if self.is_global_zero:
@@ -273,7 +297,8 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
     @override
     def _save_arguments(self) -> dict[str, Any]:
         sharded = self.sharded
-        return {**super()._save_arguments(), "gathered": sharded if sharded is not None and sharded.active else None}
+        return {**super()._save_arguments(),
+                "gathered": sharded.weights if sharded is not None and sharded.active else None}
 
     @override
     def teardown(self) -> None:

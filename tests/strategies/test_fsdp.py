@@ -295,11 +295,14 @@ def streamed(tmp_path_factory, two):
                  export_layout="hf")
     launch(tmp, [saved, llama], world=2)
     again = spec(tmp, "resumed_2", "fsdp", resume=ckpt, inline_weights_bytes=0)
-    launch(tmp, [again], world=2)
+    meta = [spec(tmp, "meta_streamed", "fsdp", resume=ckpt, inline_weights_bytes=0, meta="init_module"),
+            spec(tmp, "meta_inline", "fsdp", resume=two["checkpoints"]["fsdp2"], meta="init_module")]
+    launch(tmp, [again, *meta], world=2)
     one = spec(tmp, "resumed_1", "fsdp", resume=ckpt, inline_weights_bytes=0)
     launch(tmp, [one], world=1)
     return {"saved": results(saved, 2), "resumed_2": results(again, 2), "resumed_1": results(one, 1), "ckpt": ckpt,
             "llama": results(llama, 2), "gpt_export": saved["export"], "llama_export": llama["export"],
+            "meta_streamed": results(meta[0], 2), "meta_inline": results(meta[1], 2), "fsdp_2_to_2": two["fsdp_2_to_2"],
             "ddp_ckpt": two["checkpoints"]["ddp2"], "ddp_2_to_2": two["ddp_2_to_2"], "ddp_2_to_1": two["ddp_2_to_1"]}
 
 
@@ -317,6 +320,19 @@ def test_weights_above_inline_bytes_stream_into_the_file_and_open_in_torch_load(
     assert got.keys() == want.keys()
     for key, value in want.items():
         assert torch.equal(got[key], value), key
+
+
+@pytest.mark.parametrize(("meta", "ref"), [("meta_streamed", "resumed_2"), ("meta_inline", "fsdp_2_to_2")])
+def test_a_model_built_on_meta_resumes_from_the_checkpoints_weights(streamed, meta, ref):
+    """``trainer.init_module()`` (every parameter on the meta device) and ``fit(ckpt_path=...)``: Lightning loads the
+    weights before setup, when there is nothing to load into; they are kept and the model is built from them module
+    by module (weights beside the file read one tensor at a time), not from its initialization (which, before, it
+    silently was: the resumed run trained from fresh weights with the checkpoint's optimizer state). Bitwise equal to
+    the same checkpoint resumed into a model built in memory."""
+    for rank in range(2):
+        assert streamed[meta][rank]["global_step"] == STEPS
+        assert_bitwise(streamed[ref][rank], streamed[meta][rank], f"{meta}, rank {rank}")
+        assert streamed[meta][rank]["losses"] == streamed[ref][rank]["losses"]
 
 
 def test_export_during_fit_writes_the_trained_weights_gathered_one_block_at_a_time(streamed):
@@ -355,7 +371,7 @@ def _led_reads(rank: int, tmp: str) -> None:
 
     import torch.distributed as dist
 
-    from lightning_nvme.params.sharded import ShardedParams
+    from lightning_nvme.params.sharded_weights import ShardedWeights
 
     dist.init_process_group("gloo", init_method=f"file://{tmp}/rendezvous", rank=rank, world_size=2)
     log: dict = {}
@@ -368,8 +384,9 @@ def _led_reads(rank: int, tmp: str) -> None:
             dist.barrier()  # a collective, as a gather is
             return {}
 
-        engine = types.SimpleNamespace(world=2, rank=rank, group=dist.group.WORLD, units=units, read_block=read_block)
-        ShardedParams.reads_led_by_rank0(engine, lambda ask: [ask(units[i]) for i in (2, 0, 1)])
+        weights = ShardedWeights(types.SimpleNamespace(world=2, rank=rank, group=dist.group.WORLD, units=units))
+        weights.read_block = read_block  # the gather, here a barrier
+        weights.reads_led_by_rank0(lambda ask: [ask(units[i]) for i in (2, 0, 1)])
         log["ok"], read[:] = list(read), []
 
         def failing(ask):
@@ -377,7 +394,7 @@ def _led_reads(rank: int, tmp: str) -> None:
             raise OSError(28, "No space left on device")
 
         try:
-            ShardedParams.reads_led_by_rank0(engine, failing)
+            weights.reads_led_by_rank0(failing)
         except BaseException as e:  # noqa: BLE001
             log["failed"] = f"{type(e).__name__}: {e}"
         log["failed_reads"] = read

@@ -255,23 +255,6 @@ class WeightReaders:
         self.close()
 
 
-class StateDictWeights:
-    """A checkpoint's state dict as a model's initial values (``params.materialize.InitialWeights``), one tensor at a
-    time: a model built on the meta device and resumed gets them where it would otherwise be initialized, its weights
-    beside the file (references) read only as each module is built. Close it (``readers``) when built."""
-
-    def __init__(self, state_dict: Mapping[str, Any]) -> None:
-        self.state_dict = state_dict
-        self.readers = WeightReaders()
-
-    def __contains__(self, name: object) -> bool:
-        return name in self.state_dict
-
-    def get(self, name: str) -> torch.Tensor:
-        value = self.state_dict[name]
-        return self.readers.read(value) if isinstance(value, BesideWeight) else value
-
-
 def read_all(checkpoint: dict[str, Any]) -> None:
     """Read every reference of ``checkpoint``'s state dict in place: the whole model in memory."""
     if "state_dict" in checkpoint:

@@ -32,7 +32,6 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from lightning_nvme.checkpoint.weights import StateDictWeights
 from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.models.hub_export import MAX_SHARD_BYTES
@@ -40,6 +39,7 @@ from lightning_nvme.optim import OffloadedOptimizer, Partition, UpdateListener
 from lightning_nvme.optim.plan import bytes_per_element, describe_params
 from lightning_nvme.params.materialize import has_meta_tensors
 from lightning_nvme.params.sharded import ShardedParams, owned_ranges
+from lightning_nvme.params.stream import BesideSource
 from lightning_nvme.settings import DDPOffloadSettings, FSDPOffloadSettings, with_settings
 from lightning_nvme.strategies.nvme_offload_ddp import NVMeOffloadDDPStrategy
 from lightning_nvme.strategies.placement import Item, block_item
@@ -83,7 +83,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
                          timeout=timeout, start_method=start_method, **kwargs)
         self.sharded: ShardedParams | None = None
         self._shard_group: Any = None  # the gathers' and reductions' own process group
-        self._resumed: StateDictWeights | None = None  # a checkpoint's weights for a model on the meta device
+        self._resumed: BesideSource | None = None  # a checkpoint's weights for a model on the meta device
 
     @override
     def _refuse_settings(self, config: DDPOffloadSettings) -> None:
@@ -212,7 +212,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
             self.sharded.start(self.nvme_store, trained, resumed)
         finally:
             if resumed is not None:
-                resumed.readers.close()
+                resumed.close()
         units = self.sharded.units
         rank_zero_info(f"{self.strategy_name}: {len(units)} blocks sharded over {self.world_size} ranks "
                        f"({self.sharded.sharded_bytes / MiB:.1f} MiB of block parameters, "
@@ -235,7 +235,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
             if missing or unexpected:
                 raise RuntimeError(f"{self.strategy_name}: the checkpoint does not match the model built on the meta "
                                    f"device: missing keys {missing[:5]}, unexpected keys {unexpected[:5]}")
-        self._resumed = StateDictWeights(state)
+        self._resumed = BesideSource(state)
 
     # ---- the step ----------------------------------------------------------------------------------------------
     def _reduced(self, params: Sequence[torch.Tensor]) -> None:

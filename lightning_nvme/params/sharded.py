@@ -171,8 +171,10 @@ class GradReductions:
                     s.param.copy_(flat.view(out, s))
 
     def block(self, u: Unit, flat: torch.Tensor) -> None:
-        if self.order == "rank":
-            total: ScatterSum | _BackendSum = ScatterSum(flat, [u.flat.shard] * self.world, self.rank, self.group)
+        if self.order == "rank":  # the trainable tail only: a frozen head (a LoRA base) has nothing to sum
+            first = u.flat.trainable_start
+            total: ScatterSum | _BackendSum = ScatterSum(flat[first:], u.flat.trainable_counts(), self.rank,
+                                                         self.group)
         else:
             total = _BackendSum(flat, u.flat.shard, self.group)
         self._started(_Reduction(total, flat, unit=u))
@@ -496,8 +498,10 @@ class ShardedParams:
 
     def _reduced_block(self, u: Unit, flat: torch.Tensor, mine: torch.Tensor) -> None:
         """A block's reduction is waited for: its owned gradient is final, the optimizer may update it."""
-        lo, hi = u.flat.bounds(self.rank)
-        flat[lo:hi].copy_(mine)  # only the owned slice is read from here on (the others are this rank's own terms)
+        _, hi = u.flat.bounds(self.rank)
+        # only the owned slice is read from here on (the others are this rank's own terms); ``mine`` is its trainable
+        # tail (all of it with reduce_order="backend")
+        flat[hi - mine.numel():hi].copy_(mine)
         owned = {id(p) for p in u.owned_params}
         for s in u.flat.slots:
             s.param.grad = u.flat.view(flat, s) if id(s.param) in owned else None

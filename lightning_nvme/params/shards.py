@@ -70,11 +70,22 @@ class FlatShards:
     def bounds(self, rank: int) -> tuple[int, int]:
         return rank * self.shard, (rank + 1) * self.shard
 
+    @property
+    def trainable_start(self) -> int:
+        """The first element of a trainable parameter (the slots come frozen first); ``total`` if none."""
+        return min((s.offset for s in self.slots if s.param.requires_grad), default=self.total)
+
+    def trainable_counts(self) -> list[int]:
+        """Per rank, the elements of ``[trainable_start, total)`` in its shard: the pieces a gradient reduction of
+        the trainable tail alone scatters (a LoRA block's frozen base is never reduced)."""
+        first = self.trainable_start
+        return [max(0, hi - max(lo, first)) for lo, hi in map(self.bounds, range(self.world))]
+
     def writable_offset(self, rank: int) -> int:
         """Bytes into ``rank``'s shard from which it holds trainable parameters, page-aligned down (the slots come
         frozen first, as in a store block: ``plan_layout``); the shard's size where it holds none. An update writes
         back only from here: a LoRA base's shard is written once, at setup."""
-        first = min((s.offset for s in self.slots if s.param.requires_grad), default=self.total)
+        first = self.trainable_start
         lo, hi = self.bounds(rank)
         if first >= hi:
             return self.shard_bytes

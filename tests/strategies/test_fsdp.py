@@ -412,6 +412,23 @@ def test_weights_streamed_into_the_file_resume_bitwise(streamed, fsdp, ddp, worl
         assert streamed[fsdp][rank]["losses"] == streamed[ddp][rank]["losses"]
 
 
+def test_only_the_trainable_tail_of_a_block_is_reduced():
+    """Frozen first, then trainable: a reduction in rank order scatters only ``[trainable_start, total)``, each rank
+    its part of it (none for a rank whose shard is all frozen)."""
+    from lightning_nvme.params.shards import FlatShards
+
+    frozen = torch.nn.Parameter(torch.zeros(1000), requires_grad=False)
+    params = [("base", frozen), ("adapter", torch.nn.Parameter(torch.zeros(100)))]
+    for world in (1, 2, 4):
+        flat = FlatShards(params, world)
+        counts = flat.trainable_counts()
+        assert flat.trainable_start == 1024 and sum(counts) == flat.total - 1024, (world, counts)
+        for rank in range(world):
+            lo, hi = flat.bounds(rank)
+            assert counts[rank] == max(0, hi - max(lo, 1024))
+    assert FlatShards(params, 2).trainable_counts()[0] == 0
+
+
 def test_flat_shards_cut_on_the_state_formats_blocks():
     from lightning_nvme.params.shards import FlatShards
 
@@ -505,13 +522,14 @@ def four(tmp_path_factory, two):
             spec(tmp, "fsdp_2_to_4", "fsdp", resume=ck["fsdp2"]),
             spec(tmp, "ddp_llama", "ddp", model="llama", hook="ordered"),
             spec(tmp, "fsdp_llama", "fsdp", model="llama", chunk_bytes=4 << 10),
+            spec(tmp, "ddp_lora", "ddp", lora=True, hook="ordered"), spec(tmp, "fsdp_lora", "fsdp", lora=True),
             spec(tmp, "ddp_sgd", "ddp", optimizer="sgd", steps=1),
             spec(tmp, "fsdp_sgd", "fsdp", optimizer="sgd", steps=1, reduce_order="backend")]
     launch(tmp, runs, world=4)
     return {r["name"]: results(r, 4) for r in runs}
 
 
-@pytest.mark.parametrize("model", ["gpt", "llama"])
+@pytest.mark.parametrize("model", ["gpt", "llama", "lora"])
 def test_four_ranks_equal_ddp_summing_in_rank_order_bitwise(four, model):
     """``reduce_order="rank"`` (the default) adds every gradient element's four partial gradients (each already
     multiplied by 1/4, as DDP's reducer does) as ((g0 + g1) + g2) + g3; plain DDP with ``ordered_allreduce_hook``

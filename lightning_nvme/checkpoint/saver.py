@@ -326,7 +326,7 @@ class Saver:
                     gathered.reads_led_by_rank0(lambda read: weights.write(where, state_dict, read, metadata))
                     if ranks.is_global_zero:
                         record.files.append(weights.WEIGHTS_FILE)
-                        record.bytes_written += os.path.getsize(os.path.join(pending.tmp, weights.WEIGHTS_FILE))
+                        record.bytes_written += os.path.getsize(where)
         except BaseException as e:  # reported to every rank below, then re-raised
             error = e
         reports = ranks.all_gather_objects((repr(error) if error else None, scalars))

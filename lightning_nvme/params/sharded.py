@@ -486,8 +486,7 @@ class ShardedParams:
         """The block's gradients are all accumulated: start averaging them across ranks (this rank keeps its shard
         of the average); the block stays gathered until the reduction is waited for and its update done."""
         u.arrived.clear()
-        trainable = {id(p) for p in u.trainable}
-        grads = [p.grad if id(p) in trainable else None for p in u.params]  # a frozen parameter's: zeros
+        grads = [p.grad if p.requires_grad else None for p in u.params]  # a frozen parameter's: zeros
         assert all(p.grad is not None for p in u.trainable)  # every one arrived (``_grad_hook``)
         flat = u.flat.pack(grads, torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
         for p in u.trainable:
@@ -642,8 +641,8 @@ def _gather_hook(engine: ShardedParams, u: Unit) -> Any:
                     like = torch.empty((), dtype=u.flat.dtype).expand(slot.shape)  # dtype and shape, no memory
                     state_dict[prefix + name] = BesideWeight.of(prefix + name, like, (u, slot.name))
             return
-        full = u.full if u.full is not None else engine.io.gathered(u)
+        values = engine.weights.read_block(u)
         for name, slot in local:
             if prefix + name in state_dict:
-                state_dict[prefix + name] = u.flat.view(full, slot).clone()
+                state_dict[prefix + name] = values[slot.name].clone()
     return hook

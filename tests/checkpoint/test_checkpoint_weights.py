@@ -177,4 +177,3 @@ def test_export_weights_after_fit_keeps_memory_bounded(tmp_path, in_memory):
 
 class UserIO(TorchCheckpointIO):
     """A user's CheckpointIO (it takes the whole checkpoint dict in memory)."""
-

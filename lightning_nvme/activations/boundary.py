@@ -3,9 +3,11 @@
 Why look at the Python stack: the pack hook receives only the tensor, not the op that saves it. The
 tensors worth sending to disk are the inputs a checkpoint keeps for recomputation (everything saved
 *inside* a non-reentrant region is caught by checkpoint's own, innermost hooks and never reaches
-ours). Those inputs are saved from two known places in torch: ``_CheckpointFrame.save_inputs``
-(non-reentrant) and ``CheckpointFunction.apply`` (reentrant). Walking a few frames up from the hook
-finds them at a cost of a few attribute reads per saved tensor.
+ours). Those inputs are saved from known places in torch: ``_CheckpointFrame.save_inputs`` (non-reentrant,
+recent torch), ``_NoopSaveInputs.apply`` (non-reentrant, torch up to at least 2.11: a no-op autograd Function
+that saves the inputs) and ``CheckpointFunction.apply`` (reentrant). Walking a few frames up from the hook
+finds them at a cost of a few attribute reads per saved tensor. (Why the second: the first GPU run of
+``benchmarks/gpu_check.py``, on torch 2.11, offloaded nothing: only the first and third were known.)
 """
 
 from __future__ import annotations
@@ -32,11 +34,14 @@ def _code_objects(fn: object) -> set[types.CodeType]:
 
 _frame_cls = getattr(_ckpt, "_CheckpointFrame", None)
 _SAVE_INPUTS_CODE = _code_objects(getattr(_frame_cls, "save_inputs", None))
-_REENTRANT_FN = getattr(_ckpt, "CheckpointFunction", None)
+#: autograd Functions whose ``apply`` saves a checkpoint region's inputs: the reentrant checkpoint, and the
+#: non-reentrant one's input saver where this torch has it (``_CheckpointFrame.save_inputs`` replaced it).
+_INPUT_SAVERS = tuple(c for c in (getattr(_ckpt, "CheckpointFunction", None), getattr(_ckpt, "_NoopSaveInputs", None))
+                      if c is not None)
 _APPLY_CODE = _code_objects(getattr(__import__("torch").autograd.Function, "apply", None))
 
-#: False when this torch has neither hook point; the offloader then warns that scope="checkpoint" sees nothing.
-DETECTION_AVAILABLE = bool(_SAVE_INPUTS_CODE) or _REENTRANT_FN is not None
+#: False when this torch has no hook point; the offloader then warns that scope="checkpoint" sees nothing.
+DETECTION_AVAILABLE = bool(_SAVE_INPUTS_CODE) or bool(_INPUT_SAVERS)
 
 
 def saved_at_checkpoint_boundary() -> bool:
@@ -49,7 +54,7 @@ def saved_at_checkpoint_boundary() -> bool:
         if code in _SAVE_INPUTS_CODE:
             return True
         if code in _APPLY_CODE:
-            return frame.f_locals.get("cls") is _REENTRANT_FN
+            return frame.f_locals.get("cls") in _INPUT_SAVERS
         frame = frame.f_back
     return False
 

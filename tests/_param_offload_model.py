@@ -16,6 +16,9 @@ OPTIMIZERS = {
     "adamw_fused": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1, "fused": True}),
     "sgd": (torch.optim.SGD, {"lr": 0.05, "momentum": 0.9}),
     "sgd_plain": (torch.optim.SGD, {"lr": 0.05}),  # no per-parameter state
+    # Hugging Face's habit: weight decay on matrices only, biases and norms in a second group (each group then
+    # lists every block's parameters of its kind: their optimizer state is interleaved across blocks)
+    "adamw_groups": (torch.optim.AdamW, {"lr": 1e-2, "weight_decay": 0.1}),
 }
 
 
@@ -59,7 +62,11 @@ class TinyGPT(LightningModule):
 
     def configure_optimizers(self):
         cls, kwargs = OPTIMIZERS[self.optimizer_name]
-        opt = cls([p for p in self.parameters() if p.requires_grad], **kwargs)
+        params: list = [p for p in self.parameters() if p.requires_grad]
+        if self.optimizer_name == "adamw_groups":
+            params = [{"params": [p for p in params if p.ndim >= 2]},
+                      {"params": [p for p in params if p.ndim < 2], "weight_decay": 0.0}]
+        opt = cls(params, **kwargs)
         if self.ref_format:
             from lightning_nvme.optim.formats.state_format import RoundTripOptimizer, StateFormat
 

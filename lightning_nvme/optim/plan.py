@@ -95,6 +95,7 @@ class Plan:
     unchunked: list[Piece]
     specs: dict[tuple[int, int], StateSpec]  # (group, shape class) -> spec
     planned: set[int]
+    units: Mapping[int, int] | None = None  # id(param) -> the unit no chunk crosses (``plan_chunks``' ``units``)
 
     @property
     def nbytes(self) -> int:
@@ -156,7 +157,8 @@ def _refuse_split(optimizer: Optimizer, info: ParamInfo, chunk_bytes: int, why: 
 def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, master_weights: bool = True,
                 owned: Mapping[int, Sequence[tuple[int, int]]] | None = None, *,
                 only: Collection[int] | None = None, first_chunk: int = 0,
-                specs: dict[tuple[int, int], StateSpec] | None = None, fmt: StateFormat = EXACT) -> Plan:
+                specs: dict[tuple[int, int], StateSpec] | None = None, fmt: StateFormat = EXACT,
+                units: Mapping[int, int] | None = None) -> Plan:
     """Cut the optimizer's trainable parameters into pieces and pack them into chunks of at most
     ``chunk_bytes`` of state each (a chunk holds whole small params, big element-wise params are split).
 
@@ -165,13 +167,21 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
     (stateless) params are updated by every rank. ``only``/``first_chunk``/``specs`` extend an existing
     plan with newly trainable params (chunk numbering continues, probes are reused; pass the plan's
     ``fmt`` again). ``fmt`` says how each key is stored; cuts fall on multiples of ``fmt.align`` elements
-    (int8 blocks)."""
+    (int8 blocks).
+
+    ``units`` (``id(param)`` -> a unit, e.g. its block with parameter offload; a parameter not listed is a unit
+    of its own kind, -1): a chunk never holds pieces of two units. Why: a block in the store stays in memory
+    until every chunk holding its state is updated; a chunk spanning blocks held them all until the last one's
+    backward, and with Hugging Face's two parameter groups (decay / no decay, each listing every block) one chunk
+    of biases and norms spanned the whole model (gpu_check's first GPU run: 4 blocks on the device where at
+    most 3 were documented)."""
     check_supported(optimizer)
     chunks: list[Chunk] = []
     unchunked: list[Piece] = []
     planned: set[int] = set()
     current: list[Piece] = []
     used = 0
+    unit = None  # the unit of the pieces in ``current``
 
     def close() -> None:
         nonlocal current, used
@@ -205,6 +215,10 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
             raise ValueError(f"parameter {index} ({tuple(p.shape)}) is non-contiguous and must be cut into "
                              f"ranges (its state exceeds chunk_bytes={chunk_bytes}, or it is split between "
                              f"ranks); raise chunk_bytes or make it contiguous")
+        if units is not None:
+            if current and units.get(id(p), -1) != unit:
+                close()
+            unit = units.get(id(p), -1)
         for lo, hi in ranges:
             start = lo
             while start < hi or (lo == hi and start == lo):
@@ -227,7 +241,7 @@ def plan_chunks(optimizer: Optimizer, chunk_bytes: int, region_prefix: str, mast
                 if lo == hi:
                     break
     close()
-    return Plan(chunks, unchunked, specs, planned)
+    return Plan(chunks, unchunked, specs, planned, units)
 
 
 class ChunkPlan:
@@ -295,7 +309,7 @@ class ChunkPlan:
         """The plan of parameters ``new`` (in this plan's format, chunks numbered after this plan's); not
         merged yet: the caller gives its chunks store regions first, then calls ``merge``."""
         return plan_chunks(self.optimizer, self.chunk_bytes, self.name, only=new, first_chunk=len(self.chunks),
-                           specs=self.plan.specs, fmt=self.fmt)
+                           specs=self.plan.specs, fmt=self.fmt, units=self.plan.units)
 
     def merge(self, extra: Plan) -> None:
         self.chunks.extend(extra.chunks)

@@ -43,6 +43,7 @@ from lightning_nvme.optim.plan import Plan
 from lightning_nvme.params import ParamOffload
 from lightning_nvme.params.materialize import has_meta_tensors, materialize
 from lightning_nvme.params.offload import chunks_per_block
+from lightning_nvme.params.schedule import holds_for_update
 from lightning_nvme.params.stream import StreamStats
 from lightning_nvme.params.window import LayerMajorWindow
 from lightning_nvme.settings import OffloadSettings, from_arguments, with_settings
@@ -231,6 +232,17 @@ class NVMeOffloadStrategy(OffloadStrategy, SingleDeviceStrategy):
         if self.param_offload is None or self.config.overlap != "backward":
             return depth
         return max(depth, chunks_per_block(self.param_offload.layout, plan.chunks))
+
+    def _chunk_units(self) -> Mapping[int, int] | None:
+        """With blocks in the store: no optimizer chunk holds state of two blocks that wait in memory for their
+        update, so such a block waits (on the device, on a GPU) for its own chunks only: ``param_prefetch + 2``
+        blocks at most, whatever ``chunk_bytes`` and the optimizer's parameter groups (``plan_chunks``). Blocks
+        whose frozen head dominates (LoRA) do not wait (their update re-reads the tail): their adapters still
+        share chunks, many blocks' per chunk, rather than one small chunk per block."""
+        if self.param_offload is None:
+            return None
+        return {pid: block.index for pid, block in self.param_offload.layout.block_of().items()
+                if holds_for_update(block)}
 
     @override
     def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any],

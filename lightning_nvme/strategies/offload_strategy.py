@@ -93,6 +93,10 @@ class OffloadStrategy(Strategy):
         """Chunks the optimizer of ``plan`` reads ahead of the one it updates: ``prefetch_depth``."""
         return self.config.prefetch_depth
 
+    def _chunk_units(self) -> Mapping[int, int] | None:
+        """``id(param)`` -> the unit an optimizer chunk may not cross (``plan_chunks``' ``units``); None: any."""
+        return None
+
     def _start_offload(self) -> None:
         """After the optimizers are offloaded at setup: what else moves into the store (parameter blocks)."""
 
@@ -155,7 +159,7 @@ class OffloadStrategy(Strategy):
         backward = self.config.overlap == "backward"
         self.offloaded = offload_optimizers(
             self.optimizers, owned, self.config, functools.partial(self._open_new_store, trainer), new_store_bytes,
-            self._read_ahead, strategy_name=self.strategy_name, token=self._run_token,
+            self._read_ahead, self._chunk_units(), strategy_name=self.strategy_name, token=self._run_token,
             clip_value=float(trainer.gradient_clip_val) if backward and trainer.gradient_clip_val else None,
             grad_hooks=self._local_grad_hooks, free_grads=self._frees_grads and backward, listener=self._update_listener())
 

@@ -70,13 +70,15 @@ def open_new_store(trainer: pl.Trainer, config: OffloadSettings, strategy_name: 
 
 def offload_optimizers(optimizers: Sequence[Optimizer], owned: Sequence[Owned], config: OffloadSettings,
                        open_store: Callable[[int, int], FlatStore], new_store_bytes: int, read_ahead: Callable[[Plan], int],
-                       *, strategy_name: str, token: str, clip_value: float | None, grad_hooks: bool, free_grads: bool,
-                       listener: UpdateListener | None) -> list[OffloadedOptimizer]:
+                       units: Mapping[int, int] | None, *, strategy_name: str, token: str, clip_value: float | None,
+                       grad_hooks: bool, free_grads: bool, listener: UpdateListener | None) -> list[OffloadedOptimizer]:
     """Each optimizer wrapped in an ``OffloadedOptimizer`` over its chunks (of the ``owned`` ranges): planned first,
     so that ``open_store(planned bytes, state bytes)`` checks the space for them (plus ``new_store_bytes``: a new
-    store's header, owner region and parameter blocks) before anything is written."""
+    store's header, owner region and parameter blocks) before anything is written. ``units``: see
+    ``plan_chunks`` (the parameter blocks, with parameter offload)."""
     fmt = config.state_format_spec
-    plans = [plan_chunks(opt, config.chunk_bytes, f"opt{i}", owned=owned[i], fmt=fmt) for i, opt in enumerate(optimizers)]
+    plans = [plan_chunks(opt, config.chunk_bytes, f"opt{i}", owned=owned[i], fmt=fmt, units=units)
+             for i, opt in enumerate(optimizers)]
     state = sum(align_up(c.nbytes) for plan in plans for c in plan.chunks)
     store = open_store(state + new_store_bytes, state)
     store_ref = StoreRef.of(store, owner_region(token))

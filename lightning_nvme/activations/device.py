@@ -37,12 +37,18 @@ def host_buffer(nbytes: int, *, pinned: bool) -> torch.Tensor:
 def release_pinned_cache() -> bool:
     """Give the pinned blocks torch's caching host allocator keeps for reuse back to the system (the end of
     fit). Why: they stay pinned (locked RAM, counted against the host) for the life of the process otherwise,
-    sized by the largest step's activations. Returns whether anything had been handed out."""
+    sized by the largest step's activations. Returns whether anything had been handed out.
+
+    ``torch.accelerator.empty_host_cache`` is recent; torch 2.5 to 2.11 have only the private
+    ``torch._C._host_emptyCache`` (the first GPU run, torch 2.11: the public name raised ``AttributeError`` at the
+    end of every fit with activation offload). Older torch has neither: the cache then stays for the process."""
     global _pinned_used
     if not _pinned_used:
         return False
     _pinned_used = False
-    torch.accelerator.empty_host_cache()
+    empty = getattr(torch.accelerator, "empty_host_cache", None) or getattr(torch._C, "_host_emptyCache", None)
+    if empty is not None:
+        empty()
     return True
 
 

@@ -197,3 +197,21 @@ def test_pinned_host_cache_released_at_the_end_of_fit(tmp_path, monkeypatch, fai
     else:
         fit(module, tmp_path, callbacks=[cb, HandsOutPinned()], steps=1)
     assert released and device._pinned_used is False
+
+
+@pytest.mark.parametrize("api", ["torch.accelerator", "torch._C", None])
+def test_pinned_host_cache_released_through_the_api_this_torch_has(monkeypatch, api):
+    """torch 2.5-2.11 lack ``torch.accelerator.empty_host_cache`` (the first GPU run, torch 2.11: the end of fit
+    raised AttributeError) and have the private ``torch._C._host_emptyCache``; older torch has neither."""
+    from lightning_nvme.activations import device
+
+    released = []
+    monkeypatch.delattr(torch.accelerator, "empty_host_cache", raising=False)
+    monkeypatch.delattr(torch._C, "_host_emptyCache", raising=False)
+    if api == "torch.accelerator":
+        monkeypatch.setattr(torch.accelerator, "empty_host_cache", lambda: released.append(api), raising=False)
+    elif api == "torch._C":
+        monkeypatch.setattr(torch._C, "_host_emptyCache", lambda: released.append(api), raising=False)
+    monkeypatch.setattr(device, "_pinned_used", True)
+    assert device.release_pinned_cache() is True
+    assert released == ([api] if api else []) and device._pinned_used is False

@@ -29,7 +29,8 @@ Cases (``--only NAME,...`` runs a subset):
   seam): a missing wait on an event then reads or overwrites a buffer too early and shows as a difference.
 - ``sanitizer``: ``params_backward`` again in a subprocess under ``TORCH_CUDA_SANITIZER=1`` (PyTorch's
   stream sanitizer raises on an unsynchronized access between streams), 2 steps, no baselines (the child runs
-  the offload only), its time taken from the deadline. It tracks CUDA tensors by pointer and ignores
+  the offload only), its time taken from the deadline; checkpoint early stop off (with it on, the sanitizer
+  fails inside torch even without offload: docs/params.md, "Accelerators"). It tracks CUDA tensors by pointer and ignores
   ``record_stream``: it cannot see allocator reuse (issue #33 defect 1), pinned-buffer reuse or disk I/O.
 - ``params_prefetch2``: ``params_backward`` at ``param_prefetch=2``; on a GPU both require ``early_uploads > 0``.
 - ``params_int8``: bf16-true with ``state_format="int8"``, ``master_format="bf16_sr"``.
@@ -97,6 +98,7 @@ os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
 import lightning.pytorch as pl  # noqa: E402
 import torch  # noqa: E402
 from torch.nn.attention import SDPBackend, sdpa_kernel  # noqa: E402
+from torch.utils.checkpoint import set_checkpoint_early_stop  # noqa: E402
 from torch.utils.data import DataLoader  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
@@ -235,7 +237,11 @@ def train(model: pl.LightningModule, args: argparse.Namespace, data: Tokens, roo
                          enable_checkpointing=any(isinstance(c, pl.callbacks.ModelCheckpoint) for c in callbacks),
                          enable_progress_bar=False, enable_model_summary=False, callbacks=list(callbacks),
                          default_root_dir=root, deterministic=deterministic, strategy=strategy, precision=precision)
-    with sdpa_kernel(SDPBackend.MATH) if deterministic else contextlib.nullcontext():
+    with contextlib.ExitStack() as stack:
+        if deterministic:
+            stack.enter_context(sdpa_kernel(SDPBackend.MATH))
+        if args.no_early_stop:  # the sanitizer's child: see run_unchecked
+            stack.enter_context(set_checkpoint_early_stop(False))
         trainer.fit(model, DataLoader(data, batch_size=None), ckpt_path=ckpt_path)
     return trainer
 
@@ -516,8 +522,12 @@ def run_unchecked(name: str, args: argparse.Namespace, base: pl.LightningModule,
         return memory_case(args, store_dir)
     if name == "params_time":
         return time_case(args, base, data, store_dir)
-    # sanitizer: the offload cases only (no baselines: their comparison is the parent's), within the deadline
+    # sanitizer: the offload cases only (no baselines: their comparison is the parent's), within the deadline.
+    # Checkpoint early stop off: torch stops a recomputation by raising an exception inside it, and under the
+    # sanitizer a CUDA free during that unwinding runs the sanitizer's Python hook with the exception pending,
+    # which fails in torch itself ("cuda trace hook execution failed: SystemError", the first GPU run, torch 2.11).
     cmd = [sys.executable, os.path.abspath(__file__), "--only", "params_backward", "--steps", "2", "--no-baselines",
+           "--no-early-stop",
            "--store-dir", store_dir, "--layers", str(max(2, args.layers // 2)), "--accelerator", args.accelerator,
            "--deadline-min", str(max(0.5, deadline_s / 60))]
     try:
@@ -767,6 +777,7 @@ def parser() -> argparse.ArgumentParser:
                    help="global deadline in minutes (default %(default)s): a case that would not fit in what is left "
                         "is reported skipped, never killed mid-run")
     p.add_argument("--no-baselines", action="store_true", help=argparse.SUPPRESS)  # the sanitizer's child
+    p.add_argument("--no-early-stop", action="store_true", help=argparse.SUPPRESS)  # the sanitizer's child
     p.add_argument("--accelerator", default="gpu", help=argparse.SUPPRESS)  # "cpu": a test runs the bodies on CPU
     return p
 

@@ -118,7 +118,8 @@ class Unit:
     params: list[torch.Tensor]  # every parameter of the block, in slot order (frozen ones too: gathered, never reduced)
     trainable: list[torch.Tensor]  # those with requires_grad: their gradients are reduce-scattered and updated
     owned_params: list[torch.Tensor]  # trainable parameters with elements in this rank's shard
-    full: torch.Tensor | None = None  # the gathered flat tensor while bound
+    full: torch.Tensor | None = None  # the gathered flat tensor while bound (elements ``window`` of it, if set)
+    window: tuple[int, int] | None = None  # ``[a, b)``: only this part is kept, waiting for a reduction and update
     ahead: tuple[torch.Tensor, Any] | None = None  # a gather started one block early (forward): (output, work)
     grad: torch.Tensor | None = None  # the flat gradient while the update is pending (owned slice reduced)
     refs: Counter = field(default_factory=Counter)
@@ -252,11 +253,12 @@ class ShardIO:
         self.residency.release(u.shard, GATHER)
         return full
 
-    def write_shard(self, u: Unit, full: torch.Tensor, updated: bool = False) -> None:
-        """This rank's slice of ``full`` becomes the block's shard in the store (written asynchronously). ``updated``
-        (after an optimizer update): only the shard's trainable tail is written, its frozen head stays as stored."""
+    def write_shard(self, u: Unit, full: torch.Tensor, updated: bool = False, base: int = 0) -> None:
+        """This rank's slice of ``full`` (elements from ``base`` of the flat tensor on) becomes the block's shard in the
+        store (written asynchronously). ``updated`` (after an optimizer update): only the shard's trainable tail is
+        written, its frozen head stays as stored."""
         assert self.residency is not None
-        lo, hi = u.flat.bounds(self.rank)
+        lo, hi = (x - base for x in u.flat.bounds(self.rank))
         if self.residency.is_resident(u.shard):
             self.residency.evict(u.shard)  # read ahead for a pass to come, never used: dropped (it is unchanged)
         u.shard.slots[0].param.data = full[lo:hi]
@@ -384,13 +386,15 @@ class ShardedParams:
             else:
                 self._unbind(u)  # a gather started ahead is not waited for: another rank may be gone
                 self._handles.append(u.module._register_state_dict_hook(_released_hook(u)))
-            u.full, u.ahead = None, None
+            u.full, u.ahead, u.window = None, None, None
         self.residency.release_all()
         self.residency.drain()
         self.io.residency = None
 
     # ---- gather, bind, release ---------------------------------------------------------------------------
     def _hold(self, u: Unit, why: str) -> None:
+        if u.window is not None and why not in (REDUCE, UPDATE):
+            raise RuntimeError(f"block {u.name}: held for {why!r} while only its owned part is kept (a bug)")
         if u.full is None:
             u.full = self.io.take_ahead(u)
             if u.full is None:
@@ -405,11 +409,13 @@ class ShardedParams:
         u.refs[why] -= 1
         if not +u.refs:
             self._unbind(u)
+        elif set(+u.refs) <= {REDUCE, UPDATE}:
+            _keep_owned(u, self.rank)
 
     def _unbind(self, u: Unit) -> None:
         for s in u.flat.slots:
             s.param.data = placeholder(s.shape, u.flat.dtype, self.device)
-        u.full = None
+        u.full, u.window = None, None
 
     # ---- forward ---------------------------------------------------------------------------------------------
     def _pre_forward(self, u: Unit) -> Callable[..., Any]:
@@ -498,12 +504,20 @@ class ShardedParams:
     def _reduced_block(self, u: Unit, flat: torch.Tensor, mine: torch.Tensor) -> None:
         """A block's reduction is waited for: its owned gradient is final, the optimizer may update it."""
         _, hi = u.flat.bounds(self.rank)
-        # only the owned slice is read from here on (the others are this rank's own terms); ``mine`` is its trainable
-        # tail (all of it with reduce_order="backend")
-        flat[hi - mine.numel():hi].copy_(mine)
         owned = {id(p) for p in u.owned_params}
+        # only the owned slice is read from here on (the others are this rank's own terms); ``mine`` is its trainable
+        # tail (all of it with reduce_order="backend"). Kept: the window the update reads (the shard, owned
+        # parameters whole), not the whole block's gradient (N times as much, alive until the update).
+        a, b = u.flat.window(self.rank, owned)
+        off = hi - mine.numel()
+        if (a, b) != (0, u.flat.total):
+            grad = torch.empty(b - a, dtype=flat.dtype, device=flat.device)
+            grad[:off - a].copy_(flat[a:off])
+            grad[hi - a:].copy_(flat[hi:b])
+            flat = grad
+        flat[off - a:hi - a].copy_(mine)
         for s in u.flat.slots:
-            s.param.grad = u.flat.view(flat, s) if id(s.param) in owned else None
+            s.param.grad = flat[s.offset - a:s.offset - a + s.numel].view(s.shape) if id(s.param) in owned else None
         if owned:
             u.grad = flat
             u.pending = set(owned)
@@ -546,7 +560,7 @@ class ShardedParams:
 
     def _updated(self, u: Unit) -> None:
         assert u.full is not None
-        self.io.write_shard(u, u.full, updated=True)
+        self.io.write_shard(u, u.full, updated=True, base=u.window[0] if u.window else 0)
         u.grad = None
         self._let_go(u, UPDATE)
 
@@ -568,6 +582,24 @@ class ShardedParams:
             self.residency.evict_unheld()
             self.residency.poll_writes()
         self.reductions.regather(self.device)
+
+
+def _keep_owned(u: Unit, rank: int) -> None:
+    """``u`` waits only for its gradient's reduction and its update: keep the window of its gathered weights that the
+    update writes (``FlatShards.window``: this rank's shard, owned parameters whole), free the rest, and make the
+    other parameters placeholders. Why: from a block's backward to its update the whole gathered block stayed
+    alive, N times what the update touches, beside its gradient: block-sized buffers at the peak of RSS (#37)."""
+    if u.full is None or u.window is not None:
+        return
+    owned = {id(p) for p in u.owned_params}
+    a, b = u.flat.window(rank, owned)
+    if (a, b) == (0, u.flat.total):
+        return
+    kept = u.full[a:b].clone()
+    for s in u.flat.slots:
+        s.param.data = (kept[s.offset - a:s.offset - a + s.numel].view(s.shape) if id(s.param) in owned
+                        else placeholder(s.shape, u.flat.dtype, kept.device))
+    u.full, u.window = kept, (a, b)
 
 
 def owned_ranges(engine: ShardedParams, params: Sequence[torch.Tensor], rank: int) -> dict[int, list[tuple[int, int]]]:

@@ -16,6 +16,7 @@ checkpoint saved at N ranks reshards on load at any other N exactly as ``nvme_of
 from __future__ import annotations
 
 import math
+from collections.abc import Collection
 from dataclasses import dataclass
 
 import torch
@@ -101,6 +102,15 @@ class FlatShards:
             if start < stop:
                 out.append((s, start - s.offset, stop - s.offset))
         return out
+
+    def window(self, rank: int, params: Collection[int]) -> tuple[int, int]:
+        """Elements ``[a, b)`` of the flat tensor: ``rank``'s shard, widened to hold whole every parameter whose
+        ``id`` is in ``params`` and that has elements in it (what an update of the shard reads and writes)."""
+        lo, hi = self.bounds(rank)
+        for s, _, _ in self.owned(rank):
+            if id(s.param) in params:
+                lo, hi = min(lo, s.offset), max(hi, s.offset + s.numel)
+        return lo, hi
 
     def view(self, flat: torch.Tensor, slot: FlatSlot) -> torch.Tensor:
         """``slot``'s parameter inside ``flat`` (the whole flat tensor), shaped like the parameter."""

@@ -180,6 +180,14 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         return ranges[self.global_rank]
 
     @override
+    def _chunk_units(self) -> Mapping[int, int] | None:
+        """No optimizer chunk holds state of two blocks: a block stays gathered (and its owned gradient alive) until
+        its owned parameters are updated, and a chunk spanning blocks held them all until its last one's reduction
+        (with a decay / no-decay parameter split, or LoRA adapters packed together, every block of the model)."""
+        assert self.sharded is not None
+        return {id(p): u.index for u in self.sharded.units for p in u.params}
+
+    @override
     def _extra_store_bytes(self) -> int:
         return sum(-(-n // 4096) * 4096 for _, n in self.sharded.regions()) if self.sharded is not None else 0
 

@@ -36,6 +36,12 @@ HEAP_MMAP_THRESHOLD_MAX = 32 << 20  # the largest M_MMAP_THRESHOLD glibc accepts
 # Updates inside backward, and every allocation with offload_params ("auto"): lower peak RSS with parameters
 # offloaded (docs/performance.md, "The malloc mmap threshold").
 OFF_HEAP_THRESHOLD = 8 << 20
+# A chunk's first update inside backward (the optimizer creates its state there): lower still, so the new state and
+# the temporaries of pieces below 8 MiB (a chunk_bytes of 8 MiB holds 4 MiB moments) leave the heap too. Measured with
+# nvme_offload_fsdp (2 ranks, width 2560, chunk_bytes 8 MiB): at 8 MiB the first backward's RSS grew ~50 MiB a block
+# and stayed (0.7-1.0 B/param from 4 to 16 layers); at 1 MiB for every update in backward it grew 0.16-0.18 B/param
+# but each step paid fresh mappings for its temporaries (docs/performance.md): so only the first update.
+FIRST_UPDATE_OFF_HEAP_THRESHOLD = 1 << 20
 
 _fixed_threshold: int | None = None  # what release_freed_memory set in this process, if anything
 

@@ -16,7 +16,12 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from lightning_nvme.memory import keep_freed_heap, temporaries_off_heap, temporaries_on_heap
+from lightning_nvme.memory import (
+    FIRST_UPDATE_OFF_HEAP_THRESHOLD,
+    keep_freed_heap,
+    temporaries_off_heap,
+    temporaries_on_heap,
+)
 from lightning_nvme.optim import chunk_views
 from lightning_nvme.optim.binding import hooks_silenced
 from lightning_nvme.optim.buffers import ChunkBuffer, DecodeArena
@@ -149,7 +154,11 @@ class ChunkUpdater:
             # Heap temporaries (no page faults per temporary) only after backward: during backward, backward's
             # own allocations land above each chunk's freed temporaries, so the heap could not reuse or shrink
             # them and grew with every chunk of the step (3 GiB at 2.5 B params, 1.2 B/param, with the model).
-            heap = temporaries_on_heap() if not self._in_backward else temporaries_off_heap()
+            # A piece without state yet (the first update): the optimizer allocates its state here, off the heap
+            # at a lower threshold (``memory.FIRST_UPDATE_OFF_HEAP_THRESHOLD``).
+            fresh = any(not state.get(p) for ps in params for p in ps)
+            heap = (temporaries_on_heap() if not self._in_backward else
+                    temporaries_off_heap(FIRST_UPDATE_OFF_HEAP_THRESHOLD) if fresh else temporaries_off_heap())
             with torch.no_grad(), heap, self._nested_hooks(opt):
                 self._inner_step(opt, **self._step_kwargs)
         finally:

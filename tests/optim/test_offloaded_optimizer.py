@@ -108,6 +108,38 @@ def test_io_error_in_write_back_reaches_the_next_step(tmp_path, monkeypatch):
     assert not [t for t in threading.enumerate() if t.name.startswith("lightning-nvme-io") and t not in before]
 
 
+def test_first_update_in_backward_allocates_off_the_heap_at_the_lower_threshold(tmp_path, monkeypatch):
+    """The optimizer creates its state at a chunk's first update; inside backward that state (4 MiB moments at
+    chunk_bytes 8 MiB) landed on the heap under the 8 MiB off-heap threshold and stayed, pinned by backward's
+    allocations: nvme_offload_fsdp's peak RSS grew ~50 MiB a block (docs/performance.md). Each chunk's first update
+    in backward runs at FIRST_UPDATE_OFF_HEAP_THRESHOLD, the later ones at OFF_HEAP_THRESHOLD; training unchanged."""
+    from contextlib import contextmanager
+
+    import lightning_nvme.optim.chunk_update as offloaded_mod
+    from lightning_nvme.memory import FIRST_UPDATE_OFF_HEAP_THRESHOLD, OFF_HEAP_THRESHOLD
+
+    thresholds: list[int] = []
+
+    @contextmanager
+    def spy(threshold: int = OFF_HEAP_THRESHOLD):
+        thresholds.append(threshold)
+        yield
+
+    monkeypatch.setattr(offloaded_mod, "temporaries_off_heap", spy)
+    ref_model, model = _model(), _model()
+    _train(ref_model, torch.optim.AdamW(ref_model.parameters()), steps=3)
+    store = FlatStore(tmp_path, io_chunk_bytes=4096)
+    off = OffloadedOptimizer(torch.optim.AdamW(model.parameters()), store, chunk_bytes=8 << 10, overlap="backward")
+    _train(model, off.optimizer, steps=3)
+    chunks = len(off.chunks)
+    assert FIRST_UPDATE_OFF_HEAP_THRESHOLD < OFF_HEAP_THRESHOLD and chunks > 3
+    assert thresholds[:chunks] == [FIRST_UPDATE_OFF_HEAP_THRESHOLD] * chunks  # the first step: every chunk's state new
+    assert thresholds[chunks:] == [OFF_HEAP_THRESHOLD] * (2 * chunks)
+    for p, q in zip(ref_model.parameters(), model.parameters()):
+        assert torch.equal(p, q)
+    store.close()
+
+
 def test_update_temporaries_stay_off_the_heap_during_backward(tmp_path, monkeypatch):
     """overlap='backward': chunk updates interleave with backward's allocations, which pin the heap above each
     chunk's freed temporaries, so the heap grew with the model (3 GiB at 2.5 B params). Updates during backward

@@ -503,23 +503,10 @@ class ShardedParams:
 
     def _reduced_block(self, u: Unit, flat: torch.Tensor, mine: torch.Tensor) -> None:
         """A block's reduction is waited for: its owned gradient is final, the optimizer may update it."""
-        _, hi = u.flat.bounds(self.rank)
         owned = {id(p) for p in u.owned_params}
-        # only the owned slice is read from here on (the others are this rank's own terms); ``mine`` is its trainable
-        # tail (all of it with reduce_order="backend"). Kept: the window the update reads (the shard, owned
-        # parameters whole), not the whole block's gradient (N times as much, alive until the update).
-        a, b = u.flat.window(self.rank, owned)
-        off = hi - mine.numel()
-        if (a, b) != (0, u.flat.total):
-            grad = torch.empty(b - a, dtype=flat.dtype, device=flat.device)
-            grad[:off - a].copy_(flat[a:off])
-            grad[hi - a:].copy_(flat[hi:b])
-            flat = grad
-        flat[off - a:hi - a].copy_(mine)
-        for s in u.flat.slots:
-            s.param.grad = flat[s.offset - a:s.offset - a + s.numel].view(s.shape) if id(s.param) in owned else None
+        grad = _owned_grad(u, self.rank, owned, flat, mine)  # the other parameters' .grad None
         if owned:
-            u.grad = flat
+            u.grad = grad
             u.pending = set(owned)
             self._hold(u, UPDATE)  # the update writes into the gathered block; its owned slice is then written back
         self._let_go(u, REDUCE)
@@ -582,6 +569,29 @@ class ShardedParams:
             self.residency.evict_unheld()
             self.residency.poll_writes()
         self.reductions.regather(self.device)
+
+
+def _owned_grad(u: Unit, rank: int, owned: set[int], flat: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+    """The gradient an update of ``u``'s owned parameters reads (each owned parameter's ``.grad`` a view into it): the
+    window of ``flat`` that ``FlatShards.window`` names, this rank's summed elements (``mine``, its shard's trainable
+    tail) in place of its own terms; the elements outside the shard are never read. Not the whole block's gradient:
+    N times as much, alive until the update."""
+    if not owned:
+        for s in u.flat.slots:
+            s.param.grad = None
+        return flat
+    _, hi = u.flat.bounds(rank)
+    a, b = u.flat.window(rank, owned)
+    off = hi - mine.numel()
+    if (a, b) != (0, u.flat.total):
+        grad = torch.empty(b - a, dtype=flat.dtype, device=flat.device)
+        grad[:off - a].copy_(flat[a:off])
+        grad[hi - a:].copy_(flat[hi:b])
+        flat = grad
+    flat[off - a:hi - a].copy_(mine)
+    for s in u.flat.slots:
+        s.param.grad = flat[s.offset - a:s.offset - a + s.numel].view(s.shape) if id(s.param) in owned else None
+    return flat
 
 
 def _keep_owned(u: Unit, rank: int) -> None:

@@ -47,7 +47,9 @@ class ShardedWeights:
 
     def read_block(self, u: Unit) -> dict[str, torch.Tensor]:
         """Block ``u``'s weights by parameter name, gathered from every rank's shard (a collective)."""
-        full = u.full if u.full is not None else self.engine.io.gathered(u)
+        # a block waiting for its update keeps only its owned window (``Unit.window``): gathered again, as every rank
+        # whose copy is not whole does
+        full = u.full if u.full is not None and u.window is None else self.engine.io.gathered(u)
         return {slot.name: u.flat.view(full, slot) for slot in u.flat.slots}
 
     def reads_led_by_rank0(self, work: Callable[[Callable[[Unit], dict[str, torch.Tensor]]], None]) -> None:

@@ -590,7 +590,7 @@ def _owned_grad(u: Unit, rank: int, owned: set[int], flat: torch.Tensor, mine: t
         flat = grad
     flat[off - a:hi - a].copy_(mine)
     for s in u.flat.slots:
-        s.param.grad = flat[s.offset - a:s.offset - a + s.numel].view(s.shape) if id(s.param) in owned else None
+        s.param.grad = u.flat.view(flat, s, a) if id(s.param) in owned else None
     return flat
 
 
@@ -607,8 +607,7 @@ def _keep_owned(u: Unit, rank: int) -> None:
         return
     kept = u.full[a:b].clone()
     for s in u.flat.slots:
-        s.param.data = (kept[s.offset - a:s.offset - a + s.numel].view(s.shape) if id(s.param) in owned
-                        else placeholder(s.shape, u.flat.dtype, kept.device))
+        s.param.data = u.flat.view(kept, s, a) if id(s.param) in owned else placeholder(s.shape, u.flat.dtype, kept.device)
     u.full, u.window = kept, (a, b)
 
 

@@ -112,9 +112,10 @@ class FlatShards:
                 lo, hi = min(lo, s.offset), max(hi, s.offset + s.numel)
         return lo, hi
 
-    def view(self, flat: torch.Tensor, slot: FlatSlot) -> torch.Tensor:
-        """``slot``'s parameter inside ``flat`` (the whole flat tensor), shaped like the parameter."""
-        return flat[slot.offset:slot.offset + slot.numel].view(slot.shape)
+    def view(self, flat: torch.Tensor, slot: FlatSlot, base: int = 0) -> torch.Tensor:
+        """``slot``'s parameter inside ``flat`` (the flat tensor from element ``base`` on: a ``window``), shaped like
+        the parameter."""
+        return flat[slot.offset - base:slot.offset - base + slot.numel].view(slot.shape)
 
     def pack(self, tensors: list[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
         """``tensors`` (one per slot, shaped like it) copied into ``out`` (``total`` elements), gaps zeroed; a

@@ -11,9 +11,11 @@ Peak RSS is the training's: VmHWM reset when training starts (after setup, which
 shards it: a meta-device build is not supported yet) and read when it ends (before the weights are gathered back).
 
 The bound of an fsdp step is max(compute, each rank's bytes moved / its disk's bandwidth, collective bytes / the
-measured Gloo bandwidth): compute is the ddp step of the same pair (forward, backward, AdamW on the whole model: an
-upper estimate of the fsdp rank's compute), the disk bandwidth is this run's raw read/write of the store's disk, the
-Gloo bandwidth an all-gather of 64 MiB timed in the job. Bytes moved per rank and step: its block shards read twice
+measured bandwidth of the collectives the run used): compute is the ddp step of the same pair (forward, backward,
+AdamW on the whole model: an upper estimate of the fsdp rank's compute), the disk bandwidth is this run's raw
+read/write of the store's disk, the collectives' bandwidth an all-gather of 64 MiB timed in the job, through Gloo
+(``gloo_GBps``) and through shared memory (``shm_GBps``; ``collectives="auto"``, the default, uses it on one host).
+Bytes moved per rank and step: its block shards read twice
 (forward, backward) and written once, its optimizer state read and written once. Collective bytes per rank: every
 block gathered twice and reduce-scattered once, the replicated parameters all-reduced and gathered once, each moving
 (N - 1)/N of the tensor per rank.
@@ -21,6 +23,10 @@ block gathered twice and reduce-scattered once, the replicated parameters all-re
     python benchmarks/fsdp_offload.py                         # ~55M params, 2 pairs of 4 timed steps
     python benchmarks/fsdp_offload.py --layers 12 --embd 1024 # bigger (store: ~12 bytes/param over both ranks)
     python benchmarks/fsdp_offload.py --no-ddp --meta --checkpointing --layers 32 --embd 2560 --pairs 1 --steps 1  # 2.5 B
+    python benchmarks/fsdp_offload.py --no-ddp --meta --checkpointing --vs-backend ...  # + fsdp over Gloo, alternating
+
+``--vs-backend``: each pair also runs fsdp with ``collectives="backend"`` (Gloo) just before its fsdp run;
+``step_vs_backend`` is the median of the per-pair step ratios (shared memory ÷ Gloo).
 
 Bigger than memory (``--no-ddp --meta``): plain DDP cannot run (16 bytes/param on each rank), so there is no DDP
 step; the model is built on the meta device and initialized block by block into the shards (never whole in
@@ -64,21 +70,25 @@ def _reset_peak_rss() -> None:
         pass
 
 
-def _gloo_gbps(nbytes: int = 64 * MiB, reps: int = 3) -> float:
-    """Bytes each rank receives per second in an all-gather of ``nbytes`` (the default group, after a fit)."""
+def _gather_gbps(mode: str, nbytes: int = 64 * MiB, reps: int = 3) -> float:
+    """Bytes each rank receives per second in an all-gather of ``nbytes`` (the default group, after a fit), through
+    the collectives ``mode`` (``params.comm``: ``"backend"`` is Gloo's sockets, ``"auto"`` shared memory here)."""
     import torch
     import torch.distributed as dist
 
+    from lightning_nvme.params.comm import open_comm
+
     world = dist.get_world_size()
+    comm = open_comm(mode, dist.group.WORLD, torch.device("cpu"), 128 * MiB)
     shard = torch.ones(nbytes // 4 // world)
     out = torch.empty(shard.numel() * world)
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-    gather(out, shard)
+    comm.all_gather(out, shard).wait()
     dist.barrier()
     t0 = time.perf_counter()
     for _ in range(reps):
-        gather(out, shard)
+        comm.all_gather(out, shard).wait()
     seconds = (time.perf_counter() - t0) / reps
+    comm.close()
     return shard.numel() * 4 * (world - 1) / seconds / 1e9
 
 
@@ -205,7 +215,7 @@ def worker(args) -> None:
             self.peak = peak_rss_mib()
 
     records = []
-    gloo = 0.0
+    gbps: dict[str, float] = {}
     for pair in range(args.pairs):
         for kind in [args.kind]:
             store_dir = os.path.join(args.dir, f"store-{kind}-{pair}")
@@ -213,12 +223,13 @@ def worker(args) -> None:
             # 2.5 B that would be 10 GB per rank); the figures are taken before
             strategy = (DDPStrategy() if kind == "ddp" else
                         NVMeOffloadFSDPStrategy(store_dir=store_dir, chunk_bytes=args.chunk_mib << 20, min_free_bytes=0,
-                                                inline_weights_bytes=1 << 40, restore_params=False))
+                                                inline_weights_bytes=1 << 40, restore_params=False,
+                                                collectives="backend" if kind == "fsdp_backend" else args.collectives))
             clock = Clock()
             trainer = Trainer(default_root_dir=args.dir, strategy=strategy, accelerator="cpu", devices=args.world,
                               max_steps=total_steps, logger=False, enable_checkpointing=False,
                               enable_progress_bar=False, enable_model_summary=False, callbacks=[clock])
-            if args.meta and kind == "fsdp":
+            if args.meta and kind != "ddp":
                 with trainer.init_module(empty_init=True):  # on the meta device: built block by block into the shards
                     model = Model()
             else:
@@ -226,7 +237,7 @@ def worker(args) -> None:
             trainer.fit(model)
             rec = {"pair": pair, "kind": kind, "rank": trainer.global_rank, "peak_rss_MiB": clock.peak,
                    "step_s": (clock.t1 - clock.t0) / args.steps, "params": sum(p.numel() for p in model.parameters())}
-            if kind == "fsdp":
+            if kind != "ddp":
                 s = trainer.strategy
                 path = s.offloaded[0].store_ref.path
                 units = s.sharded.units
@@ -234,7 +245,7 @@ def worker(args) -> None:
                            shard_bytes=sum(u.flat.shard_bytes for u in units),
                            block_bytes=sum(u.flat.total * 4 for u in units),
                            replicated_bytes=sum(f.total * 4 for f in s.sharded.replicated),
-                           state_bytes=s.offloaded[0].state_bytes)
+                           state_bytes=s.offloaded[0].state_bytes, collectives=s.sharded.comm.name)
                 os.remove(path)  # the next fit's store: the disk budget holds one at a time
                 if args.world > 1:
                     w, r = _concurrent_disk(os.path.dirname(path), args.disk_mib * MiB)
@@ -242,10 +253,10 @@ def worker(args) -> None:
                     trainer.strategy.barrier()
                     rec.update(_compute_estimate(args, args.world))
             records.append(rec)
-            if args.world > 1 and not gloo:
-                gloo = _gloo_gbps()
+            if args.world > 1 and not gbps:
+                gbps = {"backend": _gather_gbps("backend"), "shared_memory": _gather_gbps("shared_memory")}
     for rec in records:
-        rec["gloo_GBps"] = gloo
+        rec["gloo_GBps"], rec["shm_GBps"] = gbps.get("backend", 0.0), gbps.get("shared_memory", 0.0)
     with open(f"{args.out}.rank{trainer.global_rank}.json", "w") as f:
         json.dump(records, f)
     import torch.distributed as dist
@@ -291,6 +302,11 @@ def main() -> None:
                         "bigger-than-memory model needs it: without it autograd keeps each block's gathered weights "
                         "from its forward to its backward, F.linear saving a view of the weight)")
     parser.add_argument("--disk-mib", type=int, default=512, help="bytes each rank writes and reads at once")
+    parser.add_argument("--collectives", default="auto", choices=["auto", "shared_memory", "backend"],
+                        help="the fsdp runs' collectives setting (auto: shared memory on this host)")
+    parser.add_argument("--vs-backend", action="store_true", help="each pair also runs fsdp with "
+                        "collectives='backend' (Gloo) just before the fsdp run: the step ratio between them, "
+                        "alternating")
     parser.add_argument("--world", type=int, default=2, help=argparse.SUPPRESS)
     parser.add_argument("--kind", default="fsdp", help=argparse.SUPPRESS)
     parser.add_argument("--worker", dest="out", default=None, help=argparse.SUPPRESS)
@@ -302,7 +318,8 @@ def main() -> None:
     with tempfile.TemporaryDirectory(dir=args.dir or ROOT, prefix=".bench-fsdp-") as scratch:
         ranks: list[list[dict]] = [[], []]
         for pair in range(args.pairs):
-            for kind in (("fsdp",) if args.no_ddp else ("ddp", "fsdp")):
+            kinds = (() if args.no_ddp else ("ddp",)) + (("fsdp_backend",) if args.vs_backend else ()) + ("fsdp",)
+            for kind in kinds:
                 for rank, rec in enumerate(_job(args, scratch, kind, 2, args.steps, args.warmup, pair)):
                     ranks[rank].append(rec)
         single = _job(args, scratch, "fsdp", 1, 1, 0)[0]
@@ -318,26 +335,41 @@ def main() -> None:
     last = [next(r for r in reversed(recs) if r["kind"] == "fsdp") for recs in ranks]
     ddp_last = [next((r for r in reversed(recs) if r["kind"] == "ddp"), None) for recs in ranks]
     gloo = statistics.median(r["gloo_GBps"] for r in ranks[0] if r["gloo_GBps"])
+    shm = statistics.median(r["shm_GBps"] for r in ranks[0] if r["shm_GBps"])
     share = (world - 1) / world
     collective = share * (3 * last[0]["block_bytes"] + 3 * last[0]["replicated_bytes"])
-    bounds, ratios, terms = [], [], []
-    fsdp_recs = {(r["pair"], rank): r for rank, recs in enumerate(ranks) for r in recs if r["kind"] == "fsdp"}
-    for p in range(args.pairs):
-        this = [fsdp_recs[(p, rank)] for rank in range(world)]
+    recs_of = {(r["pair"], r["kind"], rank): r for rank, recs in enumerate(ranks) for r in recs}
+
+    def against_bound(p: int, kind: str) -> tuple[float, float, dict]:
+        """(step ÷ bound, bound, its terms) of pair ``p``'s run ``kind``; its collectives at its own comm's speed."""
+        this = [recs_of[(p, kind, rank)] for rank in range(world)]
         estimate = max(r["compute_estimate_s"] for r in this)
         compute = estimate if args.no_ddp else step[(p, "ddp")]
         # each rank's bytes over its own bandwidth while both ranks use the disk at once
         disk = max((2 * r["shard_bytes"] + r["state_bytes"]) / (r["concurrent_read_GBps"] * 1e9) +
                    (r["shard_bytes"] + r["state_bytes"]) / (r["concurrent_write_GBps"] * 1e9) for r in this)
-        bound = max(compute, disk, collective / (gloo * 1e9))
-        terms.append({"compute_s": round(compute, 3), "compute_estimate_s": round(estimate, 3),
-                      "disk_s": round(disk, 3), "collective_s": round(collective / (gloo * 1e9), 3)})
+        speed = shm if this[0]["collectives"] == "shared_memory" else gloo
+        bound = max(compute, disk, collective / (speed * 1e9))
+        return step[(p, kind)] / bound, bound, {
+            "collectives": this[0]["collectives"], "compute_s": round(compute, 3),
+            "compute_estimate_s": round(estimate, 3), "disk_s": round(disk, 3),
+            "collective_s": round(collective / (speed * 1e9), 3)}
+
+    bounds, ratios, terms, vs_backend, backend_ratios = [], [], [], [], []
+    for p in range(args.pairs):
+        ratio, bound, term = against_bound(p, "fsdp")
         bounds.append(bound)
-        ratios.append(step[(p, "fsdp")] / bound)
+        ratios.append(ratio)
+        terms.append(term)
+        if args.vs_backend:
+            vs_backend.append(step[(p, "fsdp")] / step[(p, "fsdp_backend")])
+            backend_ratios.append(against_bound(p, "fsdp_backend")[0])
     params = last[0]["params"]
     for p in range(args.pairs):
-        print(f"pair {p}: ddp {step.get((p, 'ddp'), float('nan')):.2f} s/step   nvme_offload_fsdp {step[(p, 'fsdp')]:.2f} s/step   "
-              f"bound {bounds[p]:.2f} s   ratio {ratios[p]:.2f}")
+        backend = (f"   fsdp over Gloo {step[(p, 'fsdp_backend')]:.2f} s/step (ratio {backend_ratios[p]:.2f})"
+                   if args.vs_backend else "")
+        print(f"pair {p}: ddp {step.get((p, 'ddp'), float('nan')):.2f} s/step{backend}   nvme_offload_fsdp "
+              f"{step[(p, 'fsdp')]:.2f} s/step   bound {bounds[p]:.2f} s   ratio {ratios[p]:.2f}")
     print(json.dumps({
         "world_size": world, "params": params,
         "peak_rss_MiB_per_rank": [round(r["peak_rss_MiB"], 1) for r in last],
@@ -352,7 +384,13 @@ def main() -> None:
         "step_vs_bound": round(statistics.median(ratios), 3), "step_vs_bound_spread": spread(ratios),
         "bound_s": [round(b, 3) for b in bounds],
         "disk_bytes_per_rank_step": [3 * r["shard_bytes"] + 2 * r["state_bytes"] for r in last],
-        "collective_bytes_per_rank_step": int(collective), "gloo_GBps": round(gloo, 3),
+        "collective_bytes_per_rank_step": int(collective), "gloo_GBps": round(gloo, 3), "shm_GBps": round(shm, 3),
+        "collectives": terms[0]["collectives"],
+        "step_s_backend": ([round(step[(p, "fsdp_backend")], 3) for p in range(args.pairs)] if args.vs_backend
+                           else None),
+        "step_vs_backend": round(statistics.median(vs_backend), 3) if vs_backend else None,
+        "step_vs_backend_spread": spread(vs_backend) if vs_backend else None,
+        "step_vs_bound_backend": round(statistics.median(backend_ratios), 3) if backend_ratios else None,
         "raw_write_GBps": round(raw_w, 3), "raw_read_GBps": round(raw_r, 3),
         "concurrent_GBps_per_rank": [[round(r["concurrent_write_GBps"], 3), round(r["concurrent_read_GBps"], 3)]
                                      for r in last],

@@ -235,6 +235,16 @@ class FSDPOffloadSettings(DDPOffloadSettings):
                 "rank order (an all-to-all, then a local sum: reproducible at any N, bitwise equal to DDP with "
                 "``ordered_allreduce_hook``); ``\"backend\"``: the backend's reduce-scatter (its own order).",
         one_of("rank", "backend"))
+    collectives: str = setting(
+        "auto", "How the blocks' gathers and the gradients' all-to-alls move bytes between ranks: "
+                "``\"shared_memory\"`` through an arena every rank of this host maps (memory speed, CPU tensors "
+                "only); ``\"backend\"`` through the process group (Gloo's sockets, NCCL); ``\"auto\"``: shared "
+                "memory when every rank runs on this host with CPU tensors, else the backend. The same bytes "
+                "either way (bitwise the same training).", one_of("auto", "shared_memory", "backend"))
+    collective_buffer_bytes: int = setting(
+        128 * MiB, "With shared-memory collectives: bytes of the arena the ranks of a host share (resident in "
+                   "each once touched; larger moves fewer chunks per collective, each chunk one barrier).",
+                   nbytes(ALIGN, typical=str(128 * MiB)))
 
 
 def check_values(**values: Any) -> None:

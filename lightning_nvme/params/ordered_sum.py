@@ -20,6 +20,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from lightning_nvme.params.comm import BackendComm, Comm
+
 
 def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
     """``parts[0] + parts[1] + ... + parts[-1]``, added left to right (``parts.sum(0)`` may pair terms otherwise)."""
@@ -32,13 +34,13 @@ def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
 class ScatterSum:
     """An asynchronous reduce-scatter whose sum runs in rank order: rank r receives the piece ``counts[r]`` of every
     rank's ``flat`` (``flat`` is cut into consecutive pieces of ``counts``, one per rank) and ``wait()`` returns
-    their sum, added in rank order. ``flat`` must not change until ``wait()`` returns."""
+    their sum, added in rank order. ``flat`` must not change until ``wait()`` returns. ``comm`` moves the pieces
+    (``params.comm``: the backend's all-to-all, or shared memory)."""
 
-    def __init__(self, flat: torch.Tensor, counts: Sequence[int], rank: int, group: Any) -> None:
+    def __init__(self, flat: torch.Tensor, counts: Sequence[int], rank: int, comm: Comm) -> None:
         self.world, self.count = len(counts), counts[rank]
         self._recv = torch.empty(self.world * self.count, dtype=flat.dtype, device=flat.device)
-        self._work = dist.all_to_all_single(self._recv, flat, output_split_sizes=[self.count] * self.world,
-                                            input_split_sizes=list(counts), group=group, async_op=True)
+        self._work = comm.all_to_all(self._recv, flat, counts)
 
     def wait(self) -> torch.Tensor:
         self._work.wait()
@@ -57,7 +59,7 @@ def ordered_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures
     piece = -(-buf.numel() // world)
     flat = torch.zeros(piece * world, dtype=buf.dtype, device=buf.device)
     flat[:buf.numel()].copy_(buf).mul_(1.0 / world)
-    mine = ScatterSum(flat, [piece] * world, rank, group).wait()
+    mine = ScatterSum(flat, [piece] * world, rank, BackendComm(group)).wait()
     gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
     gather(flat, mine, group=group)
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()

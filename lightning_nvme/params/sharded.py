@@ -32,7 +32,8 @@ rank order, ``lightning_nvme.params.ordered_sum``, so the result equals DDP with
 bitwise at any N; ``"backend"``: the backend's reduce-scatter and all-reduce, whose order is its own);
 ``inflight`` (reductions started and not yet waited for, at most: each keeps its block gathered and its flat
 gradient alive until its update); ``state_align`` (elements: the optimizer state format's block, on which every cut
-falls, ``FlatShards``).
+falls, ``FlatShards``); ``comm`` (``params.comm``: how the gathers and all-to-alls move bytes; default the backend of
+``group``).
 
 Overlap: in both passes the next block's all-gather is started (asynchronously) before this block computes, and
 in backward a block's reduction is started as its last gradient arrives and waited for ``inflight`` reductions
@@ -55,6 +56,7 @@ from torch.utils._pytree import tree_flatten, tree_unflatten
 
 from lightning_nvme.checkpoint.weights import BesideWeight
 from lightning_nvme.optim.plan import placeholder
+from lightning_nvme.params.comm import BackendComm, Comm
 from lightning_nvme.params.layout import BlockLayout, ParamSlot, plan_layout
 from lightning_nvme.params.materialize import InitialWeights, has_meta_tensors, materialize
 from lightning_nvme.params.ordered_sum import ScatterSum
@@ -71,11 +73,6 @@ from lightning_nvme.params.transfer import HostTransfer
 FWD, BWD, UPDATE, USER, RECOMPUTE, GATHER, REDUCE = ("forward", "backward", "update", "user", "recompute", "gather",
                                                    "reduce")
 REDUCE_ORDERS = ("rank", "backend")  # ``reduce_order``: the sum in rank order (ScatterSum), or the backend's own
-
-
-def _all_gather(out: torch.Tensor, shard: torch.Tensor, group: Any) -> None:
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    gather(out, shard, group=group)
 
 
 class _BackendSum:
@@ -140,12 +137,13 @@ class GradReductions:
     gets this rank's summed shard) and ``param`` (a replicated parameter's gradient, as autograd's hook hands it;
     ``on_param(p)`` once this rank's elements of it are summed). ``order``: ``REDUCE_ORDERS``."""
 
-    def __init__(self, rank: int, world: int, group: Any, order: str, inflight: int, replicated: list[FlatShards],
-                 on_block: Callable[[Unit, torch.Tensor, torch.Tensor], None],
+    def __init__(self, rank: int, world: int, group: Any, comm: Comm, order: str, inflight: int,
+                 replicated: list[FlatShards], on_block: Callable[[Unit, torch.Tensor, torch.Tensor], None],
                  on_param: Callable[[torch.Tensor], None]) -> None:
         if order not in REDUCE_ORDERS:
             raise ValueError(f"reduce_order={order!r}: one of {REDUCE_ORDERS}")
         self.rank, self.world, self.group, self.order, self.inflight = rank, world, group, order, max(0, inflight)
+        self.comm = comm
         self.on_block, self.on_param, self.replicated = on_block, on_param, replicated
         self.queue: list[_Reduction] = []
         # a replicated parameter's elements owned by each rank: consecutive, in rank order (the ScatterSum pieces)
@@ -167,7 +165,7 @@ class GradReductions:
                 full = flat.pack([p.detach() for p in (s.param for s in flat.slots)],
                                  torch.empty(flat.total, dtype=flat.dtype, device=device))
                 out = torch.empty_like(full)
-                _all_gather(out, full[lo:hi].clone(), self.group)
+                self.comm.all_gather(out, full[lo:hi].clone()).wait()
                 for s in flat.slots:
                     s.param.copy_(flat.view(out, s))
 
@@ -175,7 +173,7 @@ class GradReductions:
         if self.order == "rank":  # the trainable tail only: a frozen head (a LoRA base) has nothing to sum
             first = u.flat.trainable_start
             total: ScatterSum | _BackendSum = ScatterSum(flat[first:], u.flat.trainable_counts(), self.rank,
-                                                         self.group)
+                                                         self.comm)
         else:
             total = _BackendSum(flat, u.flat.shard, self.group)
         self._started(_Reduction(total, flat, unit=u))
@@ -187,7 +185,7 @@ class GradReductions:
         p.grad.mul_(1.0 / self.world)
         flat = p.grad.view(-1)
         if self.order == "rank":
-            total: ScatterSum | _BackendSum = ScatterSum(flat, self._counts[id(p)], self.rank, self.group)
+            total: ScatterSum | _BackendSum = ScatterSum(flat, self._counts[id(p)], self.rank, self.comm)
         else:
             total = _BackendSum(flat, 0, self.group, whole=True)
         self._started(_Reduction(total, flat, param=p))
@@ -217,8 +215,8 @@ class ShardIO:
     """A rank's block shards in its store, and the gathers that make whole blocks of them (the collectives that read
     a shard). Its ``residency`` exists from ``ShardedParams.start`` on."""
 
-    def __init__(self, rank: int, group: Any, device: torch.device) -> None:
-        self.rank, self.group, self.device = rank, group, device
+    def __init__(self, rank: int, comm: Comm, device: torch.device) -> None:
+        self.rank, self.comm, self.device = rank, comm, device
         self.residency: BlockResidency | None = None
 
     def gathered(self, u: Unit) -> torch.Tensor:
@@ -228,7 +226,7 @@ class ShardIO:
         try:
             local = u.shard.slots[0].param.data
             full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
-            _all_gather(full, local.to(self.device), self.group)
+            self.comm.all_gather(full, local.to(self.device)).wait()
         finally:
             self.residency.release(u.shard, GATHER)
         return full
@@ -241,8 +239,7 @@ class ShardIO:
             return
         self.residency.acquire(u.shard, GATHER)
         full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
-        gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
-        u.ahead = (full, gather(full, u.shard.slots[0].param.data.to(self.device), group=self.group, async_op=True))
+        u.ahead = (full, self.comm.all_gather(full, u.shard.slots[0].param.data.to(self.device)))
 
     def take_ahead(self, u: Unit) -> torch.Tensor | None:
         if u.ahead is None:
@@ -277,9 +274,10 @@ class ShardedParams:
     def __init__(self, model: nn.Module, block_classes: BlockClasses, rank: int, world: int, group: Any,
                  prefetch: int = 1, device: torch.device | None = None,
                  reduced: Callable[[Sequence[torch.Tensor]], None] | None = None, reduce_order: str = "rank",
-                 inflight: int = 1, state_align: int = 1) -> None:
+                 inflight: int = 1, state_align: int = 1, comm: Comm | None = None) -> None:
         self.model = model
         self.rank, self.world, self.group = rank, world, group
+        self.comm = comm if comm is not None else BackendComm(group)
         self.prefetch = prefetch
         self.device = device or torch.device("cpu")
         self.reduced = reduced or (lambda params: None)
@@ -307,10 +305,10 @@ class ShardedParams:
             by_dtype.setdefault(p.dtype, []).append((n, p))
         # owned 1/N, gathered after a step
         self.replicated = [FlatShards(named, world, state_align) for named in by_dtype.values()]
-        self.reductions = GradReductions(rank, world, group, reduce_order, inflight, self.replicated,
+        self.reductions = GradReductions(rank, world, group, self.comm, reduce_order, inflight, self.replicated,
                                          on_block=self._reduced_block, on_param=lambda p: self.reduced([p]))
         self._unit_of = {id(p): u for u in self.units for p in u.trainable}
-        self.io = ShardIO(rank, group, self.device)
+        self.io = ShardIO(rank, self.comm, self.device)
         self._handles: list[Any] = []
         self.weights = ShardedWeights(self)  # the blocks' weights for checkpoints and exports
         self._stack: dict[int, list[_Call]] = {u.index: [] for u in self.units}

@@ -37,6 +37,7 @@ from lightning_nvme.constants import MiB
 from lightning_nvme.models.hub_export import MAX_SHARD_BYTES
 from lightning_nvme.optim import OffloadedOptimizer, Partition, UpdateListener
 from lightning_nvme.optim.plan import bytes_per_element, describe_params
+from lightning_nvme.params.comm import Comm, open_comm
 from lightning_nvme.params.materialize import has_meta_tensors
 from lightning_nvme.params.sharded import ShardedParams, owned_ranges
 from lightning_nvme.params.stream import BesideSource
@@ -83,6 +84,7 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
                          timeout=timeout, start_method=start_method, **kwargs)
         self.sharded: ShardedParams | None = None
         self._shard_group: Any = None  # the gathers' and reductions' own process group
+        self._comm: Comm | None = None  # what moves their bytes (params.comm: the backend or shared memory)
         self._resumed: BesideSource | None = None  # a checkpoint's weights for a model on the meta device
 
     @override
@@ -151,11 +153,13 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         if self._shard_group is None:
             self._shard_group = dist.new_group(list(range(self.world_size))) if dist.is_initialized() else None
         s = self.config
+        if self._comm is None:
+            self._comm = open_comm(s.collectives, self._shard_group, self.root_device, s.collective_buffer_bytes)
         classes = None if s.param_block_classes is None else tuple(s.param_block_classes)
         self.sharded = ShardedParams(trainer.lightning_module, classes, self.global_rank, self.world_size,
                                      self._shard_group, s.param_prefetch, self.root_device, reduced=self._reduced,
                                      reduce_order=s.reduce_order, inflight=max(1, s.param_prefetch),
-                                     state_align=s.state_format_spec.align)
+                                     state_align=s.state_format_spec.align, comm=self._comm)
         super(NVMeOffloadDDPStrategy, self)._offload_optimizers(trainer)
         self._grad_owner = {}
         for off in self.offloaded:
@@ -319,9 +323,12 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
                 self.sharded.stop(restore=not failed and self.config.restore_params)
         finally:
             group, self._shard_group = self._shard_group, None
+            comm, self._comm = self._comm, None
+            if comm is not None:
+                comm.close()
             super().teardown()
             if group is not None and dist.is_available() and dist.is_initialized():
                 dist.destroy_process_group(group)
 
     def __getstate__(self) -> dict[str, Any]:
-        return {**super().__getstate__(), "_shard_group": None, "sharded": None}
+        return {**super().__getstate__(), "_shard_group": None, "_comm": None, "sharded": None}

@@ -77,6 +77,7 @@ def two(tmp_path_factory):
     ck = {name: str(tmp / f"{name}.ckpt") for name in ("ddp2", "fsdp2", "ddp1", "fsdp1", "killed")}
     runs = [spec(tmp, "ddp_gpt", "ddp", save=ck["ddp2"]),
             spec(tmp, "fsdp_gpt", "fsdp", save=ck["fsdp2"]),
+            spec(tmp, "fsdp_gpt_backend", "fsdp", collectives="backend"),
             spec(tmp, "ddp_llama", "ddp", model="llama"),
             spec(tmp, "fsdp_llama", "fsdp", model="llama", chunk_bytes=4 << 10),
             spec(tmp, "ddp_frozen", "ddp", frozen_block_param=True, steps=8),
@@ -117,6 +118,17 @@ def test_tied_gpt_equals_plain_ddp_bitwise_on_two_ranks(two):
         assert fsdp[rank]["losses"] == ref[rank]["losses"]
     assert_bitwise(fsdp[0], fsdp[1], "replicas after the end-of-fit gather")
     assert fsdp[0]["updated_in_backward"] > 0 and fsdp[0]["blocks"] == 4
+
+
+def test_shared_memory_collectives_are_chosen_on_one_host_and_train_as_the_backends(two):
+    """``collectives="auto"`` on one host with CPU tensors moves the gathers and all-to-alls through shared memory;
+    ``"backend"`` through Gloo. The same bytes arrive either way: every parameter and loss of the 24 steps is equal,
+    bit for bit, on both ranks."""
+    shm, gloo = two["fsdp_gpt"], two["fsdp_gpt_backend"]
+    for rank in range(2):
+        assert shm[rank]["comm"] == "shared_memory" and gloo[rank]["comm"] == "backend"
+        assert_bitwise(gloo[rank], shm[rank], f"rank {rank}")
+        assert shm[rank]["losses"] == gloo[rank]["losses"]
 
 
 def test_tiny_llama_equals_plain_ddp_bitwise_on_two_ranks(two):
@@ -557,6 +569,7 @@ def test_four_ranks_equal_ddp_summing_in_rank_order_bitwise(four, model):
     ref, fsdp = four[f"ddp_{model}"], four[f"fsdp_{model}"]
     for rank in range(4):
         assert fsdp[rank]["global_step"] == STEPS
+        assert fsdp[rank]["comm"] == "shared_memory"  # its 4 x 4 cells of all-to-all
         assert_bitwise(ref[rank], fsdp[rank], f"rank {rank}")
         assert fsdp[rank]["losses"] == ref[rank]["losses"]
         assert_bitwise(fsdp[0], fsdp[rank], "replicas")
@@ -705,6 +718,7 @@ def _train(run: dict, world: int) -> None:
         strategy = NVMeOffloadFSDPStrategy(store_dir=run["store"], chunk_bytes=run.get("chunk_bytes", 16 << 10),
                                            timeout=timedelta(seconds=run.get("timeout_s", 1800)),
                                            reduce_order=run.get("reduce_order", "rank"),
+                                           collectives=run.get("collectives", "auto"),
                                            restore_params=run.get("restore_params", True),
                                            host_memory_budget=run.get("host_memory_budget", 0),
                                            inline_weights_bytes=run.get("inline_weights_bytes", 1 << 30), **formats)
@@ -739,6 +753,7 @@ def _train(run: dict, world: int) -> None:
             s = trainer.strategy
             if getattr(s, "sharded", None) is not None:
                 shelf["written_at_start"] = s.sharded.residency.stats.bytes_written
+                shelf["comm"] = s.sharded.comm.name
 
     shelf: dict = {}
 

@@ -9,7 +9,7 @@ stream beside it, references instead of values, and values read block by block f
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Iterable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
@@ -307,11 +307,16 @@ class ParamOffload:
 
 def chunks_per_block(layout: ParamLayout, chunks: Iterable[Chunk]) -> int:
     """The most of these optimizer chunks that hold state of one block's parameters (0: none)."""
-    block_of = layout.block_of()
-    per_block: dict[int, set[int]] = {}
+    return chunks_per_unit({pid: block.index for pid, block in layout.block_of().items()}, chunks)
+
+
+def chunks_per_unit(unit_of: Mapping[int, int], chunks: Iterable[Chunk]) -> int:
+    """The most of these optimizer chunks that hold state of one unit's parameters (``unit_of``: ``id(param)`` ->
+    its unit, a block or a block's shard; 0: none)."""
+    per_unit: dict[int, set[int]] = {}
     for chunk in chunks:
         for piece in chunk.pieces:
-            block = block_of.get(id(piece.param))
-            if block is not None:
-                per_block.setdefault(block.index, set()).add(chunk.index)
-    return max((len(c) for c in per_block.values()), default=0)
+            unit = unit_of.get(id(piece.param))
+            if unit is not None:
+                per_unit.setdefault(unit, set()).add(chunk.index)
+    return max((len(c) for c in per_unit.values()), default=0)

@@ -36,9 +36,10 @@ from lightning_nvme.checks import ConfigError
 from lightning_nvme.constants import MiB
 from lightning_nvme.models.hub_export import MAX_SHARD_BYTES
 from lightning_nvme.optim import OffloadedOptimizer, Partition, UpdateListener
-from lightning_nvme.optim.plan import bytes_per_element, describe_params
+from lightning_nvme.optim.plan import Plan, bytes_per_element, describe_params
 from lightning_nvme.params.comm import Comm, open_comm
 from lightning_nvme.params.materialize import has_meta_tensors
+from lightning_nvme.params.offload import chunks_per_unit
 from lightning_nvme.params.sharded import ShardedParams, owned_ranges
 from lightning_nvme.params.stream import BesideSource
 from lightning_nvme.settings import DDPOffloadSettings, FSDPOffloadSettings, with_settings
@@ -190,6 +191,20 @@ class NVMeOffloadFSDPStrategy(NVMeOffloadDDPStrategy):
         (with a decay / no-decay parameter split, or LoRA adapters packed together, every block of the model)."""
         assert self.sharded is not None
         return {id(p): u.index for u in self.sharded.units for p in u.params}
+
+    @override
+    def _read_ahead(self, plan: Plan) -> int:
+        """With ``overlap="backward"``: at least the chunks of one block's shard of state, so a block's state is read
+        while the block after it (in backward order) computes, as ``nvme_offload`` does with ``offload_params``. Why:
+        with only ``prefetch_depth`` chunks ahead (16 MiB at the default 8 MiB chunks, of a 2.56 B model's 315 MB
+        per block and rank) each update waited for its own state's read, and the step was the sum of its compute,
+        its disk and its collectives, not their maximum (``benchmarks/fsdp_offload.py``, docs/performance.md). Memory:
+        one chunk buffer per chunk read ahead (``chunk_bytes`` each), about one block shard's optimizer state."""
+        depth = super()._read_ahead(plan)
+        units = self._chunk_units()
+        if units is None or self.config.overlap != "backward":
+            return depth
+        return max(depth, chunks_per_unit(units, plan.chunks))
 
     @override
     def _extra_store_bytes(self) -> int:

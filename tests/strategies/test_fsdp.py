@@ -131,6 +131,15 @@ def test_shared_memory_collectives_are_chosen_on_one_host_and_train_as_the_backe
         assert shm[rank]["losses"] == gloo[rank]["losses"]
 
 
+def test_the_optimizer_reads_one_block_shards_state_ahead(two):
+    """With ``overlap="backward"`` the optimizer reads ahead at least the chunks of one block's shard of state
+    (more than ``prefetch_depth`` here), so a block's state is read while the block after it computes."""
+    for rank in range(2):
+        run = two["fsdp_gpt"][rank]
+        assert run["chunks_per_block_shard"] > run["prefetch_depth"]
+        assert run["read_ahead"] == run["chunks_per_block_shard"]
+
+
 def test_tiny_llama_equals_plain_ddp_bitwise_on_two_ranks(two):
     ref, fsdp = two["ddp_llama"], two["fsdp_llama"]
     for rank in range(2):
@@ -818,7 +827,11 @@ def _train(run: dict, world: int) -> None:
            "losses": losses, "batches": batches, "updated_in_backward": updated_in_backward, "waiting": waiting}
     if run["strategy"] == "fsdp":
         s = trainer.strategy
-        out.update(fused_elements=s.offloaded[0].fused_elements)
+        from lightning_nvme.params.offload import chunks_per_unit
+
+        out.update(fused_elements=s.offloaded[0].fused_elements, read_ahead=s.offloaded[0].reads.depth,
+                   prefetch_depth=s.config.prefetch_depth,
+                   chunks_per_block_shard=chunks_per_unit(s._chunk_units(), s.offloaded[0].chunks))
         units = s.sharded.units
         out.update(blocks=len(units), shard_bytes=sum(u.flat.shard_bytes for u in units),
                    block_bytes=[sum(sl.numel for sl in u.flat.slots) * 4 for u in units],

@@ -23,10 +23,13 @@ import torch.distributed as dist
 from lightning_nvme.params.comm import BackendComm, Comm
 
 
-def ordered_sum(parts: torch.Tensor) -> torch.Tensor:
-    """``parts[0] + parts[1] + ... + parts[-1]``, added left to right (``parts.sum(0)`` may pair terms otherwise)."""
-    out = parts[0].clone()
-    for part in parts[1:]:
+def ordered_sum(parts: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """``parts[0] + parts[1] + ... + parts[-1]``, added left to right (``parts.sum(0)`` may pair terms otherwise),
+    into ``out`` if given (a new tensor otherwise)."""
+    if len(parts) == 1:
+        return parts[0].clone() if out is None else out.copy_(parts[0])
+    out = torch.add(parts[0], parts[1], out=out)
+    for part in parts[2:]:
         out.add_(part)
     return out
 
@@ -42,9 +45,10 @@ class ScatterSum:
         self._recv = torch.empty(self.world * self.count, dtype=flat.dtype, device=flat.device)
         self._work = comm.all_to_all(self._recv, flat, counts)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, out: torch.Tensor | None = None) -> torch.Tensor:
+        """The sum (``count`` elements), written into ``out`` if given (where the caller wants it: no copy)."""
         self._work.wait()
-        return ordered_sum(self._recv.view(self.world, self.count))
+        return ordered_sum(self._recv.view(self.world, self.count), out)
 
 
 # no ``from __future__ import annotations`` here: torch's ``register_comm_hook`` checks the hook's annotations as objects

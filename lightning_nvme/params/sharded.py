@@ -80,6 +80,7 @@ class _BackendSum:
     piece of the sum) or, with ``whole``, ``all_reduce`` in place (``wait()``: all of ``flat``)."""
 
     def __init__(self, flat: torch.Tensor, shard: int, group: Any, whole: bool = False) -> None:
+        self.count = flat.numel() if whole else shard
         if whole:
             self._out = flat
             self._work = dist.all_reduce(flat, group=group, async_op=True)
@@ -88,9 +89,9 @@ class _BackendSum:
             scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
             self._work = scatter(self._out, flat, group=group, async_op=True)
 
-    def wait(self) -> torch.Tensor:
+    def wait(self, out: torch.Tensor | None = None) -> torch.Tensor:
         self._work.wait()
-        return self._out
+        return self._out if out is None else out.copy_(self._out)
 
 
 @dataclass
@@ -138,7 +139,8 @@ class GradReductions:
     ``on_param(p)`` once this rank's elements of it are summed). ``order``: ``REDUCE_ORDERS``."""
 
     def __init__(self, rank: int, world: int, group: Any, comm: Comm, order: str, inflight: int,
-                 replicated: list[FlatShards], on_block: Callable[[Unit, torch.Tensor, torch.Tensor], None],
+                 replicated: list[FlatShards],
+                 on_block: Callable[[Unit, torch.Tensor, ScatterSum | _BackendSum], None],
                  on_param: Callable[[torch.Tensor], None]) -> None:
         if order not in REDUCE_ORDERS:
             raise ValueError(f"reduce_order={order!r}: one of {REDUCE_ORDERS}")
@@ -200,15 +202,16 @@ class GradReductions:
             self._finish(self.queue.pop(0))
 
     def _finish(self, r: _Reduction) -> None:
-        mine = r.sum.wait()
         if r.param is not None:
-            if self.order == "rank":
+            if self.order == "rank":  # this rank's elements summed in place
                 lo, hi = self._mine.get(id(r.param), (0, 0))
-                r.flat[lo:hi].copy_(mine)
+                r.sum.wait(out=r.flat[lo:hi])
+            else:
+                r.sum.wait()
             self.on_param(r.param)
         else:
             assert r.unit is not None
-            self.on_block(r.unit, r.flat, mine)
+            self.on_block(r.unit, r.flat, r.sum)
 
 
 class ShardIO:
@@ -499,10 +502,10 @@ class ShardedParams:
         self._hold(u, REDUCE)
         self.reductions.block(u, flat)
 
-    def _reduced_block(self, u: Unit, flat: torch.Tensor, mine: torch.Tensor) -> None:
+    def _reduced_block(self, u: Unit, flat: torch.Tensor, total: ScatterSum | _BackendSum) -> None:
         """A block's reduction is waited for: its owned gradient is final, the optimizer may update it."""
         owned = {id(p) for p in u.owned_params}
-        grad = _owned_grad(u, self.rank, owned, flat, mine)  # the other parameters' .grad None
+        grad = _owned_grad(u, self.rank, owned, flat, total)  # the other parameters' .grad None
         if owned:
             u.grad = grad
             u.pending = set(owned)
@@ -569,24 +572,25 @@ class ShardedParams:
         self.reductions.regather(self.device)
 
 
-def _owned_grad(u: Unit, rank: int, owned: set[int], flat: torch.Tensor, mine: torch.Tensor) -> torch.Tensor:
+def _owned_grad(u: Unit, rank: int, owned: set[int], flat: torch.Tensor, total: ScatterSum | _BackendSum) -> torch.Tensor:
     """The gradient an update of ``u``'s owned parameters reads (each owned parameter's ``.grad`` a view into it): the
-    window of ``flat`` that ``FlatShards.window`` names, this rank's summed elements (``mine``, its shard's trainable
-    tail) in place of its own terms; the elements outside the shard are never read. Not the whole block's gradient:
-    N times as much, alive until the update."""
+    window of ``flat`` that ``FlatShards.window`` names, this rank's summed elements (``total``'s ``count``, its
+    shard's trainable tail) in place of its own terms, summed straight into it; the elements outside the shard are
+    never read. Not the whole block's gradient: N times as much, alive until the update."""
     if not owned:
+        total.wait()
         for s in u.flat.slots:
             s.param.grad = None
         return flat
     _, hi = u.flat.bounds(rank)
     a, b = u.flat.window(rank, owned)
-    off = hi - mine.numel()
+    off = hi - total.count
     if (a, b) != (0, u.flat.total):
         grad = torch.empty(b - a, dtype=flat.dtype, device=flat.device)
         grad[:off - a].copy_(flat[a:off])
         grad[hi - a:].copy_(flat[hi:b])
         flat = grad
-    flat[off - a:hi - a].copy_(mine)
+    total.wait(out=flat[off - a:hi - a])
     for s in u.flat.slots:
         s.param.grad = u.flat.view(flat, s, a) if id(s.param) in owned else None
     return flat

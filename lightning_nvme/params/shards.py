@@ -60,9 +60,13 @@ class FlatShards:
             self.slots.append(FlatSlot(name, p, offset, p.numel(), p.shape))
             offset = -(-(offset + p.numel()) // self.align) * self.align
         self.used = offset
+        ends = [s.offset + s.numel for s in self.slots]
+        self._gaps = [(e, s.offset) for e, s in zip(ends, self.slots[1:]) if s.offset > e]  # alignment padding
         per_rank = -(-offset // world)
         self.shard = max(self.align, -(-per_rank // self.align) * self.align)  # each shard starts aligned too
         self.total = self.shard * world
+        if self.total > (ends[-1] if ends else 0):
+            self._gaps.append((ends[-1] if ends else 0, self.total))
 
     @property
     def shard_bytes(self) -> int:
@@ -119,9 +123,14 @@ class FlatShards:
 
     def pack(self, tensors: list[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
         """``tensors`` (one per slot, shaped like it) copied into ``out`` (``total`` elements), gaps zeroed; a
-        ``None`` leaves its slot zero (a frozen parameter's gradient)."""
-        out.zero_()
+        ``None`` leaves its slot zero (a frozen parameter's gradient). Each element is written once (a block's
+        gradient is packed on the critical path of every backward: zeroing all of ``out`` first was a second pass
+        over it)."""
+        for lo, hi in self._gaps:
+            out[lo:hi].zero_()
         for s, t in zip(self.slots, tensors):
-            if t is not None:
+            if t is None:
+                self.view(out, s).zero_()
+            else:
                 self.view(out, s).copy_(t)
         return out

@@ -21,6 +21,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_nvme.params.comm import BackendComm, Comm
+from lightning_nvme.params.spare import SpareBuffers
 
 
 def ordered_sum(parts: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
@@ -38,17 +39,23 @@ class ScatterSum:
     """An asynchronous reduce-scatter whose sum runs in rank order: rank r receives the piece ``counts[r]`` of every
     rank's ``flat`` (``flat`` is cut into consecutive pieces of ``counts``, one per rank) and ``wait()`` returns
     their sum, added in rank order. ``flat`` must not change until ``wait()`` returns. ``comm`` moves the pieces
-    (``params.comm``: the backend's all-to-all, or shared memory)."""
+    (``params.comm``: the backend's all-to-all, or shared memory); ``spare``: where its receive buffer comes from
+    and goes back to (``params.spare``)."""
 
-    def __init__(self, flat: torch.Tensor, counts: Sequence[int], rank: int, comm: Comm) -> None:
-        self.world, self.count = len(counts), counts[rank]
-        self._recv = torch.empty(self.world * self.count, dtype=flat.dtype, device=flat.device)
+    def __init__(self, flat: torch.Tensor, counts: Sequence[int], rank: int, comm: Comm,
+                 spare: SpareBuffers | None = None) -> None:
+        self.world, self.count, self._spare = len(counts), counts[rank], spare
+        n = self.world * self.count
+        self._recv = spare.take(n, flat.dtype, flat.device) if spare else torch.empty(n, dtype=flat.dtype, device=flat.device)
         self._work = comm.all_to_all(self._recv, flat, counts)
 
     def wait(self, out: torch.Tensor | None = None) -> torch.Tensor:
         """The sum (``count`` elements), written into ``out`` if given (where the caller wants it: no copy)."""
         self._work.wait()
-        return ordered_sum(self._recv.view(self.world, self.count), out)
+        total = ordered_sum(self._recv.view(self.world, self.count), out)
+        if self._spare is not None:
+            self._spare.give(self._recv)
+        return total
 
 
 # no ``from __future__ import annotations`` here: torch's ``register_comm_hook`` checks the hook's annotations as objects

@@ -68,6 +68,7 @@ from lightning_nvme.params.schedule import (
 )
 from lightning_nvme.params.sharded_weights import ShardedWeights
 from lightning_nvme.params.shards import FlatShards
+from lightning_nvme.params.spare import SpareBuffers
 from lightning_nvme.params.transfer import HostTransfer
 
 FWD, BWD, UPDATE, USER, RECOMPUTE, GATHER, REDUCE = ("forward", "backward", "update", "user", "recompute", "gather",
@@ -138,14 +139,14 @@ class GradReductions:
     gets this rank's summed shard) and ``param`` (a replicated parameter's gradient, as autograd's hook hands it;
     ``on_param(p)`` once this rank's elements of it are summed). ``order``: ``REDUCE_ORDERS``."""
 
-    def __init__(self, rank: int, world: int, group: Any, comm: Comm, order: str, inflight: int,
+    def __init__(self, rank: int, world: int, group: Any, comm: Comm, spare: SpareBuffers, order: str, inflight: int,
                  replicated: list[FlatShards],
                  on_block: Callable[[Unit, torch.Tensor, ScatterSum | _BackendSum], None],
                  on_param: Callable[[torch.Tensor], None]) -> None:
         if order not in REDUCE_ORDERS:
             raise ValueError(f"reduce_order={order!r}: one of {REDUCE_ORDERS}")
         self.rank, self.world, self.group, self.order, self.inflight = rank, world, group, order, max(0, inflight)
-        self.comm = comm
+        self.comm, self.spare = comm, spare
         self.on_block, self.on_param, self.replicated = on_block, on_param, replicated
         self.queue: list[_Reduction] = []
         # a replicated parameter's elements owned by each rank: consecutive, in rank order (the ScatterSum pieces)
@@ -175,7 +176,7 @@ class GradReductions:
         if self.order == "rank":  # the trainable tail only: a frozen head (a LoRA base) has nothing to sum
             first = u.flat.trainable_start
             total: ScatterSum | _BackendSum = ScatterSum(flat[first:], u.flat.trainable_counts(), self.rank,
-                                                         self.comm)
+                                                         self.comm, self.spare)
         else:
             total = _BackendSum(flat, u.flat.shard, self.group)
         self._started(_Reduction(total, flat, unit=u))
@@ -218,8 +219,8 @@ class ShardIO:
     """A rank's block shards in its store, and the gathers that make whole blocks of them (the collectives that read
     a shard). Its ``residency`` exists from ``ShardedParams.start`` on."""
 
-    def __init__(self, rank: int, comm: Comm, device: torch.device) -> None:
-        self.rank, self.comm, self.device = rank, comm, device
+    def __init__(self, rank: int, comm: Comm, spare: SpareBuffers, device: torch.device) -> None:
+        self.rank, self.comm, self.spare, self.device = rank, comm, spare, device
         self.residency: BlockResidency | None = None
 
     def gathered(self, u: Unit) -> torch.Tensor:
@@ -228,7 +229,7 @@ class ShardIO:
         self.residency.acquire(u.shard, GATHER)
         try:
             local = u.shard.slots[0].param.data
-            full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
+            full = self.spare.take(u.flat.total, u.flat.dtype, self.device)
             self.comm.all_gather(full, local.to(self.device)).wait()
         finally:
             self.residency.release(u.shard, GATHER)
@@ -241,7 +242,7 @@ class ShardIO:
         if u.full is not None or u.ahead is not None:
             return
         self.residency.acquire(u.shard, GATHER)
-        full = torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device)
+        full = self.spare.take(u.flat.total, u.flat.dtype, self.device)
         u.ahead = (full, self.comm.all_gather(full, u.shard.slots[0].param.data.to(self.device)))
 
     def take_ahead(self, u: Unit) -> torch.Tensor | None:
@@ -281,6 +282,9 @@ class ShardedParams:
         self.model = model
         self.rank, self.world, self.group = rank, world, group
         self.comm = comm if comm is not None else BackendComm(group)
+        # block-sized work buffers (gathered blocks, flat gradients, receive buffers): in flight at once, at most
+        # the blocks gathered (this one, the next, one per reduction pending) and a gradient per reduction
+        self.spare = SpareBuffers(per_size=2 * (prefetch + inflight + 1))
         self.prefetch = prefetch
         self.device = device or torch.device("cpu")
         self.reduced = reduced or (lambda params: None)
@@ -308,10 +312,10 @@ class ShardedParams:
             by_dtype.setdefault(p.dtype, []).append((n, p))
         # owned 1/N, gathered after a step
         self.replicated = [FlatShards(named, world, state_align) for named in by_dtype.values()]
-        self.reductions = GradReductions(rank, world, group, self.comm, reduce_order, inflight, self.replicated,
+        self.reductions = GradReductions(rank, world, group, self.comm, self.spare, reduce_order, inflight, self.replicated,
                                          on_block=self._reduced_block, on_param=lambda p: self.reduced([p]))
         self._unit_of = {id(p): u for u in self.units for p in u.trainable}
-        self.io = ShardIO(rank, self.comm, self.device)
+        self.io = ShardIO(rank, self.comm, self.spare, self.device)
         self._handles: list[Any] = []
         self.weights = ShardedWeights(self)  # the blocks' weights for checkpoints and exports
         self._stack: dict[int, list[_Call]] = {u.index: [] for u in self.units}
@@ -411,11 +415,12 @@ class ShardedParams:
         if not +u.refs:
             self._unbind(u)
         elif set(+u.refs) <= {REDUCE, UPDATE}:
-            _keep_owned(u, self.rank)
+            _keep_owned(u, self.rank, self.spare)
 
     def _unbind(self, u: Unit) -> None:
         for s in u.flat.slots:
             s.param.data = placeholder(s.shape, u.flat.dtype, self.device)
+        self.spare.give(u.full)
         u.full, u.window = None, None
 
     # ---- forward ---------------------------------------------------------------------------------------------
@@ -495,17 +500,19 @@ class ShardedParams:
         u.arrived.clear()
         grads = [p.grad if p.requires_grad else None for p in u.params]  # a frozen parameter's: zeros
         assert all(p.grad is not None for p in u.trainable)  # every one arrived (``_grad_hook``)
-        flat = u.flat.pack(grads, torch.empty(u.flat.total, dtype=u.flat.dtype, device=self.device))
+        # averaged as DDP's reducer does: multiplied by 1/N (as it is packed), then summed
+        flat = u.flat.pack(grads, self.spare.take(u.flat.total, u.flat.dtype, self.device), scale=1.0 / self.world)
         for p in u.trainable:
             p.grad = None  # packed: freed now, the owned views are set when the reduction is waited for
-        flat.mul_(1.0 / self.world)  # averages as DDP's reducer does: multiply by 1/N, then sum
         self._hold(u, REDUCE)
         self.reductions.block(u, flat)
 
     def _reduced_block(self, u: Unit, flat: torch.Tensor, total: ScatterSum | _BackendSum) -> None:
         """A block's reduction is waited for: its owned gradient is final, the optimizer may update it."""
         owned = {id(p) for p in u.owned_params}
-        grad = _owned_grad(u, self.rank, owned, flat, total)  # the other parameters' .grad None
+        grad = _owned_grad(u, self.rank, owned, flat, total, self.spare)  # the other parameters' .grad None
+        if grad is not flat or not owned:
+            self.spare.give(flat)
         if owned:
             u.grad = grad
             u.pending = set(owned)
@@ -549,6 +556,7 @@ class ShardedParams:
     def _updated(self, u: Unit) -> None:
         assert u.full is not None
         self.io.write_shard(u, u.full, updated=True, base=u.window[0] if u.window else 0)
+        self.spare.give(u.grad)
         u.grad = None
         self._let_go(u, UPDATE)
 
@@ -572,7 +580,8 @@ class ShardedParams:
         self.reductions.regather(self.device)
 
 
-def _owned_grad(u: Unit, rank: int, owned: set[int], flat: torch.Tensor, total: ScatterSum | _BackendSum) -> torch.Tensor:
+def _owned_grad(u: Unit, rank: int, owned: set[int], flat: torch.Tensor, total: ScatterSum | _BackendSum,
+                spare: SpareBuffers) -> torch.Tensor:
     """The gradient an update of ``u``'s owned parameters reads (each owned parameter's ``.grad`` a view into it): the
     window of ``flat`` that ``FlatShards.window`` names, this rank's summed elements (``total``'s ``count``, its
     shard's trainable tail) in place of its own terms, summed straight into it; the elements outside the shard are
@@ -586,7 +595,7 @@ def _owned_grad(u: Unit, rank: int, owned: set[int], flat: torch.Tensor, total: 
     a, b = u.flat.window(rank, owned)
     off = hi - total.count
     if (a, b) != (0, u.flat.total):
-        grad = torch.empty(b - a, dtype=flat.dtype, device=flat.device)
+        grad = spare.take(b - a, flat.dtype, flat.device)
         grad[:off - a].copy_(flat[a:off])
         grad[hi - a:].copy_(flat[hi:b])
         flat = grad
@@ -596,7 +605,7 @@ def _owned_grad(u: Unit, rank: int, owned: set[int], flat: torch.Tensor, total: 
     return flat
 
 
-def _keep_owned(u: Unit, rank: int) -> None:
+def _keep_owned(u: Unit, rank: int, spare: SpareBuffers) -> None:
     """``u`` waits only for its gradient's reduction and its update: keep the window of its gathered weights that the
     update writes (``FlatShards.window``: this rank's shard, owned parameters whole), free the rest, and make the
     other parameters placeholders. Why: from a block's backward to its update the whole gathered block stayed
@@ -607,9 +616,10 @@ def _keep_owned(u: Unit, rank: int) -> None:
     a, b = u.flat.window(rank, owned)
     if (a, b) == (0, u.flat.total):
         return
-    kept = u.full[a:b].clone()
+    kept = spare.take(b - a, u.full.dtype, u.full.device).copy_(u.full[a:b])
     for s in u.flat.slots:
         s.param.data = u.flat.view(kept, s, a) if id(s.param) in owned else placeholder(s.shape, u.flat.dtype, kept.device)
+    spare.give(u.full)
     u.full, u.window = kept, (a, b)
 
 

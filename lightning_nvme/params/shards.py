@@ -121,16 +121,18 @@ class FlatShards:
         the parameter."""
         return flat[slot.offset - base:slot.offset - base + slot.numel].view(slot.shape)
 
-    def pack(self, tensors: list[torch.Tensor | None], out: torch.Tensor) -> torch.Tensor:
+    def pack(self, tensors: list[torch.Tensor | None], out: torch.Tensor, scale: float | None = None) -> torch.Tensor:
         """``tensors`` (one per slot, shaped like it) copied into ``out`` (``total`` elements), gaps zeroed; a
         ``None`` leaves its slot zero (a frozen parameter's gradient). Each element is written once (a block's
         gradient is packed on the critical path of every backward: zeroing all of ``out`` first was a second pass
-        over it)."""
+        over it). ``scale``: each value multiplied by it as it is written (bitwise a copy, then ``mul_``)."""
         for lo, hi in self._gaps:
             out[lo:hi].zero_()
         for s, t in zip(self.slots, tensors):
             if t is None:
                 self.view(out, s).zero_()
-            else:
+            elif scale is None:
                 self.view(out, s).copy_(t)
+            else:
+                torch.mul(t, scale, out=self.view(out, s))
         return out

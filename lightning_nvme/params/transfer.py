@@ -123,13 +123,13 @@ class HostTransfer:
         if not self.buffer_bytes // 2 <= nbytes <= self.buffer_bytes:
             return aligned_empty(nbytes)
         for i, base in enumerate(self._free):
-            if _uses(base) <= self._pool[base.data_ptr()][1]:
+            if storage_uses(base) <= self._pool[base.data_ptr()][1]:
                 return self._free.pop(i)[:nbytes]
             self.stats.pool_buffers_held += 1  # still held elsewhere: it waits in the pool until its holder lets go
         if len(self._pool) >= self.pool_size:
             return aligned_empty(nbytes)
         fresh = aligned_empty(self.buffer_bytes)
-        self._pool[fresh.data_ptr()] = (fresh, _uses(fresh))
+        self._pool[fresh.data_ptr()] = (fresh, storage_uses(fresh))
         self.stats.pool_buffers += 1
         return fresh[:nbytes]
 
@@ -165,7 +165,7 @@ class HostTransfer:
         self._pool, self._free, self.pool_size = {}, [], 0
 
 
-def _uses(t: torch.Tensor) -> int:
+def storage_uses(t: torch.Tensor) -> int:
     """How many tensors share ``t``'s storage (views, autograd's saved tensors; plus the query's own)."""
     use_count = getattr(torch._C, "_storage_Use_Count", None)
     return 0 if use_count is None else int(use_count(t.untyped_storage()._cdata))

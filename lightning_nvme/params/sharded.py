@@ -353,7 +353,12 @@ class ShardedParams:
         for u in self.units:
             u.owned_params = [p for p in u.owned_params if id(p) in ids]
         store.add_regions(self.regions())
-        residency = BlockResidency(store, [u.shard for u in self.units], self.prefetch + 1, transfer=HostTransfer())
+        # the shards' host buffers from a pool, as offload_params' blocks (``HostTransfer``): a fresh mapping per read
+        # and write-back was faulted page by page, three times per block and step, on the rank's core
+        writes = self.prefetch + 1
+        largest = max((store.region(u.shard.region).capacity for u in self.units), default=0)
+        residency = BlockResidency(store, [u.shard for u in self.units], writes,
+                                   transfer=HostTransfer(largest, pool_size=self.prefetch + 2 + writes))
         self.io.residency = residency
         if has_meta_tensors(self.model):
             _build_from_meta(self, initial)

@@ -140,6 +140,17 @@ def test_the_optimizer_reads_one_block_shards_state_ahead(two):
         assert run["read_ahead"] == run["chunks_per_block_shard"]
 
 
+def test_block_sized_buffers_are_reused_not_mapped_afresh(two):
+    """The shards' host buffers come from a bounded pool (as ``offload_params``' blocks) and the gathered blocks,
+    flat gradients and receive buffers from ``SpareBuffers``: reused across blocks and steps, never more pooled
+    than in use at once (the training is bitwise DDP's: ``test_tied_gpt_equals_plain_ddp_bitwise_on_two_ranks``)."""
+    for rank in range(2):
+        run = two["fsdp_gpt"][rank]
+        depth = run["param_prefetch"]
+        assert 0 < run["pool_buffers"] <= depth + 2 + depth + 1 < run["block_loads"]
+        assert run["spare_reused"] > 0
+
+
 def test_tiny_llama_equals_plain_ddp_bitwise_on_two_ranks(two):
     ref, fsdp = two["ddp_llama"], two["fsdp_llama"]
     for rank in range(2):
@@ -751,6 +762,10 @@ def _train(run: dict, world: int) -> None:
 
         def on_train_end(self, trainer, pl_module):  # what the shelf held (the store's close empties it)
             s = trainer.strategy
+            if getattr(s, "sharded", None) is not None and s.sharded.residency is not None:
+                shelf.update(pool_buffers=s.sharded.residency.transfer.stats.pool_buffers,
+                             block_loads=s.sharded.residency.stats.loads, spare_reused=s.sharded.spare.reused,
+                             param_prefetch=s.config.param_prefetch)
             if run.get("export"):  # during fit: the blocks are still sharded in the stores
                 s.export_weights(run["export"], layout=run.get("export_layout", "lightning"))
             if getattr(s, "sharded", None) is not None and s.shelf_plan is not None and s.nvme_store is not None:

@@ -245,7 +245,7 @@ def worker(args) -> None:
                            shard_bytes=sum(u.flat.shard_bytes for u in units),
                            block_bytes=sum(u.flat.total * 4 for u in units),
                            replicated_bytes=sum(f.total * 4 for f in s.sharded.replicated),
-                           state_bytes=s.offloaded[0].state_bytes, collectives=s.sharded.comm.name)
+                           state_bytes=s.offloaded[0].state_bytes, collectives=s.sharded.io.comm.name)
                 os.remove(path)  # the next fit's store: the disk budget holds one at a time
                 if args.world > 1:
                     w, r = _concurrent_disk(os.path.dirname(path), args.disk_mib * MiB)

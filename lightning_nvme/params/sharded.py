@@ -219,9 +219,22 @@ class ShardIO:
     """A rank's block shards in its store, and the gathers that make whole blocks of them (the collectives that read
     a shard). Its ``residency`` exists from ``ShardedParams.start`` on."""
 
-    def __init__(self, rank: int, comm: Comm, spare: SpareBuffers, device: torch.device) -> None:
-        self.rank, self.comm, self.spare, self.device = rank, comm, spare, device
+    def __init__(self, rank: int, comm: Comm, device: torch.device, in_flight: int) -> None:
+        self.rank, self.comm, self.device = rank, comm, device
+        # block-sized work buffers (gathered blocks, flat gradients, receive buffers), ``in_flight`` blocks' worth:
+        # the blocks gathered (this one, the next, one per reduction pending), a gradient and a receive buffer each
+        self.spare = SpareBuffers(per_size=2 * in_flight)
         self.residency: BlockResidency | None = None
+
+    def attach(self, store: Any, shards: list[BlockLayout], prefetch: int) -> BlockResidency:
+        """The residency of ``shards`` in ``store``; their host buffers from a pool, as ``offload_params``' blocks
+        (``HostTransfer``): a fresh mapping per read and write-back was faulted page by page, three times per block
+        and step, on the rank's core."""
+        writes = prefetch + 1
+        largest = max((store.region(s.region).capacity for s in shards), default=0)
+        self.residency = BlockResidency(store, shards, writes,
+                                        transfer=HostTransfer(largest, pool_size=prefetch + 2 + writes))
+        return self.residency
 
     def gathered(self, u: Unit) -> torch.Tensor:
         """The whole block as one flat tensor: this rank's shard from the store, all-gathered (a collective)."""
@@ -281,12 +294,9 @@ class ShardedParams:
                  inflight: int = 1, state_align: int = 1, comm: Comm | None = None) -> None:
         self.model = model
         self.rank, self.world, self.group = rank, world, group
-        self.comm = comm if comm is not None else BackendComm(group)
-        # block-sized work buffers (gathered blocks, flat gradients, receive buffers): in flight at once, at most
-        # the blocks gathered (this one, the next, one per reduction pending) and a gradient per reduction
-        self.spare = SpareBuffers(per_size=2 * (prefetch + inflight + 1))
         self.prefetch = prefetch
         self.device = device or torch.device("cpu")
+        self.io = ShardIO(rank, comm if comm is not None else BackendComm(group), self.device, prefetch + inflight + 1)
         self.reduced = reduced or (lambda params: None)
         classes = block_classes if block_classes is not None else model_block_classes(model)
         blocks = find_blocks(model, classes)
@@ -312,10 +322,9 @@ class ShardedParams:
             by_dtype.setdefault(p.dtype, []).append((n, p))
         # owned 1/N, gathered after a step
         self.replicated = [FlatShards(named, world, state_align) for named in by_dtype.values()]
-        self.reductions = GradReductions(rank, world, group, self.comm, self.spare, reduce_order, inflight, self.replicated,
+        self.reductions = GradReductions(rank, world, group, self.io.comm, self.io.spare, reduce_order, inflight, self.replicated,
                                          on_block=self._reduced_block, on_param=lambda p: self.reduced([p]))
         self._unit_of = {id(p): u for u in self.units for p in u.trainable}
-        self.io = ShardIO(rank, self.comm, self.spare, self.device)
         self._handles: list[Any] = []
         self.weights = ShardedWeights(self)  # the blocks' weights for checkpoints and exports
         self._stack: dict[int, list[_Call]] = {u.index: [] for u in self.units}
@@ -353,13 +362,7 @@ class ShardedParams:
         for u in self.units:
             u.owned_params = [p for p in u.owned_params if id(p) in ids]
         store.add_regions(self.regions())
-        # the shards' host buffers from a pool, as offload_params' blocks (``HostTransfer``): a fresh mapping per read
-        # and write-back was faulted page by page, three times per block and step, on the rank's core
-        writes = self.prefetch + 1
-        largest = max((store.region(u.shard.region).capacity for u in self.units), default=0)
-        residency = BlockResidency(store, [u.shard for u in self.units], writes,
-                                   transfer=HostTransfer(largest, pool_size=self.prefetch + 2 + writes))
-        self.io.residency = residency
+        residency = self.io.attach(store, [u.shard for u in self.units], self.prefetch)
         if has_meta_tensors(self.model):
             _build_from_meta(self, initial)
         else:
@@ -420,12 +423,12 @@ class ShardedParams:
         if not +u.refs:
             self._unbind(u)
         elif set(+u.refs) <= {REDUCE, UPDATE}:
-            _keep_owned(u, self.rank, self.spare)
+            _keep_owned(u, self.rank, self.io.spare)
 
     def _unbind(self, u: Unit) -> None:
         for s in u.flat.slots:
             s.param.data = placeholder(s.shape, u.flat.dtype, self.device)
-        self.spare.give(u.full)
+        self.io.spare.give(u.full)
         u.full, u.window = None, None
 
     # ---- forward ---------------------------------------------------------------------------------------------
@@ -506,7 +509,7 @@ class ShardedParams:
         grads = [p.grad if p.requires_grad else None for p in u.params]  # a frozen parameter's: zeros
         assert all(p.grad is not None for p in u.trainable)  # every one arrived (``_grad_hook``)
         # averaged as DDP's reducer does: multiplied by 1/N (as it is packed), then summed
-        flat = u.flat.pack(grads, self.spare.take(u.flat.total, u.flat.dtype, self.device), scale=1.0 / self.world)
+        flat = u.flat.pack(grads, self.io.spare.take(u.flat.total, u.flat.dtype, self.device), scale=1.0 / self.world)
         for p in u.trainable:
             p.grad = None  # packed: freed now, the owned views are set when the reduction is waited for
         self._hold(u, REDUCE)
@@ -515,9 +518,7 @@ class ShardedParams:
     def _reduced_block(self, u: Unit, flat: torch.Tensor, total: ScatterSum | _BackendSum) -> None:
         """A block's reduction is waited for: its owned gradient is final, the optimizer may update it."""
         owned = {id(p) for p in u.owned_params}
-        grad = _owned_grad(u, self.rank, owned, flat, total, self.spare)  # the other parameters' .grad None
-        if grad is not flat or not owned:
-            self.spare.give(flat)
+        grad = _owned_grad(u, self.rank, owned, flat, total, self.io.spare)  # the other parameters' .grad None
         if owned:
             u.grad = grad
             u.pending = set(owned)
@@ -561,7 +562,7 @@ class ShardedParams:
     def _updated(self, u: Unit) -> None:
         assert u.full is not None
         self.io.write_shard(u, u.full, updated=True, base=u.window[0] if u.window else 0)
-        self.spare.give(u.grad)
+        self.io.spare.give(u.grad)
         u.grad = None
         self._let_go(u, UPDATE)
 
@@ -590,11 +591,13 @@ def _owned_grad(u: Unit, rank: int, owned: set[int], flat: torch.Tensor, total: 
     """The gradient an update of ``u``'s owned parameters reads (each owned parameter's ``.grad`` a view into it): the
     window of ``flat`` that ``FlatShards.window`` names, this rank's summed elements (``total``'s ``count``, its
     shard's trainable tail) in place of its own terms, summed straight into it; the elements outside the shard are
-    never read. Not the whole block's gradient: N times as much, alive until the update."""
+    never read. Not the whole block's gradient: N times as much, alive until the update. ``flat`` goes back to
+    ``spare`` when the update does not read it (no owned parameters: discard the result; or a window of its own)."""
     if not owned:
         total.wait()
         for s in u.flat.slots:
             s.param.grad = None
+        spare.give(flat)
         return flat
     _, hi = u.flat.bounds(rank)
     a, b = u.flat.window(rank, owned)
@@ -603,8 +606,11 @@ def _owned_grad(u: Unit, rank: int, owned: set[int], flat: torch.Tensor, total: 
         grad = spare.take(b - a, flat.dtype, flat.device)
         grad[:off - a].copy_(flat[a:off])
         grad[hi - a:].copy_(flat[hi:b])
+        total.wait(out=grad[off - a:hi - a])
+        spare.give(flat)
         flat = grad
-    total.wait(out=flat[off - a:hi - a])
+    else:
+        total.wait(out=flat[off - a:hi - a])
     for s in u.flat.slots:
         s.param.grad = u.flat.view(flat, s, a) if id(s.param) in owned else None
     return flat

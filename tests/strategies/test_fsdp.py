@@ -764,7 +764,7 @@ def _train(run: dict, world: int) -> None:
             s = trainer.strategy
             if getattr(s, "sharded", None) is not None and s.sharded.residency is not None:
                 shelf.update(pool_buffers=s.sharded.residency.transfer.stats.pool_buffers,
-                             block_loads=s.sharded.residency.stats.loads, spare_reused=s.sharded.spare.reused,
+                             block_loads=s.sharded.residency.stats.loads, spare_reused=s.sharded.io.spare.reused,
                              param_prefetch=s.config.param_prefetch)
             if run.get("export"):  # during fit: the blocks are still sharded in the stores
                 s.export_weights(run["export"], layout=run.get("export_layout", "lightning"))
@@ -777,7 +777,7 @@ def _train(run: dict, world: int) -> None:
             s = trainer.strategy
             if getattr(s, "sharded", None) is not None:
                 shelf["written_at_start"] = s.sharded.residency.stats.bytes_written
-                shelf["comm"] = s.sharded.comm.name
+                shelf["comm"] = s.sharded.io.comm.name
 
     shelf: dict = {}
 

@@ -403,6 +403,7 @@ class ShardedParams:
         self.residency.release_all()
         self.residency.drain()
         self.io.residency = None
+        self.io.spare.close()  # the pooled work buffers serve the steps only: not held after fit
 
     # ---- gather, bind, release ---------------------------------------------------------------------------
     def _hold(self, u: Unit, why: str) -> None:

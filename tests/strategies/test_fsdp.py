@@ -149,6 +149,7 @@ def test_block_sized_buffers_are_reused_not_mapped_afresh(two):
         depth = run["param_prefetch"]
         assert 0 < run["pool_buffers"] <= depth + 2 + depth + 1 < run["block_loads"]
         assert run["spare_reused"] > 0
+        assert run["spare_after_fit"] == 0  # the pool's buffers are let go with the fit
 
 
 def test_tiny_llama_equals_plain_ddp_bitwise_on_two_ranks(two):
@@ -844,6 +845,7 @@ def _train(run: dict, world: int) -> None:
         s = trainer.strategy
         from lightning_nvme.params.offload import chunks_per_unit
 
+        out.update(spare_after_fit=sum(map(len, s.sharded.io.spare._free.values())))
         out.update(fused_elements=s.offloaded[0].fused_elements, read_ahead=s.offloaded[0].reads.depth,
                    prefetch_depth=s.config.prefetch_depth,
                    chunks_per_block_shard=chunks_per_unit(s._chunk_units(), s.offloaded[0].chunks))

@@ -70,9 +70,9 @@ def ordered_allreduce_hook(group: Any, bucket: dist.GradBucket) -> torch.futures
     piece = -(-buf.numel() // world)
     flat = torch.zeros(piece * world, dtype=buf.dtype, device=buf.device)
     flat[:buf.numel()].copy_(buf).mul_(1.0 / world)
-    mine = ScatterSum(flat, [piece] * world, rank, BackendComm(group)).wait()
-    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor  # renamed in torch 2.13
-    gather(flat, mine, group=group)
+    comm = BackendComm(group)
+    mine = ScatterSum(flat, [piece] * world, rank, comm).wait()
+    comm.all_gather(flat, mine).wait()
     fut: torch.futures.Future[torch.Tensor] = torch.futures.Future()
     fut.set_result(flat[:buf.numel()].view_as(buf))
     return fut

@@ -580,7 +580,8 @@ class ShardedParams:
             self._post_backward(call)
         self._open = []
         for u in self.units:
-            self.io.take_ahead(u)  # started for a block the pass never reached: waited for (issued on every rank), dropped
+            # started for a block the pass never reached: waited for (issued on every rank), its buffer back to the pool
+            self.io.spare.give(self.io.take_ahead(u))
         if self.residency is not None:
             self.residency.evict_unheld()
             self.residency.poll_writes()

@@ -151,12 +151,17 @@ class SafetensorsReader:
     def __contains__(self, name: str) -> bool:
         return name in self.entries
 
-    def read(self, name: str, start: int = 0, stop: int | None = None) -> torch.Tensor:
+    def read(self, name: str, start: int = 0, stop: int | None = None, drop_cache: bool = False) -> torch.Tensor:
+        """Elements ``[start, stop)`` of tensor ``name`` flattened (all of it by default), 1-D, in its stored dtype.
+        ``drop_cache``: the pages read leave the page cache at once (a reader kept open for many reads, each read
+        once: ``close`` would drop them only at the end)."""
         dtype, shape, off = self.entries[name]
         numel = 1
         for s in shape:
             numel *= s
         stop = numel if stop is None else stop
+        if not 0 <= start <= stop <= numel:  # beyond it lie other tensors' bytes
+            raise ValueError(f"{self.path}: {name} has {numel} elements, elements [{start}, {stop}) were asked for")
         out = torch.empty(stop - start, dtype=dtype)
         nbytes = out.numel() * out.element_size()
         pos = self.data_start + off + start * out.element_size()
@@ -171,6 +176,8 @@ class SafetensorsReader:
             if n <= 0:
                 raise OSError(f"short read from {self.path} ({name}) at offset {pos + done}")
             done += n
+        if drop_cache and nbytes:
+            os.posix_fadvise(self.fd, pos, nbytes, os.POSIX_FADV_DONTNEED)
         return out
 
     def mapped(self, name: str) -> torch.Tensor | None:

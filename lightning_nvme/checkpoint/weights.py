@@ -228,6 +228,18 @@ class WeightReaders:
     def read(self, ref: BesideWeight) -> torch.Tensor:
         if ref.read_alone:
             return ref.read()
+        return self._reader(ref).read(ref.key).view(ref.shape)
+
+    def read_range(self, ref: BesideWeight, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of ``ref``'s tensor flattened, in its stored dtype: only those bytes are read
+        from a beside file (a sharded resume reads each rank's shard); a tensor of the user's own file
+        (``read_alone``) is read whole and cut."""
+        if ref.read_alone:
+            return ref.read().reshape(-1)[start:stop]
+        return self._reader(ref).read(ref.key, start, stop)
+
+    def _reader(self, ref: BesideWeight) -> SafetensorsReader:
+        """The open reader of ``ref``'s beside file (opened and checked against its save id once)."""
         reader = self._open.get(ref.path)
         if reader is None:
             ref.check_readable()
@@ -237,7 +249,7 @@ class WeightReaders:
         if ref.key not in reader:
             raise KeyError(f"{ref.path} holds no tensor {ref.key!r}: the checkpoint is damaged. Re-save it, or "
                            "resume from an older one.")
-        return reader.read(ref.key).view(ref.shape)
+        return reader
 
     def read_state_dict(self, state_dict: Mapping[str, Any]) -> dict[str, Any]:
         """``state_dict`` with every reference read (for a model that is in memory anyway)."""

@@ -46,6 +46,9 @@ class HubWeights:
     ``checked(model)`` ties it to a model: refuses a tensor missing from the checkpoint, one the model does not
     have, or one of another shape, each by name, and resolves tied parameters stored once (``lm_head.weight``
     of a model with tied embeddings) and checkpoints saved from the base model (keys without ``model.``).
+
+    It also reads element ranges (``RangedWeights``: ``read_range``), so each rank of ``nvme_offload_fsdp`` reads
+    only its shard of each block tensor; those reads keep one reader per file open until ``close()``.
     """
 
     def __init__(self, directory: str | os.PathLike[str], prefix: str = "") -> None:
@@ -60,6 +63,7 @@ class HubWeights:
             finally:
                 reader.close()
         self._where: dict[str, str] = {}  # model name (without prefix) -> checkpoint key
+        self._readers: dict[str, SafetensorsReader] = {}  # file -> its reader, opened by ``read_range`` until ``close``
 
     def checked(self, model: nn.Module) -> HubWeights:
         """Map every ``state_dict`` tensor of ``model`` to its checkpoint key, or raise naming what differs."""
@@ -115,6 +119,28 @@ class HubWeights:
         try:
             return reader.read(key).view(self._stored[key][1])
         finally:
+            reader.close()
+
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        """The shape ``name`` (with ``prefix``) has in the checkpoint."""
+        return self._stored[self._where[name[len(self.prefix):]]][1]
+
+    def read_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        """Elements ``[start, stop)`` of ``name`` (with ``prefix``) flattened, in the file's dtype; only those bytes
+        are read. Why the reader stays open: a sharded build asks for a few ranges of every tensor, and opening the
+        file per range dropped its whole page cache each time (``get``'s ``close``); the pages of each range are
+        dropped as it is read instead."""
+        key = self._where[name[len(self.prefix):]]
+        file = self._stored[key][0]
+        reader = self._readers.get(file)
+        if reader is None:
+            reader = self._readers[file] = SafetensorsReader(file)
+        return reader.read(key, start, stop, drop_cache=True)
+
+    def close(self) -> None:
+        """The files ``read_range`` opened are closed (opened again by a later ``read_range``)."""
+        readers, self._readers = self._readers, {}
+        for reader in readers.values():
             reader.close()
 
     def load_into(self, model: nn.Module) -> None:

@@ -18,12 +18,16 @@ A fresh model whose own init is not ``reset_parameters()`` (Hugging Face models 
 initializes whole modules: ``init_module(module)`` (``ModuleInit``; e.g. ``lightning_nvme.models.hf.HFInit``),
 called after the module's tensors are allocated, returning False for a module it does not know (then
 ``reset_parameters()`` as above).
+
+A source that can also read part of a tensor (``RangedWeights``: ``read_range``) lets a sharded build read only what
+each rank keeps: ``nvme_offload_fsdp`` fills each rank's shard of a block from the element ranges it owns
+(``params.sharded``), where ``materialize`` would read every tensor whole on every rank.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Collection
-from typing import Protocol
+from collections.abc import Callable, Collection, Sequence
+from typing import Protocol, cast
 
 import torch
 from lightning.fabric.utilities.init import _has_meta_device_parameters_or_buffers
@@ -47,18 +51,62 @@ class ModuleInit(InitialWeights, Protocol):
     def init_module(self, module: nn.Module) -> bool: ...
 
 
+class RangedWeights(InitialWeights, Protocol):
+    """Initial values that can also be read a flat element range at a time. Why: a sharded build (``nvme_offload_fsdp``)
+    keeps 1/N of each block per rank; reading every tensor whole on every rank read N times the model's bytes.
+
+    ``stored_shape(name)``: the tensor's shape as stored (checked against the model's before a range is read);
+    ``read_range(name, start, stop)``: elements ``[start, stop)`` of the tensor flattened, 1-D, in the stored dtype
+    (converted by the caller, as ``copy_checked`` converts a whole one); ``close()``: the files ``read_range``
+    opened are closed (it opens them again if called later)."""
+
+    def stored_shape(self, name: str) -> tuple[int, ...]: ...
+
+    def read_range(self, name: str, start: int, stop: int) -> torch.Tensor: ...
+
+    def close(self) -> None: ...
+
+
+def ranged(source: InitialWeights | None) -> RangedWeights | None:
+    """``source`` if it can read element ranges (it has ``read_range``), else ``None``."""
+    return cast(RangedWeights, source) if callable(getattr(source, "read_range", None)) else None
+
+
 def initial_weights(model: nn.Module) -> InitialWeights | None:
     """The model's own source of initial values, if it says it has one (``model.initial_weights()``)."""
     source = getattr(model, "initial_weights", None)
     return source() if callable(source) else None
 
 
-def copy_checked(name: str, value: torch.Tensor, into: torch.Tensor) -> None:
-    """``into.copy_(value)``, refusing a shape mismatch (a copy would broadcast silently)."""
-    if value.shape != into.shape:
-        raise ValueError(f"{name}: the checkpoint holds shape {tuple(value.shape)}, the model {tuple(into.shape)} "
+def check_shape(name: str, stored: Sequence[int], model: Sequence[int]) -> None:
+    """Refuse, by name, a stored tensor whose shape is not the model's (a copy would broadcast silently, a range
+    would read another layout's elements)."""
+    if tuple(stored) != tuple(model):
+        raise ValueError(f"{name}: the checkpoint holds shape {tuple(stored)}, the model {tuple(model)} "
                          "(a config.json that does not match its weights)")
+
+
+def copy_checked(name: str, value: torch.Tensor, into: torch.Tensor) -> None:
+    """``into.copy_(value)``, refusing a shape mismatch (``check_shape``)."""
+    check_shape(name, value.shape, into.shape)
     with torch.no_grad():
+        into.copy_(value)
+
+
+def copy_range_checked(source: RangedWeights, name: str, shape: Sequence[int], dtype: torch.dtype, start: int,
+                       stop: int, into: torch.Tensor) -> None:
+    """Elements ``[start, stop)`` of ``name`` (the model's ``shape`` and ``dtype``) from ``source`` into ``into``
+    (1-D, ``stop - start`` elements), converted exactly as the whole tensor is on its way into a flat buffer:
+    stored dtype -> ``dtype`` by ``copy_`` (``copy_checked`` into the parameter), then -> ``into``'s dtype by
+    ``copy_`` (``FlatShards.pack``). ``copy_`` converts element by element, so a range gets the bits its elements
+    get in the whole tensor."""
+    check_shape(name, source.stored_shape(name), shape)
+    value = source.read_range(name, start, stop)
+    if value.numel() != stop - start:
+        raise ValueError(f"{name}: asked for elements [{start}, {stop}), the source returned {value.numel()}")
+    with torch.no_grad():
+        if dtype != into.dtype:  # the parameter's dtype first, as the whole path rounds through it
+            value = torch.empty(value.shape, dtype=dtype, device=into.device).copy_(value)
         into.copy_(value)
 
 
@@ -93,6 +141,23 @@ def empty_meta(module: nn.Module, device: torch.device) -> None:
             module._buffers[name] = torch.empty_like(b, device=device)
 
 
+def abandon_meta(model: nn.Module, device: torch.device) -> None:
+    """Every tensor of ``model`` still on the meta device swapped for a placeholder (parameters in place, the same
+    objects). Why: after a build failed half way (a tensor of another shape), what runs next (a strategy's teardown
+    sets placeholders, Lightning moves the module to the CPU) failed on the meta tensors and hid the build's error."""
+    for module in model.modules():
+        for p in module._parameters.values():
+            if p is not None and p.is_meta:
+                _to_placeholder(p, device)
+        for name, b in module._buffers.items():
+            if b is not None and b.is_meta:
+                module._buffers[name] = placeholder(b.shape, b.dtype, device)
+
+
+def _to_placeholder(p: nn.Parameter, device: torch.device) -> None:
+    torch.utils.swap_tensors(p, nn.Parameter(placeholder(p.shape, p.dtype, device), requires_grad=p.requires_grad))
+
+
 def _skip(module: nn.Module, prefix: str, device: torch.device, skip: Collection[int],
           source: InitialWeights | None) -> None:
     """The meta parameters of ``module`` in ``skip`` swapped for placeholders (the same objects); refused by name
@@ -101,7 +166,7 @@ def _skip(module: nn.Module, prefix: str, device: torch.device, skip: Collection
     for n in skipped:
         p = module._parameters[n]
         assert p is not None
-        torch.utils.swap_tensors(p, nn.Parameter(placeholder(p.shape, p.dtype, device), requires_grad=p.requires_grad))
+        _to_placeholder(p, device)
     left = [n for n, t in [*module._parameters.items(), *module._buffers.items()] if t is not None and t.is_meta]
     uncovered = [n for n in left if source is None or prefix + n not in source]
     if skipped and uncovered:

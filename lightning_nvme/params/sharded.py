@@ -58,7 +58,16 @@ from lightning_nvme.checkpoint.weights import BesideWeight
 from lightning_nvme.optim.plan import placeholder
 from lightning_nvme.params.comm import BackendComm, Comm
 from lightning_nvme.params.layout import BlockLayout, ParamSlot, plan_layout
-from lightning_nvme.params.materialize import InitialWeights, has_meta_tensors, materialize
+from lightning_nvme.params.materialize import (
+    InitialWeights,
+    RangedWeights,
+    abandon_meta,
+    copy_range_checked,
+    has_meta_tensors,
+    initial_weights,
+    materialize,
+    ranged,
+)
 from lightning_nvme.params.ordered_sum import ScatterSum
 from lightning_nvme.params.policy import BlockClasses, find_blocks, model_block_classes
 from lightning_nvme.params.residency import BlockResidency
@@ -660,20 +669,64 @@ def _write_initial(self: ShardedParams, u: Unit, broadcast: bool) -> None:
     self.io.write_shard(u, full)
     self._unbind(u)
 
+def _write_by_range(self: ShardedParams, u: Unit, source: RangedWeights) -> None:
+    """This rank's shard of ``u`` filled straight from ``source``, each piece of a parameter it owns read by its
+    element range (``FlatShards.owned``; gaps zero, as ``pack`` leaves them): each rank reads 1/N of the block's
+    bytes, not all of them, and no broadcast follows (every rank reads the same file, so its shard holds what rank
+    0's broadcast would give it). The values are converted as on the whole path (``copy_range_checked``)."""
+    lo, hi = u.flat.bounds(self.rank)
+    shard = torch.zeros(hi - lo, dtype=u.flat.dtype, device=self.device)
+    for slot, start, stop in u.flat.owned(self.rank):
+        at = slot.offset + start - lo
+        copy_range_checked(source, slot.name, slot.shape, slot.param.dtype, start, stop, shard[at:at + stop - start])
+    self.io.write_shard(u, shard, base=lo)
+    self._unbind(u)
+
+
+def _by_range(u: Unit, source: RangedWeights | None) -> bool:
+    """Whether ``u`` is built from element ranges of ``source`` (``_write_by_range``): every tensor of its modules
+    still on the meta device is in ``source``. A parameter not in it (an adapter added for finetuning) needs its
+    module's ``reset_parameters()`` or ``init_module``, which would also write the parameters read by range: such a
+    block is built whole (``materialize``), as is one whose parameters are no longer on the meta device."""
+    if source is None or not all(p.is_meta for p in u.params):
+        return False
+    tensors = [*u.module.named_parameters(remove_duplicate=False), *u.module.named_buffers(remove_duplicate=False)]
+    return all(f"{u.name}.{n}" in source for n, t in tensors if t.is_meta)
+
+
 def _build_from_meta(self: ShardedParams, initial: InitialWeights | None = None) -> None:
     """A model built on the meta device is initialized module by module (``params.materialize``), each block
     sharded into the store as soon as its last module is initialized: at most about one block is ever whole in
     memory. Every rank then holds rank 0's values (blocks, parameters outside blocks and buffers broadcast), as
-    an in-memory model gets from the strategy's start."""
+    an in-memory model gets from the strategy's start.
+
+    A source that reads element ranges (``RangedWeights``) serves each block it covers whole by range instead: its
+    parameters get placeholders, never values (``materialize(skip=...)``), and each rank reads only its shard
+    (``_write_by_range``); parameters outside blocks, which every rank holds whole, are still read whole."""
+    source = initial if initial is not None else initial_weights(self.model)
+    by_range = ranged(source)
+    ranges = {u.index for u in self.units if _by_range(u, by_range)}
     written: set[int] = set()
 
     def shard_complete_blocks() -> None:
         for u in self.units:
             if u.index not in written and not any(p.is_meta for p in u.params):
                 written.add(u.index)
-                _write_initial(self, u, broadcast=True)
+                if u.index in ranges:
+                    assert by_range is not None
+                    _write_by_range(self, u, by_range)
+                else:
+                    _write_initial(self, u, broadcast=True)
 
-    materialize(self.model, self.device, shard_complete_blocks, source=initial)
+    skip = {id(p) for u in self.units if u.index in ranges for p in u.params}
+    try:
+        materialize(self.model, self.device, shard_complete_blocks, skip=skip, source=source)
+    except BaseException:
+        abandon_meta(self.model, self.device)  # the error reaches the user, not teardown's on the meta tensors
+        raise
+    finally:
+        if by_range is not None:
+            by_range.close()
     if self.world > 1:
         src = dist.get_global_rank(self.group, 0)
         with torch.no_grad():

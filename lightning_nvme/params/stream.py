@@ -87,7 +87,8 @@ class MappingSource:
 
 class BesideSource:
     """A streamed checkpoint's block weights, read from its beside safetensors file tensor by tensor (checked to be
-    of the same save); other entries of its state dict served as they are."""
+    of the same save); other entries of its state dict served as they are. Also a ``RangedWeights``: a sharded resume
+    reads only each rank's shard of a tensor (``read_range``)."""
 
     def __init__(self, state_dict: Mapping[str, Any]) -> None:
         self.state_dict = state_dict
@@ -99,6 +100,15 @@ class BesideSource:
     def get(self, name: str) -> torch.Tensor:
         value = self.state_dict[name]
         return self.readers.read(value) if isinstance(value, BesideWeight) else value
+
+    def stored_shape(self, name: str) -> tuple[int, ...]:
+        return tuple(self.state_dict[name].shape)
+
+    def read_range(self, name: str, start: int, stop: int) -> torch.Tensor:
+        value = self.state_dict[name]
+        if isinstance(value, BesideWeight):
+            return self.readers.read_range(value, start, stop)
+        return value.reshape(-1)[start:stop]
 
     def close(self) -> None:
         self.readers.close()

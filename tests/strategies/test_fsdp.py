@@ -16,6 +16,7 @@ import os
 import signal
 import subprocess
 import sys
+from contextlib import contextmanager
 
 import pytest
 import torch
@@ -563,6 +564,111 @@ def test_activation_checkpointed_blocks_train_as_ddp(meta):
         assert fsdp[rank]["losses"] == ref[rank]["losses"]
 
 
+def hub_checkpoint(directory, arch: str) -> str:
+    """A tiny Hugging Face model saved with ``save_pretrained``: ``"llama"`` (untied head) in bf16, trained in fp32
+    (each value converted as it is read); ``"qwen"`` (tied head, attention biases) in fp32, split into many files."""
+    from transformers import AutoModelForCausalLM, LlamaConfig, Qwen2Config
+
+    small = dict(vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=2, num_attention_heads=4,
+                 num_key_value_heads=2, max_position_embeddings=32)
+    torch.manual_seed(5)
+    if arch == "llama":
+        AutoModelForCausalLM.from_config(LlamaConfig(**small, tie_word_embeddings=False)).to(torch.bfloat16).save_pretrained(directory)
+        return str(directory)
+    model = AutoModelForCausalLM.from_config(Qwen2Config(**small, tie_word_embeddings=True))
+    with torch.no_grad():  # biases start at zero: make them count
+        for name, p in model.named_parameters():
+            if name.endswith("bias"):
+                p.normal_(0, 0.02)
+    model.save_pretrained(directory, max_shard_size="6KB")
+    return str(directory)
+
+
+def stored_bytes(directory: str) -> dict[str, int]:
+    """Bytes of each tensor of a checkpoint directory, by key."""
+    from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader
+    from lightning_nvme.models.gpt import safetensors_files
+
+    out = {}
+    for file in safetensors_files(directory):
+        reader = SafetensorsReader(file)
+        for key, (dtype, shape, _) in reader.entries.items():
+            out[key] = math.prod(shape) * torch.empty((), dtype=dtype).element_size()
+        reader.close()
+    return out
+
+
+@pytest.fixture(scope="module")
+def pretrained(tmp_path_factory):
+    """A tiny Llama (bf16 file) and Qwen2 (tied head, several files) from ``save_pretrained``: plain DDP on the model
+    ``from_pretrained`` loads in memory, and ``nvme_offload_fsdp`` on the model built on the meta device from the
+    files (``HubWeights``), each rank reading its shard of each block tensor; the Llama also through the whole-tensor
+    path (every tensor read whole on every rank, rank 0's blocks broadcast). Each rank counts the bytes it reads of
+    each tensor (``SafetensorsReader.read``). And, on 1 rank, a source whose tensors are not the model's shape."""
+    tmp = tmp_path_factory.mktemp("fsdp_pretrained")
+    ck = {arch: hub_checkpoint(tmp / arch, arch) for arch in ("llama", "qwen")}
+    hub = dict(model="hub", steps=8)
+    runs = [spec(tmp, "ddp_llama", "ddp", hub=ck["llama"], **hub),
+            spec(tmp, "fsdp_llama", "fsdp", hub=ck["llama"], meta="hub", chunk_bytes=4 << 10, **hub),
+            spec(tmp, "fsdp_llama_whole", "fsdp", hub=ck["llama"], meta="hub", whole_reads=True, chunk_bytes=4 << 10,
+                 **hub),
+            spec(tmp, "ddp_qwen", "ddp", hub=ck["qwen"], **hub),
+            spec(tmp, "fsdp_qwen", "fsdp", hub=ck["qwen"], meta="hub", chunk_bytes=4 << 10, **hub)]
+    launch(tmp, runs, world=2)
+    mismatch = [spec(tmp, name, "fsdp", hub=ck["llama"], meta="hub", intermediate_size=48, expect_error=True,
+                     whole_reads=name == "mismatch_whole", **{**hub, "steps": 1}) for name in ("mismatch", "mismatch_whole")]
+    launch(tmp, mismatch, world=1)
+    out = {r["name"]: results(r, 2) for r in runs}
+    out.update({r["name"]: results(r, 1) for r in mismatch})
+    out["stored"] = {arch: stored_bytes(path) for arch, path in ck.items()}
+    return out
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen"])
+def test_a_pretrained_model_built_on_meta_from_each_ranks_shard_trains_as_ddp(pretrained, arch):
+    """Each rank fills its shard of every block from the element ranges it owns of each tensor (no broadcast): 8
+    AdamW steps equal plain DDP on the model ``from_pretrained`` loads, bitwise, and (Llama) the same build reading
+    every tensor whole on every rank."""
+    ref, fsdp = pretrained[f"ddp_{arch}"], pretrained[f"fsdp_{arch}"]
+    for rank in range(2):
+        assert fsdp[rank]["global_step"] == 8
+        assert_bitwise(ref[rank], fsdp[rank], f"{arch}, rank {rank}")
+        assert fsdp[rank]["losses"] == ref[rank]["losses"]
+        if arch == "llama":
+            whole = pretrained["fsdp_llama_whole"][rank]
+            assert_bitwise(whole, fsdp[rank], f"whole reads, rank {rank}")
+            assert whole["losses"] == fsdp[rank]["losses"]
+    assert fsdp[0]["blocks"] == 2
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen"])
+def test_each_rank_reads_only_its_shard_of_each_block_tensor(pretrained, arch):
+    """Of the block tensors in the files, each rank reads about half (its shard: every element read once, by one
+    rank); the tensors outside blocks (embeddings, final norm), which every rank holds whole, whole on every rank.
+    Through the whole-tensor path, each rank read all of them."""
+    stored = pretrained["stored"][arch]
+    blocks = {k: n for k, n in stored.items() if ".layers." in k}
+    total = sum(blocks.values())
+    got = [sum(n for k, n in r["read_bytes"].items() if k in blocks) for r in pretrained[f"fsdp_{arch}"]]
+    assert sum(got) == total and max(got) <= 0.6 * total, (got, total)
+    for r in pretrained[f"fsdp_{arch}"]:
+        assert all(r["read_bytes"].get(k, 0) >= n for k, n in stored.items() if k not in blocks), r["read_bytes"]
+    if arch == "llama":
+        whole = [sum(n for k, n in r["read_bytes"].items() if k in blocks) for r in pretrained["fsdp_llama_whole"]]
+        assert whole == [total, total], (whole, total)
+
+
+@pytest.mark.parametrize("run", ["mismatch", "mismatch_whole"])
+def test_a_block_tensor_of_another_shape_is_refused_by_name(pretrained, run):
+    """A source whose tensor has another shape than the model's (here checked against the model its files were
+    saved from, given to one with a narrower MLP) is refused naming the tensor and both shapes, before any of it is
+    read by range, and so is it by the whole-tensor path; the error is the one the fit raises (the teardown after
+    the failed build no longer fails on the tensors left on the meta device, hiding it)."""
+    error = pretrained[run][0]["error"]
+    assert error.startswith("ValueError: model.model.layers.0.mlp.gate_proj.weight: the checkpoint holds shape "
+                            "(64, 32), the model (48, 32)"), error
+
+
 @pytest.fixture(scope="module")
 def four(tmp_path_factory, two):
     """4 processes: the tied GPT and the tiny Llama, 24 AdamW steps, against plain DDP whose all-reduce adds in rank
@@ -663,6 +769,76 @@ class _Llama:
         return TinyLlama
 
 
+class _Hub:
+    @staticmethod
+    def build():
+        from _param_offload_model import tokens
+        from lightning.pytorch import LightningModule
+        from torch.utils.data import DataLoader
+
+        class HubLM(LightningModule):
+            """A Hugging Face checkpoint directory: loaded in memory (``from_pretrained``), or (``on_meta``) built on
+            the meta device and filled from its files at setup (``initial_weights``)."""
+
+            def __init__(self, path: str, batch_size: int, on_meta: bool, intermediate_size: int | None = None):
+                super().__init__()
+                from lightning_nvme.models.hf import HubWeights, build_causal_lm, load_config
+
+                self.batch_size = batch_size
+                self._hub = None
+                if on_meta:
+                    self.model = build_causal_lm(path, dtype=torch.float32)
+                    self._hub = HubWeights(path, prefix="model.").checked(self.model)
+                    if intermediate_size:  # the source stays checked against the files' model: not this one's shapes
+                        config = load_config(path)
+                        config.intermediate_size = intermediate_size
+                        self.model = build_causal_lm(config, dtype=torch.float32)
+                else:
+                    from transformers import AutoModelForCausalLM
+
+                    self.model = AutoModelForCausalLM.from_pretrained(path, local_files_only=True, dtype=torch.float32)
+                    self.model.train()
+
+            def initial_weights(self):
+                return self._hub
+
+            def training_step(self, batch, batch_idx):
+                x, y = batch
+                logits = self.model(input_ids=x).logits
+                return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
+
+            def configure_optimizers(self):
+                return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
+
+            def train_dataloader(self):
+                return DataLoader(tokens(), batch_size=self.batch_size, shuffle=False)
+
+        return HubLM
+
+
+@contextmanager
+def _counted_reads(run: dict, read_bytes: dict):
+    """Bytes each ``SafetensorsReader.read`` returns, by tensor key, into ``read_bytes``; with ``whole_reads``,
+    ``nvme_offload_fsdp`` is not told that the source reads ranges (every tensor read whole, as before)."""
+    from lightning_nvme.checkpoint.safetensors_stream import SafetensorsReader
+    from lightning_nvme.params import sharded as sharded_mod
+
+    read, ranged = SafetensorsReader.read, sharded_mod.ranged
+
+    def counting(self, name, *args, **kwargs):
+        out = read(self, name, *args, **kwargs)
+        read_bytes[name] = read_bytes.get(name, 0) + out.numel() * out.element_size()
+        return out
+
+    SafetensorsReader.read = counting
+    if run.get("whole_reads"):
+        sharded_mod.ranged = lambda source: None
+    try:
+        yield
+    finally:
+        SafetensorsReader.read, sharded_mod.ranged = read, ranged
+
+
 def _ordered_ddp():
     from lightning.pytorch.strategies import DDPStrategy
 
@@ -710,6 +886,9 @@ def _train(run: dict, world: int) -> None:
         torch.__future__.set_swap_module_params_on_conversion(True)  # the wte / lm_head tie holds
         _materialize_meta_tensors(model, "cpu")
         torch.__future__.set_swap_module_params_on_conversion(False)
+    elif run.get("model") == "hub":
+        model = _Hub.build()(run["hub"], batch, on_meta=run.get("meta") == "hub",
+                             intermediate_size=run.get("intermediate_size"))
     elif run.get("model") == "llama":
         model = _Llama.build()(batch_size=batch)
         if run.get("peft"):  # peft's LoRA on q and v (its base frozen); the optimizer is given every parameter
@@ -817,8 +996,10 @@ def _train(run: dict, world: int) -> None:
         return original(self, c, in_backward)
 
     ChunkUpdater.update_chunk = counting
+    read_bytes: dict[str, int] = {}
     try:
-        trainer.fit(model, ckpt_path=run.get("resume"))
+        with _counted_reads(run, read_bytes):
+            trainer.fit(model, ckpt_path=run.get("resume"))
     except Exception as e:  # noqa: BLE001  (a run that must be refused records its error)
         if not run.get("expect_error"):
             raise
@@ -840,7 +1021,8 @@ def _train(run: dict, world: int) -> None:
     tied = hasattr(model.model, "transformer") and model.model.lm_head.weight is model.model.transformer.wte.weight
     out = {"params": {n: p.detach().clone() for n, p in model.named_parameters()}, "global_step": trainer.global_step,
            "tied": tied, **shelf, "frozen": sorted(initial_frozen), "initial_frozen": initial_frozen,
-           "losses": losses, "batches": batches, "updated_in_backward": updated_in_backward, "waiting": waiting}
+           "losses": losses, "batches": batches, "updated_in_backward": updated_in_backward, "waiting": waiting,
+           "read_bytes": read_bytes}
     if run["strategy"] == "fsdp":
         s = trainer.strategy
         from lightning_nvme.params.offload import chunks_per_unit

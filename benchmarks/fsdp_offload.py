@@ -134,12 +134,22 @@ def _compute_estimate(args, world: int) -> dict:
 
     shard = torch.nn.Parameter(torch.zeros(-(-block_numel // world)))
     shard.grad = torch.ones_like(shard)
-    opt = torch.optim.AdamW([shard], lr=1e-4)
+    opt = make_optimizer(args, [shard])
     t_adam = timed(opt.step)
     outside = (args.vocab + args.tokens) * args.embd + 2 * args.embd
     total = args.layers * (t_block + t_adam) + t_head + t_adam * outside / block_numel
     return {"compute_estimate_s": total, "t_block_fwd_bwd_s": t_block, "t_head_fwd_bwd_s": t_head,
             "t_adamw_block_shard_s": t_adam}
+
+
+def make_optimizer(args, params):
+    """AdamW, the same for ddp, fsdp and the compute estimate. ``adamw_fused`` (default): torch's one-pass CPU kernel
+    (``fused=True``), what a CPU user picks: 0.028 s per 39 M-element block shard here against 0.237 s for the
+    default per-tensor loop (``adamw``: the benchmark's optimizer before 2026-12-04), ~7 s of each rank's core per
+    step at 2.56 B."""
+    import torch
+
+    return torch.optim.AdamW(params, lr=1e-4, fused=args.optimizer == "adamw_fused")
 
 
 def _concurrent_disk(directory: str, nbytes: int) -> tuple[float, float]:
@@ -190,7 +200,7 @@ def worker(args) -> None:
             return torch.nn.functional.cross_entropy(self.model(x).flatten(0, 1), y.flatten())
 
         def configure_optimizers(self):
-            return torch.optim.AdamW(self.parameters(), lr=1e-4)
+            return make_optimizer(args, self.parameters())
 
         def train_dataloader(self):
             return DataLoader(data, batch_size=args.batch, shuffle=False)
@@ -294,6 +304,8 @@ def main() -> None:
     parser.add_argument("--warmup", type=int, default=1)
     parser.add_argument("--steps", type=int, default=4)
     parser.add_argument("--chunk-mib", type=int, default=8)
+    parser.add_argument("--optimizer", default="adamw_fused", choices=["adamw_fused", "adamw"],
+                        help="AdamW's fused CPU kernel (default) or torch's per-tensor loop")
     parser.add_argument("--dir", default=None, help="store and scratch directory (default: a temp dir here)")
     parser.add_argument("--no-ddp", action="store_true", help="no plain DDP pairs (a model DDP cannot hold): the "
                         "compute term is the in-job estimate")
@@ -395,7 +407,7 @@ def main() -> None:
         "concurrent_GBps_per_rank": [[round(r["concurrent_write_GBps"], 3), round(r["concurrent_read_GBps"], 3)]
                                      for r in last],
         "meta_init": args.meta, "checkpointing": args.checkpointing, "layers": args.layers, "embd": args.embd,
-        "tokens": args.tokens, "batch": args.batch,
+        "tokens": args.tokens, "batch": args.batch, "optimizer": args.optimizer,
         "load_avg_1min": round(os.getloadavg()[0], 2), "cpus": os.cpu_count(),
         "pairs": args.pairs, "timed_steps": args.steps, "wall_s": round(wall, 1),
     }))

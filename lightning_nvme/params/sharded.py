@@ -589,8 +589,7 @@ class ShardedParams:
             self._post_backward(call)
         self._open = []
         for u in self.units:
-            # started for a block the pass never reached: waited for (issued on every rank), its buffer back to the pool
-            self.io.spare.give(self.io.take_ahead(u))
+            self.io.spare.give(self.io.take_ahead(u))  # a gather for a block never reached: waited for, buffer pooled
         if self.residency is not None:
             self.residency.evict_unheld()
             self.residency.poll_writes()

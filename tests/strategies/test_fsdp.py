@@ -772,16 +772,14 @@ class _Llama:
 class _Hub:
     @staticmethod
     def build():
-        from _param_offload_model import tokens
-        from lightning.pytorch import LightningModule
-        from torch.utils.data import DataLoader
+        tiny_llama = _Llama.build()
 
-        class HubLM(LightningModule):
+        class HubLM(tiny_llama):
             """A Hugging Face checkpoint directory: loaded in memory (``from_pretrained``), or (``on_meta``) built on
-            the meta device and filled from its files at setup (``initial_weights``)."""
+            the meta device and filled from its files at setup (``initial_weights``); trained as the tiny Llama."""
 
             def __init__(self, path: str, batch_size: int, on_meta: bool, intermediate_size: int | None = None):
-                super().__init__()
+                super(tiny_llama, self).__init__()  # LightningModule's: the model comes from ``path``, not a config
                 from lightning_nvme.models.hf import HubWeights, build_causal_lm, load_config
 
                 self.batch_size = batch_size
@@ -801,17 +799,6 @@ class _Hub:
 
             def initial_weights(self):
                 return self._hub
-
-            def training_step(self, batch, batch_idx):
-                x, y = batch
-                logits = self.model(input_ids=x).logits
-                return torch.nn.functional.cross_entropy(logits.flatten(0, 1).float(), y.flatten())
-
-            def configure_optimizers(self):
-                return torch.optim.AdamW(self.parameters(), lr=1e-2, weight_decay=0.1)
-
-            def train_dataloader(self):
-                return DataLoader(tokens(), batch_size=self.batch_size, shuffle=False)
 
         return HubLM
 

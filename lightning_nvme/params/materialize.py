@@ -120,13 +120,19 @@ def materialize(model: nn.Module, device: torch.device, after_module: Callable[[
     ``initial_weights(model)``, where it has them; a resumed checkpoint's weights are such a source);
     ``after_module`` runs after each module (a parameter offload places the blocks that are
     now complete). Parameters whose ``id`` is in ``skip`` get placeholders instead, never a value (streamed
-    evaluation reads them per forward: ``lightning_nvme.params.stream``)."""
+    evaluation reads them per forward: ``lightning_nvme.params.stream``). If it fails (a checkpoint tensor of
+    another shape), what is still on the meta device gets placeholders (``abandon_meta``) before the error goes on,
+    so the error the user sees is this one, not the teardown's on meta tensors."""
     source = source if source is not None else initial_weights(model)
-    for prefix, module in model.named_modules():
-        if _has_meta_device_parameters_or_buffers(module, recurse=False):
-            _initialize(module, prefix + "." if prefix else "", device, source, skip)
-        if after_module is not None:
-            after_module()
+    try:
+        for prefix, module in model.named_modules():
+            if _has_meta_device_parameters_or_buffers(module, recurse=False):
+                _initialize(module, prefix + "." if prefix else "", device, source, skip)
+            if after_module is not None:
+                after_module()
+    except BaseException:
+        abandon_meta(model, device)
+        raise
 
 
 def empty_meta(module: nn.Module, device: torch.device) -> None:

@@ -61,7 +61,6 @@ from lightning_nvme.params.layout import BlockLayout, ParamSlot, plan_layout
 from lightning_nvme.params.materialize import (
     InitialWeights,
     RangedWeights,
-    abandon_meta,
     copy_range_checked,
     has_meta_tensors,
     initial_weights,
@@ -720,9 +719,6 @@ def _build_from_meta(self: ShardedParams, initial: InitialWeights | None = None)
     skip = {id(p) for u in self.units if u.index in ranges for p in u.params}
     try:
         materialize(self.model, self.device, shard_complete_blocks, skip=skip, source=source)
-    except BaseException:
-        abandon_meta(self.model, self.device)  # the error reaches the user, not teardown's on the meta tensors
-        raise
     finally:
         if by_range is not None:
             by_range.close()

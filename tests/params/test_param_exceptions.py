@@ -77,3 +77,51 @@ def test_exception_in_a_step_leaves_nothing_held(tmp_path, monkeypatch, where, o
         assert made[0].ops.live_device_buffers() <= 1
     else:
         assert made[0].ops.live_device_buffers() == 0  # device memory back: no device copy alive
+
+
+@pytest.mark.parametrize("offload_params", [True, False])
+def test_a_checkpoint_tensor_of_another_shape_is_the_error_a_meta_build_raises(tmp_path, offload_params):
+    """A model built on the meta device whose checkpoint holds a tensor of another shape (a config.json that does
+    not match its weights): the fit raises the error naming the tensor and both shapes. Before, what the failed
+    build left on the meta device failed first in the teardown (``set_data``: "incompatible tensor type"), hiding
+    it (``materialize`` now leaves placeholders behind a failure)."""
+    from lightning.pytorch import LightningModule, Trainer
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import AutoModelForCausalLM, LlamaConfig
+
+    from lightning_nvme import NVMeOffloadStrategy
+    from lightning_nvme.models.hf import HubWeights, build_causal_lm, load_config
+
+    saved = str(tmp_path / "llama")
+    AutoModelForCausalLM.from_config(LlamaConfig(vocab_size=64, hidden_size=32, intermediate_size=64,
+                                                 num_hidden_layers=2, num_attention_heads=4, num_key_value_heads=2,
+                                                 max_position_embeddings=32)).save_pretrained(saved)
+
+    class Narrower(LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self._source = HubWeights(saved, prefix="model.").checked(build_causal_lm(saved, dtype=torch.float32))
+            config = load_config(saved)
+            config.intermediate_size = 48  # the checkpoint's MLP is 64 wide
+            self.model = build_causal_lm(config, dtype=torch.float32)
+
+        def initial_weights(self):
+            return self._source
+
+        def training_step(self, batch, batch_idx):
+            return self.model(input_ids=batch[0]).logits.float().mean()
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters())
+
+        def train_dataloader(self):
+            return DataLoader(TensorDataset(torch.randint(0, 64, (4, 8))), batch_size=2)
+
+    t = Trainer(strategy=NVMeOffloadStrategy(offload_params=offload_params, store_dir=str(tmp_path / "store")),
+                max_steps=1, logger=False, enable_checkpointing=False, enable_progress_bar=False,
+                enable_model_summary=False, default_root_dir=str(tmp_path))
+    with t.init_module(empty_init=True):
+        model = Narrower()
+    with pytest.raises(ValueError, match=r"model\.model\.layers\.0\.mlp\.gate_proj\.weight: the checkpoint holds shape "
+                                         r"\(64, 32\), the model \(48, 32\)"):
+        t.fit(model)

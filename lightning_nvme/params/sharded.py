@@ -667,6 +667,7 @@ def _write_initial(self: ShardedParams, u: Unit, broadcast: bool) -> None:
     self.io.write_shard(u, full)
     self._unbind(u)
 
+
 def _write_by_range(self: ShardedParams, u: Unit, source: RangedWeights) -> None:
     """This rank's shard of ``u`` filled straight from ``source``, each piece of a parameter it owns read by its
     element range (``FlatShards.owned``; gaps zero, as ``pack`` leaves them): each rank reads 1/N of the block's

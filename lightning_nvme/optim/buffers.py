@@ -75,14 +75,18 @@ class ChunkRing:
     def total_bytes(self) -> int:
         return self.count * self.nbytes
 
-    def acquire(self) -> ChunkBuffer:
+    def acquire(self, wait: bool = True) -> ChunkBuffer:
+        """The next free buffer. ``wait=False``: its write-back may still be reading from it (left in
+        ``pending_write``) for a caller that orders its own read into the buffer after that write
+        (``FlatStore.read(after=...)``) rather than block here: during a burst of chunk updates the read-ahead
+        reuses a buffer whose write-back was issued a moment ago, and the backward would wait for the disk."""
         if not self._free:
             raise RuntimeError("chunk ring exhausted: more buffers held than prefetch_depth + 2 (a bug)")
         buf = self._free.popleft()
         if buf.uploaded is not None:
             buf.uploaded.synchronize()
             buf.uploaded = None
-        if buf.pending_write is not None:
+        if wait and buf.pending_write is not None:
             self.store.wait(buf.pending_write)
             buf.pending_write = None
         return buf

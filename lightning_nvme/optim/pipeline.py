@@ -84,9 +84,12 @@ class ReadAhead:
         if shelved is not None:  # host_memory_budget: updated in place in memory; its "write" is then free
             self.inflight[c] = (ChunkBuffer(shelved[:self.capacity[c]], borrowed=True), None)
             return
-        buf = self.live_ring().acquire()
-        handle = self.live_store().read(chunk.region, buf.data[:self.capacity[c]]) if self.needs_read(chunk) else None
-        self.inflight[c] = (buf, handle)
+        if not self.needs_read(chunk):  # the update writes the buffer: its old write-back must be over
+            self.inflight[c] = (self.live_ring().acquire(), None)
+            return
+        buf = self.live_ring().acquire(wait=False)
+        after, buf.pending_write = (buf.pending_write,) if buf.pending_write is not None else (), None
+        self.inflight[c] = (buf, self.live_store().read(chunk.region, buf.data[:self.capacity[c]], after=after))
 
     def prefetch(self, order: Iterable[int], done: set[int]) -> None:
         """Keep up to ``depth`` reads in flight, in update ``order``, skipping chunks ``done``."""

@@ -72,9 +72,11 @@ class IODispatch:
         else:
             self.stats.add(bytes_read=h.nbytes, reads=1, read_seconds=seconds)
 
-    def submit(self, kind: str, name: str, t: torch.Tensor, data: torch.Tensor, start: int, nbytes: int) -> IOHandle:
+    def submit(self, kind: str, name: str, t: torch.Tensor, data: torch.Tensor, start: int, nbytes: int,
+               after: tuple[IOHandle, ...] = ()) -> IOHandle:
         """Move ``nbytes`` of contiguous ``t`` (``data``: its flat uint8 view) to or from the store's logical bytes
-        from ``start`` (region ``name``'s, checked by the store)."""
+        from ``start`` (region ``name``'s, checked by the store), once the requests it conflicts with and those
+        in ``after`` (still pending ones) have completed."""
         if t.device.type != "cpu":
             zero_copy = False
         else:
@@ -88,6 +90,7 @@ class IODispatch:
         # threads submitting at once cannot both miss each other (or queue out of dependency order).
         with self._submit_lock:
             deps = self.engine.conflicts(kind, start, start + align_up(nbytes))
+            deps += [h for h in after if not h.done() and h not in deps]
             handle = IOHandle(kind, name, start, nbytes, len(pieces), deps, keepalive=t, on_done=self._on_done,
                               default_timeout=self.io_timeout_s)
             self.engine.track(handle)

@@ -166,7 +166,8 @@ class FlatStore:
         if self.dispatch.first_error is not None:
             raise self.dispatch.first_error
 
-    def _submit(self, kind: str, name: str, t: torch.Tensor, offset: int) -> IOHandle:
+    def _submit(self, kind: str, name: str, t: torch.Tensor, offset: int,
+                after: tuple[IOHandle, ...] = ()) -> IOHandle:
         self._check_usable()
         barrier = self.write_barrier
         if kind == "write" and barrier is not None:
@@ -183,9 +184,11 @@ class FlatStore:
             raise ValueError(f"{kind} of {nbytes} bytes at offset {offset} does not fit region {name!r} "
                              f"({region.capacity} bytes)")
         if self.shelf.get(name) is not None:  # in memory: copied now, never touches the disk
+            for h in after:
+                self.wait(h)
             self.shelf.transfer(name, _as_bytes(t), offset, kind == "write")
             return IOHandle(kind, name, region.offset + offset, nbytes, 0, [], default_timeout=self.io_timeout_s)
-        return self.dispatch.submit(kind, name, t, _as_bytes(t), region.offset + offset, nbytes)
+        return self.dispatch.submit(kind, name, t, _as_bytes(t), region.offset + offset, nbytes, after)
 
     def write(self, name: str, tensor: torch.Tensor, offset: int = 0) -> IOHandle:
         """Asynchronously write ``tensor``'s bytes into region ``name`` at byte ``offset``. The tensor must
@@ -193,10 +196,11 @@ class FlatStore:
         non-contiguous tensor is made contiguous once and that copy is held until then)."""
         return self._submit("write", name, tensor, offset)
 
-    def read(self, name: str, out: torch.Tensor, offset: int = 0) -> IOHandle:
+    def read(self, name: str, out: torch.Tensor, offset: int = 0, after: tuple[IOHandle, ...] = ()) -> IOHandle:
         """Asynchronously fill ``out`` from region ``name`` at byte ``offset``. Sees every write issued
-        before it to the same bytes."""
-        return self._submit("read", name, out, offset)
+        before it to the same bytes. ``after``: requests that must complete before ``out`` is filled, e.g. a
+        write still reading from ``out`` (a buffer being reused): the I/O worker waits for them, not the caller."""
+        return self._submit("read", name, out, offset, after)
 
     def shelve(self, names: list[str], *, load: bool = True) -> None:
         """Keep these regions in host memory from now on (``lightning_nvme.store.shelf``): their bytes are read

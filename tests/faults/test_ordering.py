@@ -6,7 +6,10 @@ the interleavings forced by gates on the store's syscalls and the engine's ``obs
 3. a read of bytes overlapping a write that already failed fails with it, also when the failure lands
    between the store's "no error yet" check and the read's dependency lookup (issue #20: it returned stale bytes);
 4. dependency-free reads are served before queued writes, but a read never jumps ahead of a queued write it
-   overlaps (and fails with it when that write fails).
+   overlaps (and fails with it when that write fails);
+5. a read into memory a pending write still sends (``read(after=...)``: the optimizer's chunk ring reusing a
+   buffer) waits for that write in the I/O worker, not in the caller: the write sends the old bytes, the read's
+   land after; the ring's read-ahead does not block on such a buffer.
 """
 
 from __future__ import annotations
@@ -18,6 +21,9 @@ import threading
 import pytest
 import torch
 
+from lightning_nvme.optim.buffers import ChunkRing
+from lightning_nvme.optim.pipeline import ReadAhead
+from lightning_nvme.optim.plan import Chunk
 from lightning_nvme.store import FlatStore, StoreError
 from lightning_nvme.store import flat_store as flat_store_mod
 
@@ -221,3 +227,50 @@ def test_a_read_behind_a_queued_write_that_fails_fails_with_it(tmp_path, monkeyp
     finally:
         with pytest.raises(StoreError):
             store.close()
+
+
+def test_a_read_into_a_buffer_a_pending_write_still_sends_waits_for_it_in_the_worker(store, disk):
+    store.write("beta", _filled(store, 1 * MiB, 2))
+    store.fence()
+    disk.gated.add("alpha")
+    buf = _filled(store, 1 * MiB, 7)
+    w = store.write("alpha", buf)
+    assert disk.blocked.wait(WAIT_S)  # the write is in the kernel, still reading ``buf``
+    r = store.read("beta", buf, after=(w,))  # returns at once: the caller does not wait
+    assert r.deps == [w] and not r.done() and torch.equal(buf, torch.full_like(buf, 7))
+    disk.open()
+    store.wait(r)
+    assert torch.equal(buf, torch.full_like(buf, 2))
+    check = _filled(store, 1 * MiB, 0)
+    store.wait(store.read("alpha", check))
+    assert torch.equal(check, torch.full_like(check, 7))  # the write sent the bytes it was given
+    assert disk.log.index(("read", "beta")) > disk.log.index(("write", "alpha"))
+    done = store.write("gamma", _filled(store, 1 * MiB, 3))
+    store.wait(done)
+    assert store.read("beta", buf, after=(done,)).deps == []  # a completed write is no dependency
+
+
+def test_the_read_ahead_reuses_a_buffer_whose_write_back_is_pending_without_waiting(store, disk):
+    """Chunk 0 is updated and written back (held in the kernel); the read-ahead of chunk 1 gets that buffer
+    (a ring of 2: one read ahead, one being written) and returns at once; the update of chunk 1 then sees its
+    own state, and chunk 0's region holds chunk 0's."""
+    store.write("beta", _filled(store, 1 * MiB, 2))
+    store.fence()
+    chunks = [Chunk(0, "alpha", [], 1 * MiB), Chunk(1, "beta", [], 1 * MiB)]
+    reads = ReadAhead(store, chunks, {0: 1 * MiB, 1: 1 * MiB}, 1, lambda c: c.index == 1)
+    reads.ring = ChunkRing(store, 2, 1 * MiB)
+    buf = reads.take(0)  # no state yet: no read
+    buf.data.fill_(5)  # the update
+    disk.gated.add("alpha")
+    reads.release(buf, store.write("alpha", buf.data))
+    reads.release(reads.live_ring().acquire())  # the other buffer, unused: the write-back's is now next
+    assert disk.blocked.wait(WAIT_S)
+    reads.prefetch([1], set())  # takes the buffer chunk 0's write-back still sends from
+    _, handle = reads.inflight[1]
+    assert handle is not None and not handle.done()
+    disk.open()
+    got = reads.take(1)
+    assert got is buf and torch.equal(got.data, torch.full_like(got.data, 2))
+    check = _filled(store, 1 * MiB, 0)
+    store.wait(store.read("alpha", check))
+    assert torch.equal(check, torch.full_like(check, 5))

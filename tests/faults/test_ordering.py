@@ -274,3 +274,42 @@ def test_the_read_ahead_reuses_a_buffer_whose_write_back_is_pending_without_wait
     check = _filled(store, 1 * MiB, 0)
     store.wait(store.read("alpha", check))
     assert torch.equal(check, torch.full_like(check, 5))
+
+
+@pytest.mark.parametrize("workers", [1, 3])
+def test_the_read_ahead_over_a_striped_store_keeps_every_chunk_exact_when_buffers_are_reused_in_flight(
+        tmp_path, workers):
+    """No gates: the real race. Ten chunks striped over two files (one or three workers each), a ring with one
+    buffer for write-backs, six passes of "read, add the pass number, write back" in a rotating order: every
+    chunk ends holding the sum of its passes, and no request waits forever (buffers reused while their
+    write-back runs, reads ordered after it in the workers of either file)."""
+    store = FlatStore([tmp_path / "a", tmp_path / "b"], io_chunk_bytes=64 * 1024, io_workers=workers,
+                      staging_bytes=256 * 1024, io_timeout_s=WAIT_S, stripe_bytes=64 * 1024)
+    try:
+        sizes = [(i % 4 + 1) * 96 * 1024 for i in range(10)]
+        store.add_regions([(f"c{i}", n) for i, n in enumerate(sizes)])
+        chunks = [Chunk(i, f"c{i}", [], n) for i, n in enumerate(sizes)]
+        written: set[int] = set()
+        reads = ReadAhead(store, chunks, {i: store.region(f"c{i}").capacity for i in range(10)}, 3,
+                          lambda c: c.index in written)
+        for p in range(1, 7):
+            order = [(i + 2 * p) % 10 for i in range(10)]
+            done: set[int] = set()
+            reads.prefetch(order, done)
+            for c in order:
+                buf = reads.take(c)
+                view = buf.data[:sizes[c]]
+                if c not in written:
+                    view.zero_()
+                view.add_(p)
+                written.add(c)
+                done.add(c)
+                reads.release(buf, store.write(f"c{c}", buf.data[:reads.capacity[c]]))
+                reads.prefetch(order, done)
+        store.fence()
+        for i, n in enumerate(sizes):
+            out = store.aligned_empty(store.region(f"c{i}").capacity)
+            store.wait(store.read(f"c{i}", out))
+            assert torch.equal(out[:n], torch.full((n,), sum(range(1, 7)), dtype=torch.uint8)), f"chunk {i}"
+    finally:
+        store.close()

@@ -73,10 +73,10 @@ class Watch(Callback):
         for name in ("read", "write"):
             original = getattr(FlatStore, name)
 
-            def recorded(store, region, t, offset=0, _do=original):
+            def recorded(store, region, t, offset=0, _do=original, **kwargs):
                 if self.training:
                     self.requests.add(region)
-                return _do(store, region, t, offset)
+                return _do(store, region, t, offset, **kwargs)
             monkeypatch.setattr(FlatStore, name, recorded)
 
     def _kept(self, trainer):

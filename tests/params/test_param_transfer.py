@@ -34,11 +34,11 @@ def _blocks_in_store(tmp_path, stager_of):
         residency.place(block)
     residency.drain()
     for name in ("read", "write"):  # log the store requests in the same sequence as the CUDA calls
-        def logged(region, t, offset=0, _do=getattr(store, name), _name=name):
+        def logged(region, t, offset=0, _do=getattr(store, name), _name=name, **kwargs):
             log = getattr(residency.transfer, "ops", None)
             if log is not None:
                 log.log.append((_name, region))
-            return _do(region, t, offset)
+            return _do(region, t, offset, **kwargs)
         setattr(store, name, logged)
     return model, layout.blocks, residency, store
 

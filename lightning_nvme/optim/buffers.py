@@ -1,9 +1,9 @@
 """``ChunkRing``: the bounded set of page-aligned buffers an offloaded optimizer works in.
 
 Why a ring: one buffer is being updated while the next ``prefetch_depth`` are being read and the
-previous ones are being written back. A buffer is handed out again only after its write-back has
-completed, so memory is ``count x chunk`` whatever the model size, and no buffer is overwritten
-while the disk still reads from it.
+previous ones are being written back. Memory is ``count x chunk`` whatever the model size. No buffer is
+overwritten while the disk still reads from it: it is handed out again once its write-back has completed,
+or (``acquire(wait=False)``) with that write left for the caller to order its read after.
 """
 
 from __future__ import annotations
